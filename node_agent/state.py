@@ -1,0 +1,405 @@
+"""What a node agent does, as a pure state machine.
+
+The asyncio layer (``runner.py``) owns the server connection, the worker processes, signals
+and timers. It turns what happens into events, calls :meth:`AgentMachine.handle` with the time
+of its monotonic clock, and carries out the effects: send a message, start or stop the workers,
+forward a signal, exit. The machine decides everything else, so races such as "the server says
+restart while our own workers are failing" are plain synchronous tests.
+
+Phases, in the order of one successful run::
+
+    JOINING --assignment--> STARTING --started--> RUNNING --all exited 0--> BARRIER --job_done--> EXITED
+
+Restarts loop back to JOINING: a ``Restart`` from the server (another node failed, a node came
+or went) stops the workers (STOPPING) and re-joins. Our own worker failure is reported to the
+server, the workers are stopped, and the server's verdict (``Restart`` or ``JobFailed``) decides
+what follows (VERDICT). The server counts the restart budget; the agent never does.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+
+from protocol import (
+    Assignment,
+    Error,
+    Failure,
+    JobDone,
+    JobFailed,
+    Leave,
+    Message,
+    Restart,
+    Waiting,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
+EXIT_RDZV = 1  # the rendezvous could not be completed
+
+TERMINATING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+
+
+class Phase(enum.Enum):
+    JOINING = "joining"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    VERDICT = "awaiting verdict"
+    BARRIER = "exit barrier"
+    EXITED = "exited"
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSent:
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStarted:
+    pids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStartFailed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersExited:
+    """All workers exited 0 (failure=None), or the first one failed (the others may still run)."""
+
+    failure: Failure | None
+    local_failures: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersStopped:
+    local_failures: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLost:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SignalReceived:
+    signum: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+Event = (
+    ServerSent
+    | WorkersStarted
+    | WorkersStartFailed
+    | WorkersExited
+    | WorkersStopped
+    | ConnectionLost
+    | SignalReceived
+    | Tick
+)
+
+
+# --- effects ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendJoin:
+    """Join the next round (the I/O layer fills in a fresh free master port)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorkers:
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class StopWorkers:
+    signum: int
+    grace: float
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardSignal:
+    signum: int
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    code: int
+    reason: str
+    failure: Failure | None = None  # the job's root cause, when there is one
+    local_failures: tuple[Failure, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    level: str
+    text: str
+
+
+Effect = SendJoin | Send | StartWorkers | StopWorkers | ForwardSignal | Exit | Log
+
+
+class UnexpectedEvent(Exception):
+    """A local bug: the I/O layer delivered an event the machine cannot be in a state for."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    node_id: str
+    addr: str  # the address this node reports (MASTER_ADDR when it has group rank 0)
+    join_timeout: float
+    exit_barrier_timeout: float
+    shutdown_timeout: float  # grace between SIGTERM and SIGKILL for workers
+    forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
+    handled_signals: frozenset[int] = TERMINATING_SIGNALS
+
+
+@dataclass
+class AgentMachine:
+    settings: AgentSettings
+    phase: Phase = Phase.JOINING
+    assignment: Assignment | None = None
+    deadline: float | None = None
+    local_failures: tuple[Failure, ...] = ()
+    _after_stop: str = ""  # "rejoin" | "verdict" | "exit"
+    _exit: Exit | None = None
+    _last_waiting: tuple[int, int, str] | None = None
+    _signalled: int | None = None
+
+    def start(self, now: float) -> list[Effect]:
+        """The connection is up and the hello exchanged: join the first round."""
+        self.deadline = now + self.settings.join_timeout
+        return [SendJoin()]
+
+    def next_deadline(self) -> float | None:
+        return self.deadline
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        if self.phase is Phase.EXITED:
+            return []
+        if isinstance(event, ServerSent):
+            return self._on_server(event.msg, now)
+        if isinstance(event, WorkersStarted):
+            return self._on_started()
+        if isinstance(event, WorkersStartFailed):
+            return self._on_start_failed(event, now)
+        if isinstance(event, WorkersExited):
+            return self._on_exited(event, now)
+        if isinstance(event, WorkersStopped):
+            return self._on_stopped(event, now)
+        if isinstance(event, ConnectionLost):
+            return self._on_connection_lost(event)
+        if isinstance(event, SignalReceived):
+            return self._on_signal(event.signum)
+        if isinstance(event, Tick):
+            return self._on_tick(now)
+        raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
+
+    # -- server messages -------------------------------------------------------------------
+
+    def _on_server(self, msg: Message, now: float) -> list[Effect]:
+        if isinstance(msg, Waiting):
+            return self._on_waiting(msg)
+        if isinstance(msg, Assignment):
+            if self.phase is not Phase.JOINING:
+                raise UnexpectedEvent(f"assignment for round {msg.round} in phase {self.phase.value}")
+            self.assignment = msg
+            self.phase = Phase.STARTING
+            self.deadline = None
+            self._last_waiting = None
+            return [
+                Log(
+                    "info",
+                    f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
+                    f"ranks {msg.rank_offset}.., world size {msg.world_size}, "
+                    f"master {msg.master_addr}:{msg.master_port}, restart {msg.restart_count}",
+                ),
+                StartWorkers(msg),
+            ]
+        if isinstance(msg, Restart):
+            return self._on_restart(msg, now)
+        if isinstance(msg, JobFailed):
+            exit_ = Exit(EXIT_FAILED, f"job failed: {msg.reason}", msg.failure, self.local_failures)
+            return self._stop_then_exit(exit_)
+        if isinstance(msg, JobDone):
+            if self.phase is Phase.BARRIER:
+                return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
+            raise UnexpectedEvent(f"job_done in phase {self.phase.value}")
+        if isinstance(msg, Error):
+            return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
+        raise UnexpectedEvent(f"{msg.TYPE} from the server in phase {self.phase.value}")
+
+    def _on_waiting(self, msg: Waiting) -> list[Effect]:
+        key = (msg.joined, msg.round, msg.reason)
+        if key == self._last_waiting:
+            return []
+        self._last_waiting = key
+        what = f"waiting for nodes: {msg.joined} of {_range(msg.min_nodes, msg.max_nodes)} joined"
+        return [Log("info", f"{what} ({msg.reason})" if msg.reason else what)]
+
+    def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
+        note = Log("warning", f"re-rendezvous after round {msg.round}: {msg.reason}")
+        if self.phase in (Phase.RUNNING, Phase.STARTING):
+            self.phase = Phase.STOPPING
+            self._after_stop = "rejoin"
+            return [note, StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+        if self.phase is Phase.STOPPING:
+            if self._after_stop == "verdict":
+                self._after_stop = "rejoin"
+            return [note]
+        if self.phase in (Phase.VERDICT, Phase.BARRIER):
+            return [note, *self._rejoin(now)]
+        return [note]  # JOINING: the round we are joining was reshaped; our join stands
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _on_started(self) -> list[Effect]:
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.RUNNING
+        return []
+
+    def _on_start_failed(self, event: WorkersStartFailed, now: float) -> list[Effect]:
+        if self.phase is not Phase.STARTING or self.assignment is None:
+            return []
+        a = self.assignment
+        failure = Failure(
+            node_id=self.settings.node_id,
+            addr=self.settings.addr,
+            rank=a.rank_offset,
+            local_rank=0,
+            exitcode=127,
+            signal="",
+            timestamp=now,
+            message=event.reason,
+        )
+        self.local_failures = (failure,)
+        self.phase = Phase.VERDICT
+        return [
+            Log("error", f"workers failed to start: {event.reason}"),
+            Send(WorkersFailed(round=a.round, failure=failure)),
+        ]
+
+    def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
+        if self.phase is not Phase.RUNNING or self.assignment is None:
+            return []  # we are already stopping them for another reason
+        if event.failure is None:
+            self.phase = Phase.BARRIER
+            self.deadline = now + self.settings.exit_barrier_timeout
+            return [
+                Log("info", "workers finished; waiting for the other nodes (exit barrier)"),
+                Send(WorkersSucceeded(round=self.assignment.round)),
+            ]
+        self.local_failures = event.local_failures or (event.failure,)
+        self.phase = Phase.STOPPING
+        self._after_stop = "verdict"
+        return [
+            Send(WorkersFailed(round=self.assignment.round, failure=event.failure)),
+            StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
+        ]
+
+    def _on_stopped(self, event: WorkersStopped, now: float) -> list[Effect]:
+        if self.phase is not Phase.STOPPING:
+            return []
+        if event.local_failures and not self.local_failures:
+            self.local_failures = event.local_failures
+        after, self._after_stop = self._after_stop, ""
+        if after == "rejoin":
+            return self._rejoin(now)
+        if after == "verdict":
+            self.phase = Phase.VERDICT
+            return []
+        exit_ = self._exit or Exit(EXIT_FAILED, "stopped")
+        return self._exit_now(exit_)
+
+    # -- the rest --------------------------------------------------------------------------
+
+    def _on_connection_lost(self, event: ConnectionLost) -> list[Effect]:
+        if self.phase is Phase.BARRIER:
+            return self._exit_now(
+                Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({event.reason})")
+            )
+        return self._stop_then_exit(
+            Exit(EXIT_RDZV, f"lost the connection to the rendezvous server: {event.reason}")
+        )
+
+    def _on_signal(self, signum: int) -> list[Effect]:
+        if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
+            return [ForwardSignal(signum)]
+        if signum not in self.settings.handled_signals:
+            return []
+        name = signal.Signals(signum).name
+        if self._signalled is not None:
+            # A second signal while we stop: the user insists.
+            return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
+        self._signalled = signum
+        exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
+        return [Send(Leave(reason=f"agent received {name}")), *self._stop_then_exit(exit_, signum)]
+
+    def _on_tick(self, now: float) -> list[Effect]:
+        if self.deadline is None or now < self.deadline:
+            return []
+        self.deadline = None
+        if self.phase is Phase.JOINING:
+            joined = f" ({self._last_waiting[0]} joined)" if self._last_waiting else ""
+            return [
+                Send(Leave(reason="join timeout")),
+                *self._exit_now(
+                    Exit(
+                        EXIT_RDZV,
+                        f"timed out after {self.settings.join_timeout:g} s waiting for the rendezvous to "
+                        f"complete{joined} (join_timeout)",
+                    )
+                ),
+            ]
+        if self.phase is Phase.BARRIER:
+            return self._exit_now(
+                Exit(EXIT_OK, f"exit barrier timed out after {self.settings.exit_barrier_timeout:g} s")
+            )
+        return []
+
+    def _rejoin(self, now: float) -> list[Effect]:
+        self.phase = Phase.JOINING
+        self.assignment = None
+        self.deadline = now + self.settings.join_timeout
+        return [SendJoin()]
+
+    def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
+        if self.phase in (Phase.RUNNING, Phase.STARTING):
+            self.phase = Phase.STOPPING
+            self._after_stop = "exit"
+            self._exit = exit_
+            return [StopWorkers(signum, self.settings.shutdown_timeout)]
+        if self.phase is Phase.STOPPING:
+            self._after_stop = "exit"
+            self._exit = exit_
+            return []
+        return self._exit_now(exit_)
+
+    def _exit_now(self, exit_: Exit) -> list[Effect]:
+        self.phase = Phase.EXITED
+        self.deadline = None
+        if not exit_.local_failures and self.local_failures:
+            exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures)
+        return [exit_]
+
+
+def _range(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}:{hi}"

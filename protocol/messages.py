@@ -1,0 +1,458 @@
+"""The messages of the rendezvous protocol, as validated frozen dataclasses.
+
+A message is a frozen, keyword-only dataclass with a ``TYPE`` class attribute, the
+tag it carries on the wire. Constructors validate every field, so a message that
+exists is a message that is well-formed: the state machines never re-check a
+port range or an empty id, and a bad value is reported once, at the edge, as an
+``InvalidField`` naming ``<type>.<field>``. The codec decodes by calling these
+same constructors, which is why there is exactly one set of rules for what the
+peer may send and what we may build.
+
+Each field declares its rule next to its type, as ``field(metadata=<rule>)``; a
+rule is a function that returns the (possibly coerced) value or raises
+``_Reject`` with the reason. Two coercions exist, both for values that arrive
+from msgpack: an int where a float is expected becomes a float, and a list where
+a tuple is expected becomes a tuple. ``bool`` is never accepted as an int, even
+though Python says it is one: ``nproc=True`` is a bug, not 1. Relations between
+fields (``min_nodes <= max_nodes``, ``group_rank < group_world_size``) are
+checked after the fields, in ``_check_relations``.
+
+Limits bound everything a peer controls, so no single message can exceed the
+default frame size and no value can overflow msgpack's 64-bit integers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeAlias
+
+from protocol.errors import InvalidField, VersionMismatch, describe
+
+__all__ = [
+    "CLIENT_MESSAGES",
+    "MAX_ADDR_LEN",
+    "MAX_CODE_LEN",
+    "MAX_COUNT",
+    "MAX_ID_LEN",
+    "MAX_NODES",
+    "MAX_NPROC",
+    "MAX_TEXT_LEN",
+    "MAX_TIMEOUT",
+    "MAX_VERSIONS",
+    "MESSAGE_TYPES",
+    "PROTOCOL_VERSION",
+    "SERVER_MESSAGES",
+    "SUPPORTED_VERSIONS",
+    "Assignment",
+    "Error",
+    "Failure",
+    "Heartbeat",
+    "Hello",
+    "JobDone",
+    "JobFailed",
+    "Join",
+    "Leave",
+    "Message",
+    "Restart",
+    "Waiting",
+    "Welcome",
+    "WorkersFailed",
+    "WorkersSucceeded",
+    "negotiate_version",
+]
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+
+MAX_ID_LEN = 256
+MAX_ADDR_LEN = 256
+MAX_TEXT_LEN = 65536
+MAX_CODE_LEN = 64
+MAX_NODES = 1_000_000
+MAX_NPROC = 4096
+MAX_TIMEOUT = 1e7
+MAX_VERSIONS = 16
+# Counts, rounds and versions stay below 2**63 so they fit msgpack's int64.
+MAX_COUNT = 2**63 - 1
+_MIN_INT64 = -(2**63)
+# Unix seconds; 2**53 is where floats stop holding every integer exactly.
+_MAX_TIMESTAMP = float(2**53)
+
+
+# --- rules -------------------------------------------------------------------
+
+
+class _Reject(Exception):
+    """Raised by a rule; ``_Schema.__post_init__`` turns it into InvalidField."""
+
+
+_Rule = Callable[[Any], Any]
+
+
+def _rule(check: _Rule, *, nested: type | None = None) -> dict[str, Any]:
+    # ``nested`` tells the codec to decode a sub-map into that class first.
+    return {"check": check, "nested": nested}
+
+
+def _bounds_text(lo: int, hi: int) -> str:
+    if hi == MAX_COUNT:
+        return f">= {lo}"
+    return f"in {lo}..{hi}"
+
+
+def _integer(lo: int, hi: int) -> dict[str, Any]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Reject(f"must be an int {_bounds_text(lo, hi)}, got {describe(value)}")
+        if not lo <= value <= hi:
+            raise _Reject(f"must be {_bounds_text(lo, hi)}, got {describe(value)}")
+        return value
+
+    return _rule(check)
+
+
+def _number(*, positive: bool = False, hi: float = MAX_TIMEOUT) -> dict[str, Any]:
+    bound = f"{'> 0' if positive else '>= 0'} and <= {hi:g}"
+
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _Reject(f"must be a number {bound}, got {describe(value)}")
+        # NaN fails every comparison and inf fails ``<= hi``, so the range test also
+        # rejects non-finite floats. It runs before float(), which would raise
+        # OverflowError on a huge int.
+        in_range = (value > 0 if positive else value >= 0) and value <= hi
+        if not in_range:
+            raise _Reject(f"must be a finite number {bound}, got {describe(value)}")
+        return float(value)
+
+    return _rule(check)
+
+
+def _text(max_len: int, *, nonempty: bool = False, optional: bool = False) -> dict[str, Any]:
+    def check(value: Any) -> str | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            kind = "a string or None" if optional else "a string"
+            raise _Reject(f"must be {kind}, got {describe(value)}")
+        if nonempty and not value:
+            raise _Reject("must not be empty")
+        if len(value) > max_len:
+            raise _Reject(f"must be at most {max_len} characters, got {len(value)}")
+        # A lone surrogate passes isinstance but cannot be sent as UTF-8; catch it
+        # here, with the field's name, rather than as a UnicodeEncodeError in encode.
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Reject("must be valid UTF-8 text (contains a lone surrogate)") from None
+        return value
+
+    return _rule(check)
+
+
+def _flag() -> dict[str, Any]:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise _Reject(f"must be a bool, got {describe(value)}")
+        return value
+
+    return _rule(check)
+
+
+def _versions() -> dict[str, Any]:
+    def check(value: Any) -> tuple[int, ...]:
+        if not isinstance(value, list | tuple):
+            raise _Reject(f"must be a list of ints, got {describe(value)}")
+        if not 1 <= len(value) <= MAX_VERSIONS:
+            raise _Reject(f"must hold 1..{MAX_VERSIONS} versions, got {len(value)}")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= MAX_COUNT:
+                raise _Reject(f"must hold ints >= 1, got {describe(item)}")
+        return tuple(value)
+
+    return _rule(check)
+
+
+def _failure(*, optional: bool = False) -> dict[str, Any]:
+    def check(value: Any) -> Failure | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, Failure):
+            kind = "a Failure or None" if optional else "a Failure"
+            raise _Reject(f"must be {kind}, got {describe(value)}")
+        return value
+
+    # Called from the class bodies below Failure, so the name is bound by then.
+    return _rule(check, nested=Failure)
+
+
+_ID = _text(MAX_ID_LEN, nonempty=True)
+_ADDR = _text(MAX_ADDR_LEN)
+_TEXT = _text(MAX_TEXT_LEN)
+_SOFTWARE = _text(MAX_ID_LEN)
+_COUNT = _integer(0, MAX_COUNT)
+_PORT = _integer(1, 65535)
+_TIMEOUT = _number()
+_INTERVAL = _number(positive=True)
+
+
+class _Schema:
+    """Shared validation for messages and nested records."""
+
+    __slots__ = ()
+
+    # Set for each class by _compile() at the bottom of this module.
+    _PATH: ClassVar[str]
+    _CHECKS: ClassVar[tuple[tuple[str, _Rule], ...]]
+
+    def __post_init__(self) -> None:
+        for name, check in self._CHECKS:
+            value = getattr(self, name)
+            try:
+                checked = check(value)
+            except _Reject as why:
+                raise InvalidField(f"{self._PATH}.{name}", str(why)) from None
+            if checked is not value:
+                # Frozen: coercions (int -> float, list -> tuple) go around __setattr__.
+                object.__setattr__(self, name, checked)
+        self._check_relations()
+
+    def _check_relations(self) -> None:
+        """Checks that span fields; runs after every field passed its own rule."""
+
+    def _invalid(self, name: str, reason: str) -> InvalidField:
+        return InvalidField(f"{self._PATH}.{name}", reason)
+
+
+# --- nested records ----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Failure(_Schema):
+    """Which worker failed and how; nested inside WorkersFailed and JobFailed."""
+
+    node_id: str = field(metadata=_ID)
+    addr: str = field(metadata=_ADDR)
+    rank: int = field(metadata=_COUNT)
+    local_rank: int = field(metadata=_COUNT)
+    # Negative means the worker was killed by signal -exitcode, as in subprocess.
+    exitcode: int = field(metadata=_integer(_MIN_INT64, MAX_COUNT))
+    signal: str = field(default="", metadata=_text(MAX_CODE_LEN))
+    # Wall-clock time on the failing node; informational only, never compared.
+    timestamp: float = field(metadata=_number(hi=_MAX_TIMESTAMP))
+    message: str = field(default="", metadata=_TEXT)
+
+
+# --- client -> server --------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hello(_Schema):
+    """First frame after MAGIC: the protocol versions the client speaks."""
+
+    TYPE: ClassVar[str] = "hello"
+    versions: tuple[int, ...] = field(metadata=_versions())
+    software: str = field(metadata=_SOFTWARE)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Join(_Schema):
+    """A node asks to take part in the job's next round."""
+
+    TYPE: ClassVar[str] = "join"
+    job_id: str = field(metadata=_ID)
+    node_id: str = field(metadata=_ID)
+    addr: str = field(metadata=_ADDR)
+    nproc: int = field(metadata=_integer(1, MAX_NPROC))
+    min_nodes: int = field(metadata=_integer(1, MAX_NODES))
+    max_nodes: int = field(metadata=_integer(1, MAX_NODES))
+    entrypoint: str = field(metadata=_TEXT)
+    master_port: int = field(metadata=_PORT)
+    max_restarts: int = field(metadata=_COUNT)
+    last_call_timeout: float = field(metadata=_TIMEOUT)
+    heartbeat_interval: float = field(metadata=_INTERVAL)
+    heartbeat_timeout: float = field(metadata=_INTERVAL)
+    spare: bool = field(default=False, metadata=_flag())
+
+    def _check_relations(self) -> None:
+        if self.max_nodes < self.min_nodes:
+            raise self._invalid("max_nodes", f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Heartbeat(_Schema):
+    """The node is alive; carries nothing, the arrival is the message."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkersFailed(_Schema):
+    """A worker of this node failed during ``round``."""
+
+    TYPE: ClassVar[str] = "workers_failed"
+    round: int = field(metadata=_COUNT)
+    failure: Failure = field(metadata=_failure())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkersSucceeded(_Schema):
+    """Every worker of this node exited 0 in ``round``."""
+
+    TYPE: ClassVar[str] = "workers_succeeded"
+    round: int = field(metadata=_COUNT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Leave(_Schema):
+    """The node is going away on purpose (not a failure)."""
+
+    TYPE: ClassVar[str] = "leave"
+    reason: str = field(default="", metadata=_TEXT)
+
+
+# --- server -> client --------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Welcome(_Schema):
+    """Reply to Hello: the version both sides will speak."""
+
+    TYPE: ClassVar[str] = "welcome"
+    version: int = field(metadata=_integer(1, MAX_COUNT))
+    software: str = field(metadata=_SOFTWARE)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Waiting(_Schema):
+    """The node is joined but the round has not formed yet."""
+
+    TYPE: ClassVar[str] = "waiting"
+    job_id: str = field(metadata=_ID)
+    round: int = field(metadata=_COUNT)
+    joined: int = field(metadata=_COUNT)
+    min_nodes: int = field(metadata=_integer(1, MAX_NODES))
+    max_nodes: int = field(metadata=_integer(1, MAX_NODES))
+    reason: str = field(default="", metadata=_TEXT)
+
+    def _check_relations(self) -> None:
+        if self.max_nodes < self.min_nodes:
+            raise self._invalid("max_nodes", f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Assignment(_Schema):
+    """The round formed: this node's place in it and where to rendezvous."""
+
+    TYPE: ClassVar[str] = "assignment"
+    job_id: str = field(metadata=_ID)
+    round: int = field(metadata=_COUNT)
+    group_rank: int = field(metadata=_COUNT)
+    group_world_size: int = field(metadata=_integer(1, MAX_NODES))
+    rank_offset: int = field(metadata=_COUNT)
+    world_size: int = field(metadata=_integer(1, MAX_COUNT))
+    master_addr: str = field(metadata=_text(MAX_ADDR_LEN, nonempty=True))
+    master_port: int = field(metadata=_PORT)
+    restart_count: int = field(metadata=_COUNT)
+    max_restarts: int = field(metadata=_COUNT)
+
+    def _check_relations(self) -> None:
+        if self.group_rank >= self.group_world_size:
+            raise self._invalid(
+                "group_rank",
+                f"must be < group_world_size ({self.group_world_size}), got {self.group_rank}",
+            )
+        if self.rank_offset >= self.world_size:
+            raise self._invalid(
+                "rank_offset", f"must be < world_size ({self.world_size}), got {self.rank_offset}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Restart(_Schema):
+    """Stop the workers; a new round ``round`` is forming."""
+
+    TYPE: ClassVar[str] = "restart"
+    round: int = field(metadata=_COUNT)
+    reason: str = field(metadata=_TEXT)
+    restart_count: int = field(metadata=_COUNT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobFailed(_Schema):
+    """The job is over and failed; ``failure`` is the first failure, if any."""
+
+    TYPE: ClassVar[str] = "job_failed"
+    reason: str = field(metadata=_TEXT)
+    failure: Failure | None = field(default=None, metadata=_failure(optional=True))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobDone(_Schema):
+    """The job is over and every node succeeded."""
+
+    TYPE: ClassVar[str] = "job_done"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Error(_Schema):
+    """The peer broke the protocol; ``code`` is a ProtocolError code."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = field(metadata=_text(MAX_CODE_LEN, nonempty=True))
+    message: str = field(metadata=_TEXT)
+    # Spelled dataclasses.field here: the attribute named ``field`` shadows the
+    # function inside this class body.
+    field: str | None = dataclasses.field(default=None, metadata=_text(MAX_ID_LEN, optional=True))
+    fatal: bool = dataclasses.field(default=True, metadata=_flag())
+
+
+# --- registries --------------------------------------------------------------
+
+Message: TypeAlias = (
+    Hello
+    | Join
+    | Heartbeat
+    | WorkersFailed
+    | WorkersSucceeded
+    | Leave
+    | Welcome
+    | Waiting
+    | Assignment
+    | Restart
+    | JobFailed
+    | JobDone
+    | Error
+)
+
+CLIENT_MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Join, Heartbeat, WorkersFailed, WorkersSucceeded, Leave)
+}
+SERVER_MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Error)
+}
+MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
+
+
+def _compile(cls: type[_Schema], path: str) -> None:
+    # A KeyError here means a field was declared without a rule: every field of
+    # every message must say how it is validated.
+    cls._PATH = path
+    cls._CHECKS = tuple((f.name, f.metadata["check"]) for f in fields(cls))  # type: ignore[arg-type]
+
+
+_compile(Failure, "failure")
+for _cls in MESSAGE_TYPES.values():
+    _compile(_cls, _cls.TYPE)
+del _cls
+
+
+def negotiate_version(theirs: Sequence[int], *, ours: Sequence[int] = SUPPORTED_VERSIONS) -> int:
+    """The highest protocol version both sides speak, else VersionMismatch."""
+    common = set(ours).intersection(theirs)
+    if not common:
+        raise VersionMismatch(ours=ours, theirs=theirs, field="hello.versions")
+    return max(common)

@@ -1,0 +1,257 @@
+"""The asyncio layer of the rendezvous server: sockets and timers around the pure machine.
+
+One TCP port carries both protocols. The first bytes of a connection decide: our magic means
+an agent speaking framed msgpack (handled here, as an ``asyncio.Protocol``: no stream or task
+per connection, which keeps 10,000 agents cheap); an HTTP request line means a person or a
+monitoring system, and the connection is handed, bytes and all, to aiohttp's server protocol.
+aiohttp is imported only when HTTP is enabled, so an agent's embedded server starts fast.
+
+Everything the machine decides comes back as effects; this module only carries them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from protocol import (
+    CLIENT_MESSAGES,
+    MAGIC,
+    MAX_FRAME_SIZE,
+    FrameDecoder,
+    ProtocolError,
+    classify_preface,
+    encode,
+    error_message,
+)
+
+from .state import Close, Connected, Disconnected, Effect, Log, Received, Rendezvous, Send, Tick
+
+logger = logging.getLogger("rdzv_server")
+
+HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
+PREFACE_LIMIT = 64  # bytes we look at before deciding what a connection speaks
+WRITE_BUFFER_LIMIT = 4 << 20  # a peer that reads slower than this much backlog is dropped
+
+
+class _Connection(asyncio.Protocol):
+    """One accepted socket, until we know what it speaks, and then an agent connection."""
+
+    __slots__ = ("_buf", "_decoder", "_hello_timer", "conn_id", "service", "transport")
+
+    def __init__(self, service: RendezvousService, conn_id: int) -> None:
+        self.service = service
+        self.conn_id = conn_id
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._decoder: FrameDecoder | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_expired)
+
+    def data_received(self, data: bytes) -> None:
+        if self._decoder is None:
+            self._buf += data
+            kind = classify_preface(bytes(self._buf[:PREFACE_LIMIT]))
+            if kind == "more" and len(self._buf) < PREFACE_LIMIT:
+                return
+            if kind == "rdzv":
+                self._decoder = FrameDecoder(
+                    max_frame_size=self.service.max_frame_size, allowed=CLIENT_MESSAGES, expect_magic=True
+                )
+                self.service._agent_connected(self)
+                data, self._buf = bytes(self._buf), bytearray()
+            elif kind == "http" and self.service.http_factory is not None:
+                self._cancel_hello_timer()
+                self.service._hand_to_http(self, bytes(self._buf))
+                return
+            else:
+                logger.warning("closing %s: it speaks neither our protocol nor HTTP", self.peer)
+                self._close_now()
+                return
+        try:
+            messages = self._decoder.feed(data)
+        except ProtocolError as exc:
+            # The peer broke the protocol: tell it why, close, keep serving everyone else.
+            logger.warning("closing %s: %s", self.peer, exc)
+            self.write(encode(error_message(exc)))
+            self._close_now()
+            return
+        for msg in messages:
+            if self._hello_timer is not None:
+                self._cancel_hello_timer()
+            self.service._dispatch(Received(self.conn_id, msg))
+            if self.transport is None or self.transport.is_closing():
+                return
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_hello_timer()
+        self.transport = None
+        if self._decoder is not None:
+            self.service._agent_disconnected(self, "connection lost" if exc else "connection closed")
+
+    @property
+    def peer(self) -> str:
+        if self.transport is None:
+            return "?"
+        addr = self.transport.get_extra_info("peername")
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return f"{addr[0]}:{addr[1]}"
+        return str(addr)
+
+    def write(self, frame: bytes) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        t.write(frame)
+        if t.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            logger.warning("closing %s: it does not read what we send", self.peer)
+            self._close_now()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def _close_now(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _hello_expired(self) -> None:
+        self._hello_timer = None
+        logger.warning("closing %s: no hello within %g s", self.peer, HELLO_TIMEOUT)
+        self._close_now()
+
+    def _cancel_hello_timer(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+
+
+class RendezvousService:
+    """Serves the rendezvous protocol (and optionally HTTP) on one TCP port."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        http: bool = False,
+        max_frame_size: int = MAX_FRAME_SIZE,
+    ) -> None:
+        self.machine = Rendezvous()
+        self.clock = clock
+        self.max_frame_size = max_frame_size
+        self.http_enabled = http
+        self.http_factory: Callable[[], asyncio.Protocol] | None = None
+        self._http_runner: object | None = None
+        self._server: asyncio.Server | None = None
+        self._conns: dict[int, _Connection] = {}
+        self._next_id = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._closed = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, host: str | None, port: int) -> int:
+        """Listen on host:port (port 0 picks a free one); returns the bound port."""
+        if self.http_enabled:
+            from .http_app import make_http_runner
+
+            runner = await make_http_runner(self)
+            self._http_runner = runner
+            self.http_factory = runner.server  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._make_connection, host=host or None, port=port, backlog=4096, reuse_address=True
+        )
+        return self.port
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None and self._server.sockets
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening, close every connection and the HTTP side."""
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns.values()):
+            c.close()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()  # type: ignore[attr-defined]
+            self._http_runner = None
+        self._closed.set()
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _make_connection(self) -> _Connection:
+        self._next_id += 1
+        return _Connection(self, self._next_id)
+
+    def _agent_connected(self, conn: _Connection) -> None:
+        self._conns[conn.conn_id] = conn
+        conn.write(MAGIC)
+        self._dispatch(Connected(conn.conn_id, conn.peer))
+
+    def _agent_disconnected(self, conn: _Connection, reason: str) -> None:
+        if self._conns.pop(conn.conn_id, None) is not None:
+            self._dispatch(Disconnected(conn.conn_id, reason))
+
+    def _hand_to_http(self, conn: _Connection, preface: bytes) -> None:
+        assert self.http_factory is not None and conn.transport is not None
+        transport = conn.transport
+        proto = self.http_factory()
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        proto.data_received(preface)
+
+    # -- the machine -----------------------------------------------------------------------
+
+    def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> None:
+        effects = self.machine.handle(event, self.clock())
+        self._apply(effects)
+        self._schedule()
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Send):
+                c = self._conns.get(eff.conn)
+                if c is not None:
+                    c.write(encode(eff.msg))
+            elif isinstance(eff, Close):
+                c = self._conns.pop(eff.conn, None)
+                if c is not None:
+                    c.close()
+            elif isinstance(eff, Log):
+                logger.log(_LEVELS.get(eff.level, logging.INFO), "%s", eff.text)
+
+    def _schedule(self) -> None:
+        at = self.machine.next_deadline()
+        if at == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = at
+        if at is not None:
+            delay = max(0.0, at - self.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._dispatch(Tick())
+
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

@@ -1,0 +1,677 @@
+"""The rendezvous rules, as a pure state machine.
+
+Nothing here opens a socket, reads a clock or sleeps. The asyncio layer (``service.py``)
+turns connections, frames and timers into events, calls :meth:`Rendezvous.handle` with the
+time of its monotonic clock, and carries out the effects it gets back (send a message, close
+a connection, log a line). Deadlines are exposed by :meth:`Rendezvous.next_deadline` so the
+caller knows when to deliver the next :class:`Tick`.
+
+Connections. Each connection starts in ``HELLO``: the first frame must be a ``Hello`` whose
+versions overlap ours. It is then ``READY`` and may send one ``Join``; from then on it *is*
+one node of one job (``JOINED``) until it leaves, drops, or goes silent for longer than its
+job's heartbeat timeout.
+
+Jobs. A job is keyed by its rdzv id. Its phases:
+
+- ``GATHERING``: collecting nodes for the next round. A round completes when every member is
+  ready (has sent ``Join`` since the last round) and either ``max_nodes`` are there, or at
+  least ``min_nodes`` are there and no last-call window is open. A last-call window opens when
+  the member count first reaches ``min_nodes`` and when a new node joins a running job; it
+  lets a burst of nodes arrive together instead of causing one restart each.
+- ``RUNNING``: the round's assignment is out. A worker failure, a lost or departing member,
+  or a new node (after its settle window) sends ``Restart`` to every member, and the job
+  gathers again. Only worker failures (and, in a fixed-size job, node loss) use up the job's
+  restart budget, which the server alone counts, so every node agrees on it.
+- ``FINISHED`` / ``FAILED``: terminal. The job is forgotten once its last node disconnects.
+
+Ranks. The first round orders nodes by (address, node id). Later rounds keep the surviving
+members in their previous order, so group rank 0, and with it MASTER_ADDR, stays put while
+that node survives; newcomers follow, ordered by (address, node id). Node ``i`` in that order
+gets group rank ``i`` and global ranks starting at the sum of ``nproc`` of the nodes before it.
+Each node is told only its own slice: messages stay O(1) in the size of the job.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from protocol import (
+    Assignment,
+    Error,
+    Failure,
+    Heartbeat,
+    Hello,
+    JobDone,
+    JobFailed,
+    Join,
+    Leave,
+    Message,
+    Restart,
+    VersionMismatch,
+    Waiting,
+    Welcome,
+    WorkersFailed,
+    WorkersSucceeded,
+    negotiate_version,
+)
+
+SOFTWARE = "rdzv-server/0.1"
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Connected:
+    conn: int
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    conn: int
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    conn: int
+    reason: str = "connection closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """Delivered at (or after) :meth:`Rendezvous.next_deadline`."""
+
+
+Event = Connected | Received | Disconnected | Tick
+
+
+# --- effects ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    conn: int
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    conn: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    level: str  # "info" | "warning" | "error"
+    text: str
+
+
+Effect = Send | Close | Log
+
+
+# --- state --------------------------------------------------------------------------------
+
+
+class ConnPhase(enum.Enum):
+    HELLO = "hello"
+    READY = "ready"
+    JOINED = "joined"
+
+
+class JobPhase(enum.Enum):
+    GATHERING = "gathering"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class MemberState(enum.Enum):
+    WAITING = "waiting"  # in the job, not yet (re-)joined for the next round
+    READY = "ready"  # joined, waiting for the round to complete
+    RUNNING = "running"  # holds the current round's assignment
+    SUCCEEDED = "succeeded"  # its workers finished; waiting at the exit barrier
+
+
+class LocalError(Exception):
+    """A bug on our side: an event the machine cannot handle in its state."""
+
+
+@dataclass(slots=True)
+class Conn:
+    id: int
+    peer: str
+    phase: ConnPhase = ConnPhase.HELLO
+    last_seen: float = 0.0
+    job_id: str | None = None
+    node_id: str | None = None
+
+
+@dataclass(slots=True)
+class Member:
+    node_id: str
+    conn: int
+    addr: str
+    nproc: int
+    master_port: int
+    seq: int  # arrival order, for logs and ties
+    state: MemberState = MemberState.READY
+    failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSettings:
+    min_nodes: int
+    max_nodes: int
+    entrypoint: str
+    max_restarts: int
+    last_call_timeout: float
+    heartbeat_timeout: float
+
+    @classmethod
+    def from_join(cls, msg: Join) -> JobSettings:
+        return cls(
+            min_nodes=msg.min_nodes,
+            max_nodes=msg.max_nodes,
+            entrypoint=msg.entrypoint,
+            max_restarts=msg.max_restarts,
+            last_call_timeout=msg.last_call_timeout,
+            heartbeat_timeout=msg.heartbeat_timeout,
+        )
+
+    def mismatch(self, other: JobSettings) -> str | None:
+        """What an agent disagrees on with the job it tries to join, or None."""
+        if (self.min_nodes, self.max_nodes) != (other.min_nodes, other.max_nodes):
+            return (
+                f"node range: the job has --nnodes {_range(self.min_nodes, self.max_nodes)}, "
+                f"this agent has --nnodes {_range(other.min_nodes, other.max_nodes)}"
+            )
+        if self.entrypoint != other.entrypoint:
+            return f"entrypoint: the job runs {self.entrypoint!r}, this agent runs {other.entrypoint!r}"
+        if self.max_restarts != other.max_restarts:
+            return (
+                f"max restarts: the job has --max-restarts {self.max_restarts}, "
+                f"this agent has --max-restarts {other.max_restarts}"
+            )
+        return None
+
+
+def _range(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}:{hi}"
+
+
+@dataclass(slots=True)
+class Job:
+    id: str
+    settings: JobSettings
+    phase: JobPhase = JobPhase.GATHERING
+    round: int = 0  # the round being gathered, or the one running
+    restart_count: int = 0
+    members: dict[str, Member] = field(default_factory=dict)
+    spares: dict[str, Member] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # node ids of the last completed round, by rank
+    last_call_deadline: float | None = None
+    failures: list[Failure] = field(default_factory=list)
+    next_seq: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.settings.min_nodes < self.settings.max_nodes
+
+
+class Rendezvous:
+    """Every job on one server. Feed it events; carry out what it returns."""
+
+    def __init__(self) -> None:
+        self.conns: dict[int, Conn] = {}
+        self.jobs: dict[str, Job] = {}
+        self._next_sweep: float | None = None
+
+    # -- public API ------------------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        out: list[Effect] = []
+        if isinstance(event, Received):
+            self._on_received(event.conn, event.msg, now, out)
+        elif isinstance(event, Connected):
+            if event.conn in self.conns:
+                raise LocalError(f"connection {event.conn} connected twice")
+            self.conns[event.conn] = Conn(id=event.conn, peer=event.peer, last_seen=now)
+        elif isinstance(event, Disconnected):
+            self._drop(event.conn, event.reason, now, out, close=False)
+        elif isinstance(event, Tick):
+            self._on_tick(now, out)
+        else:
+            raise LocalError(f"unknown event {event!r}")
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which a Tick would change something."""
+        deadlines = [j.last_call_deadline for j in self.jobs.values() if j.last_call_deadline is not None]
+        if self._next_sweep is not None:
+            deadlines.append(self._next_sweep)
+        return min(deadlines) if deadlines else None
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _on_received(self, conn_id: int, msg: Message, now: float, out: list[Effect]) -> None:
+        conn = self.conns.get(conn_id)
+        if conn is None:
+            raise LocalError(f"message {type(msg).__name__} on unknown connection {conn_id}")
+        conn.last_seen = now
+        if conn.phase is ConnPhase.HELLO:
+            if not isinstance(msg, Hello):
+                self._refuse(conn, "unexpected_message", f"expected hello first, got {msg.TYPE}", now, out)
+                return
+            try:
+                version = negotiate_version(msg.versions)
+            except VersionMismatch as exc:
+                self._refuse(conn, exc.code, str(exc), now, out)
+                return
+            conn.phase = ConnPhase.READY
+            out.append(Send(conn.id, Welcome(version=version, software=SOFTWARE)))
+            return
+        if isinstance(msg, Heartbeat):
+            return
+        if conn.phase is ConnPhase.READY:
+            if isinstance(msg, Join):
+                self._on_join(conn, msg, now, out)
+            elif isinstance(msg, Leave):
+                self._drop(conn.id, "left before joining", now, out, close=True)
+            else:
+                self._refuse(conn, "unexpected_message", f"expected join, got {msg.TYPE}", now, out)
+            return
+        job, member = self._member_of(conn)
+        if isinstance(msg, Join):
+            self._on_rejoin(job, member, msg, now, out)
+        elif isinstance(msg, WorkersFailed):
+            self._on_failed(job, member, msg, now, out)
+        elif isinstance(msg, WorkersSucceeded):
+            self._on_succeeded(job, member, msg, now, out)
+        elif isinstance(msg, Leave):
+            reason = f"left ({msg.reason})" if msg.reason else "left"
+            self._drop(conn.id, reason, now, out, close=True)
+        else:
+            self._refuse(conn, "unexpected_message", f"{msg.TYPE} is not expected from an agent", now, out)
+
+    def _on_join(self, conn: Conn, msg: Join, now: float, out: list[Effect]) -> None:
+        settings = JobSettings.from_join(msg)
+        job = self.jobs.get(msg.job_id)
+        if job is not None and job.phase in (JobPhase.FINISHED, JobPhase.FAILED):
+            if job.members or job.spares:
+                self._refuse(
+                    conn,
+                    "job_closed",
+                    f"job {job.id!r} has {job.phase.value}; use another --rdzv-id",
+                    now,
+                    out,
+                )
+                return
+            del self.jobs[job.id]
+            job = None
+        if job is None:
+            job = Job(id=msg.job_id, settings=settings)
+            self.jobs[job.id] = job
+            out.append(
+                Log(
+                    "info",
+                    f"job {job.id}: created (nnodes {_range(settings.min_nodes, settings.max_nodes)}, "
+                    f"entrypoint {settings.entrypoint!r}, max restarts {settings.max_restarts})",
+                )
+            )
+        else:
+            problem = job.settings.mismatch(settings)
+            if problem is not None:
+                self._refuse(conn, "job_mismatch", f"job {job.id!r} disagrees on {problem}", now, out)
+                return
+        if msg.node_id in job.members or msg.node_id in job.spares:
+            self._refuse(
+                conn, "duplicate_node", f"node id {msg.node_id!r} is already in job {job.id!r}", now, out
+            )
+            return
+        conn.phase = ConnPhase.JOINED
+        conn.job_id, conn.node_id = job.id, msg.node_id
+        member = Member(
+            node_id=msg.node_id,
+            conn=conn.id,
+            addr=msg.addr,
+            nproc=msg.nproc,
+            master_port=msg.master_port,
+            seq=job.next_seq,
+        )
+        job.next_seq += 1
+        self._ensure_sweep(now, job.settings.heartbeat_timeout)
+        full = len(job.members) >= job.settings.max_nodes
+        finishing = any(m.state is MemberState.SUCCEEDED for m in job.members.values())
+        if msg.spare or full or finishing:
+            job.spares[member.node_id] = member
+            out.append(Log("info", f"job {job.id}: node {member.node_id} ({member.addr}) waits as a spare"))
+            out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
+            return
+        job.members[member.node_id] = member
+        n = len(job.members)
+        out.append(
+            Log(
+                "info",
+                f"job {job.id}: node {member.node_id} ({member.addr}, nproc {member.nproc}) joined "
+                f"({n} of {_range(job.settings.min_nodes, job.settings.max_nodes)})",
+            )
+        )
+        if job.phase is JobPhase.RUNNING:
+            # A newcomer to a running job: let the workers run on while the settle window
+            # gathers any other newcomers, then restart everyone once.
+            if job.last_call_deadline is None:
+                job.last_call_deadline = now + job.settings.last_call_timeout
+            out.append(Send(conn.id, self._waiting(job, "joining a running job")))
+            self._maybe_regather(job, now, out)
+            return
+        if n == job.settings.min_nodes and job.last_call_deadline is None and job.order == []:
+            job.last_call_deadline = now + job.settings.last_call_timeout
+        out.append(Send(conn.id, self._waiting(job, "")))
+        self._maybe_complete(job, now, out)
+
+    def _on_rejoin(self, job: Job, member: Member, msg: Join, now: float, out: list[Effect]) -> None:
+        if job.settings.mismatch(JobSettings.from_join(msg)) is not None or msg.node_id != member.node_id:
+            self._refuse(
+                self.conns[member.conn], "job_mismatch", "a re-join must repeat the first join", now, out
+            )
+            return
+        if member.node_id in job.spares:
+            member.addr, member.master_port = msg.addr, msg.master_port
+            return
+        if member.state is not MemberState.WAITING:
+            # Only a member told to restart re-joins; anything else is a confused agent.
+            self._refuse(
+                self.conns[member.conn],
+                "unexpected_message",
+                f"join while {member.state.value} in round {job.round}",
+                now,
+                out,
+            )
+            return
+        member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
+        member.state = MemberState.READY
+        self._maybe_complete(job, now, out)
+
+    def _on_failed(self, job: Job, member: Member, msg: WorkersFailed, now: float, out: list[Effect]) -> None:
+        if job.phase is not JobPhase.RUNNING or msg.round != job.round or member.node_id not in job.order:
+            # A second failure in a round that is already being restarted counts once.
+            return
+        member.failures += 1
+        failure = msg.failure
+        job.failures.append(failure)
+        cause = _describe_failure(failure)
+        if job.restart_count < job.settings.max_restarts:
+            job.restart_count += 1
+            out.append(
+                Log(
+                    "warning",
+                    f"job {job.id}: round {job.round}: {cause}; restart "
+                    f"{job.restart_count} of {job.settings.max_restarts}",
+                )
+            )
+            self._regather(job, f"worker failure: {cause}", now, out)
+        else:
+            reason = (
+                f"{cause}; no restarts left (--max-restarts {job.settings.max_restarts})"
+                if job.settings.max_restarts
+                else f"{cause} (--max-restarts 0)"
+            )
+            self._fail(job, reason, failure, out)
+
+    def _on_succeeded(
+        self, job: Job, member: Member, msg: WorkersSucceeded, now: float, out: list[Effect]
+    ) -> None:
+        if (
+            job.phase is not JobPhase.RUNNING
+            or msg.round != job.round
+            or member.state is not MemberState.RUNNING
+        ):
+            return
+        member.state = MemberState.SUCCEEDED
+        self._maybe_finish(job, out)
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    def _maybe_complete(self, job: Job, now: float, out: list[Effect]) -> None:
+        if job.phase is not JobPhase.GATHERING:
+            return
+        s = job.settings
+        n = len(job.members)
+        if n < s.min_nodes or any(m.state is not MemberState.READY for m in job.members.values()):
+            return
+        if n < s.max_nodes and job.last_call_deadline is not None and now < job.last_call_deadline:
+            return
+        self._complete(job, now, out)
+
+    def _complete(self, job: Job, now: float, out: list[Effect]) -> None:
+        survivors = [nid for nid in job.order if nid in job.members]
+        kept = set(survivors)
+        newcomers = sorted(
+            (m for nid, m in job.members.items() if nid not in kept), key=lambda m: (m.addr, m.node_id)
+        )
+        job.order = survivors + [m.node_id for m in newcomers]
+        world_size = sum(job.members[nid].nproc for nid in job.order)
+        master = job.members[job.order[0]]
+        job.phase = JobPhase.RUNNING
+        job.last_call_deadline = None
+        offset = 0
+        for group_rank, nid in enumerate(job.order):
+            m = job.members[nid]
+            m.state = MemberState.RUNNING
+            out.append(
+                Send(
+                    m.conn,
+                    Assignment(
+                        job_id=job.id,
+                        round=job.round,
+                        group_rank=group_rank,
+                        group_world_size=len(job.order),
+                        rank_offset=offset,
+                        world_size=world_size,
+                        master_addr=master.addr,
+                        master_port=master.master_port,
+                        restart_count=job.restart_count,
+                        max_restarts=job.settings.max_restarts,
+                    ),
+                )
+            )
+            offset += m.nproc
+        out.append(
+            Log(
+                "info",
+                f"job {job.id}: round {job.round} complete: {len(job.order)} nodes, world size "
+                f"{world_size}, master {master.addr}:{master.master_port}, restarts {job.restart_count}",
+            )
+        )
+
+    def _regather(self, job: Job, reason: str, now: float, out: list[Effect]) -> None:
+        """Stop the running round: every member restarts its workers and re-joins."""
+        abandoned = job.round
+        job.round += 1
+        job.phase = JobPhase.GATHERING
+        job.last_call_deadline = None  # newcomers already here are in; no need to wait longer
+        for m in job.members.values():
+            if m.node_id in job.order:
+                m.state = MemberState.WAITING
+                out.append(
+                    Send(m.conn, Restart(round=abandoned, reason=reason, restart_count=job.restart_count))
+                )
+        # Newcomers joined while the round ran are ready already; promote spares if room.
+        self._promote_spares(job, out)
+        self._maybe_complete(job, now, out)
+
+    def _maybe_regather(self, job: Job, now: float, out: list[Effect]) -> None:
+        """A running job with newcomers restarts when their settle window closes or it is full."""
+        if job.phase is not JobPhase.RUNNING:
+            return
+        newcomers = [nid for nid in job.members if nid not in job.order]
+        if not newcomers:
+            return
+        full = len(job.members) >= job.settings.max_nodes
+        if full or (job.last_call_deadline is not None and now >= job.last_call_deadline):
+            names = ", ".join(newcomers)
+            out.append(Log("info", f"job {job.id}: admitting {names}; re-rendezvous"))
+            job.last_call_deadline = None
+            self._regather(job, f"node(s) joined: {names}", now, out)
+
+    def _promote_spares(self, job: Job, out: list[Effect]) -> None:
+        while job.spares and len(job.members) < job.settings.max_nodes:
+            nid = next(iter(job.spares))
+            m = job.spares.pop(nid)
+            m.state = MemberState.READY
+            job.members[nid] = m
+            out.append(Log("info", f"job {job.id}: spare {nid} takes a place in the job"))
+
+    def _maybe_finish(self, job: Job, out: list[Effect]) -> None:
+        if job.phase is not JobPhase.RUNNING or not job.members:
+            return
+        in_round = [job.members[nid] for nid in job.order if nid in job.members]
+        if all(m.state is MemberState.SUCCEEDED for m in in_round):
+            job.phase = JobPhase.FINISHED
+            job.last_call_deadline = None
+            for m in [*job.members.values(), *job.spares.values()]:
+                out.append(Send(m.conn, JobDone()))
+            out.append(Log("info", f"job {job.id}: finished: all workers succeeded in round {job.round}"))
+
+    def _fail(self, job: Job, reason: str, failure: Failure | None, out: list[Effect]) -> None:
+        job.phase = JobPhase.FAILED
+        job.last_call_deadline = None
+        for m in [*job.members.values(), *job.spares.values()]:
+            out.append(Send(m.conn, JobFailed(reason=reason, failure=failure)))
+        out.append(Log("error", f"job {job.id}: failed: {reason}"))
+
+    # -- departures and time ---------------------------------------------------------------
+
+    def _drop(self, conn_id: int, reason: str, now: float, out: list[Effect], *, close: bool) -> None:
+        conn = self.conns.pop(conn_id, None)
+        if conn is None:
+            return
+        if close:
+            out.append(Close(conn_id, reason))
+        if conn.phase is not ConnPhase.JOINED or conn.job_id is None or conn.node_id is None:
+            return
+        job = self.jobs.get(conn.job_id)
+        if job is None:
+            return
+        nid = conn.node_id
+        if job.spares.pop(nid, None) is not None:
+            out.append(Log("info", f"job {job.id}: spare {nid} {reason}"))
+            self._forget_if_done(job)
+            return
+        member = job.members.pop(nid, None)
+        if member is None:
+            return
+        if job.phase in (JobPhase.FINISHED, JobPhase.FAILED):
+            self._forget_if_done(job)
+            return
+        out.append(Log("warning", f"job {job.id}: node {nid} {reason} ({len(job.members)} remain)"))
+        if job.phase is JobPhase.GATHERING:
+            self._promote_spares(job, out)
+            if not job.members and not job.spares:
+                del self.jobs[job.id]
+                out.append(Log("info", f"job {job.id}: no nodes left; forgotten"))
+                return
+            if len(job.members) < job.settings.min_nodes and job.order == []:
+                job.last_call_deadline = None
+            self._notify_waiting(job, out)
+            self._maybe_complete(job, now, out)
+            return
+        # RUNNING
+        if nid not in job.order:
+            return  # a newcomer that had not started yet
+        if member.state is MemberState.SUCCEEDED:
+            self._maybe_finish(job, out)
+            return
+        if not job.members and not job.spares:
+            del self.jobs[job.id]
+            out.append(Log("info", f"job {job.id}: no nodes left; forgotten"))
+            return
+        cause = f"node {nid} ({member.addr}) {reason}"
+        if not job.elastic:
+            # A fixed-size job cannot go on smaller: losing a node is a failure, as it is for
+            # torchrun (whose survivors fail in their next collective).
+            if job.restart_count >= job.settings.max_restarts:
+                self._fail(job, f"{cause}; the job needs {job.settings.min_nodes} nodes", None, out)
+                return
+            job.restart_count += 1
+        self._regather(job, cause, now, out)
+        self._notify_waiting(job, out)
+
+    def _notify_waiting(self, job: Job, out: list[Effect]) -> None:
+        if job.phase is JobPhase.GATHERING and len(job.members) < job.settings.min_nodes:
+            msg = self._waiting(job, "waiting for nodes")
+            for m in job.members.values():
+                out.append(Send(m.conn, msg))
+
+    def _forget_if_done(self, job: Job) -> None:
+        if job.phase in (JobPhase.FINISHED, JobPhase.FAILED) and not job.members and not job.spares:
+            del self.jobs[job.id]
+
+    def _on_tick(self, now: float, out: list[Effect]) -> None:
+        for job in list(self.jobs.values()):
+            if job.last_call_deadline is not None and now >= job.last_call_deadline:
+                if job.phase is JobPhase.RUNNING:
+                    self._maybe_regather(job, now, out)
+                else:
+                    job.last_call_deadline = None
+                    self._maybe_complete(job, now, out)
+        if self._next_sweep is not None and now >= self._next_sweep:
+            self._sweep(now, out)
+
+    def _sweep(self, now: float, out: list[Effect]) -> None:
+        """Drop nodes whose heartbeats stopped: a frozen machine or a pulled cable."""
+        shortest: float | None = None
+        for conn in list(self.conns.values()):
+            if conn.phase is not ConnPhase.JOINED or conn.job_id not in self.jobs:
+                continue
+            timeout = self.jobs[conn.job_id].settings.heartbeat_timeout
+            shortest = timeout if shortest is None else min(shortest, timeout)
+            if now - conn.last_seen > timeout:
+                self._drop(conn.id, f"went silent (no heartbeat for {timeout:g} s)", now, out, close=True)
+        self._next_sweep = None if shortest is None else now + max(shortest / 4, 0.05)
+
+    def _ensure_sweep(self, now: float, timeout: float) -> None:
+        due = now + max(timeout / 4, 0.05)
+        if self._next_sweep is None or due < self._next_sweep:
+            self._next_sweep = due
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _member_of(self, conn: Conn) -> tuple[Job, Member]:
+        job = self.jobs.get(conn.job_id or "")
+        member = None
+        if job is not None and conn.node_id is not None:
+            member = job.members.get(conn.node_id) or job.spares.get(conn.node_id)
+        if job is None or member is None:
+            raise LocalError(f"joined connection {conn.id} has no member")
+        return job, member
+
+    def _waiting(self, job: Job, reason: str) -> Waiting:
+        return Waiting(
+            job_id=job.id,
+            round=job.round,
+            joined=len(job.members),
+            min_nodes=job.settings.min_nodes,
+            max_nodes=job.settings.max_nodes,
+            reason=reason,
+        )
+
+    def _refuse(self, conn: Conn, code: str, message: str, now: float, out: list[Effect]) -> None:
+        """The peer was wrong: tell it why and close its connection; everyone else goes on."""
+        out.append(Send(conn.id, Error(code=code, message=message, fatal=True)))
+        out.append(Log("warning", f"refused {conn.peer}: {message}"))
+        self._drop(conn.id, f"refused: {message}", now, out, close=True)
+
+
+def _describe_failure(f: Failure) -> str:
+    how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
+    return f"rank {f.rank} (local rank {f.local_rank}) on node {f.node_id} ({f.addr}) failed with {how}"
+
+
+def members_by_rank(job: Job) -> Iterable[Member]:
+    """The members of the last completed round in rank order (for status views)."""
+    return (job.members[nid] for nid in job.order if nid in job.members)

@@ -1,0 +1,187 @@
+"""The agent's decisions, deterministic: events in, effects out, a fake clock."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from node_agent import state as st
+from protocol import (
+    Assignment,
+    Error,
+    Failure,
+    JobDone,
+    JobFailed,
+    Leave,
+    Restart,
+    Waiting,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+
+
+def settings(**kw: object) -> st.AgentSettings:
+    base: dict[str, object] = dict(
+        node_id="n1", addr="10.0.0.1", join_timeout=10.0, exit_barrier_timeout=30.0, shutdown_timeout=5.0
+    )
+    base.update(kw)
+    return st.AgentSettings(**base)  # type: ignore[arg-type]
+
+
+def assignment(round: int = 0, restart_count: int = 0) -> Assignment:
+    return Assignment(
+        job_id="j",
+        round=round,
+        group_rank=0,
+        group_world_size=2,
+        rank_offset=0,
+        world_size=4,
+        master_addr="10.0.0.1",
+        master_port=29501,
+        restart_count=restart_count,
+        max_restarts=3,
+    )
+
+
+def failure(ts: float = 5.0) -> Failure:
+    return Failure(node_id="n1", addr="10.0.0.1", rank=1, local_rank=1, exitcode=3, timestamp=ts)
+
+
+def kinds(effects: list[st.Effect]) -> list[type]:
+    return [type(e) for e in effects if not isinstance(e, st.Log)]
+
+
+def running(m: st.AgentMachine | None = None) -> st.AgentMachine:
+    m = m or st.AgentMachine(settings())
+    assert kinds(m.start(0.0)) == [st.SendJoin]
+    assert kinds(m.handle(st.ServerSent(assignment()), 1.0)) == [st.StartWorkers]
+    m.handle(st.WorkersStarted((11, 12)), 1.0)
+    assert m.phase is st.Phase.RUNNING
+    return m
+
+
+def test_success_goes_through_exit_barrier() -> None:
+    m = running()
+    eff = m.handle(st.WorkersExited(None), 2.0)
+    sent = [e.msg for e in eff if isinstance(e, st.Send)]
+    assert sent == [WorkersSucceeded(round=0)]
+    assert m.phase is st.Phase.BARRIER
+    (ex,) = m.handle(st.ServerSent(JobDone()), 3.0)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+
+
+def test_exit_barrier_times_out_successfully() -> None:
+    m = running()
+    m.handle(st.WorkersExited(None), 2.0)
+    assert m.handle(st.Tick(), 31.0) == []
+    (ex,) = m.handle(st.Tick(), 32.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "barrier" in ex.reason
+
+
+def test_own_failure_reports_then_waits_for_verdict_restart() -> None:
+    m = running()
+    eff = m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    assert kinds(eff) == [st.Send, st.StopWorkers]
+    assert isinstance(eff[0], st.Send) and isinstance(eff[0].msg, WorkersFailed)
+    # the server's verdict may arrive before our workers are down
+    m.handle(st.ServerSent(Restart(round=0, reason="worker failure", restart_count=1)), 5.1)
+    assert m.phase is st.Phase.STOPPING
+    assert kinds(m.handle(st.WorkersStopped(), 5.2)) == [st.SendJoin]
+    assert m.phase is st.Phase.JOINING
+    assert kinds(m.handle(st.ServerSent(assignment(1, 1)), 5.3)) == [st.StartWorkers]
+
+
+def test_own_failure_then_job_failed_exits_with_root_cause() -> None:
+    m = running()
+    m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    m.handle(st.WorkersStopped(), 5.2)
+    assert m.phase is st.Phase.VERDICT
+    root = failure(4.0)
+    (ex,) = m.handle(st.ServerSent(JobFailed(reason="no restarts left", failure=root)), 5.3)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    assert ex.failure == root and ex.local_failures == (failure(),)
+
+
+def test_restart_from_server_stops_and_rejoins() -> None:
+    m = running()
+    eff = m.handle(st.ServerSent(Restart(round=0, reason="node joined", restart_count=0)), 3.0)
+    assert kinds(eff) == [st.StopWorkers]
+    # a worker dying of our SIGTERM is not reported as a failure
+    assert m.handle(st.WorkersExited(failure(), (failure(),)), 3.1) == []
+    assert kinds(m.handle(st.WorkersStopped(), 3.2)) == [st.SendJoin]
+
+
+def test_restart_at_barrier_rejoins_without_stopping() -> None:
+    m = running()
+    m.handle(st.WorkersExited(None), 2.0)
+    eff = m.handle(st.ServerSent(Restart(round=0, reason="rank 3 failed", restart_count=1)), 3.0)
+    assert kinds(eff) == [st.SendJoin]
+
+
+def test_join_timeout_leaves_and_exits() -> None:
+    m = st.AgentMachine(settings(join_timeout=10.0))
+    m.start(0.0)
+    m.handle(st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2)), 1.0)
+    assert m.handle(st.Tick(), 9.0) == []
+    eff = m.handle(st.Tick(), 10.0)
+    assert kinds(eff) == [st.Send, st.Exit]
+    assert isinstance(eff[0], st.Send) and isinstance(eff[0].msg, Leave)
+    ex = eff[1]
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_RDZV and "1 joined" in ex.reason
+
+
+def test_waiting_is_logged_once_per_change() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    w = Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2)
+    (log,) = m.handle(st.ServerSent(w), 1.0)
+    assert isinstance(log, st.Log) and "waiting for nodes: 1 of 2 joined" in log.text
+    assert m.handle(st.ServerSent(w), 1.5) == []
+
+
+def test_sigterm_forwards_and_exits_after_stop() -> None:
+    m = running()
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert kinds(eff) == [st.Send, st.StopWorkers]
+    stop = eff[1]
+    assert isinstance(stop, st.StopWorkers) and stop.signum == signal.SIGTERM and stop.grace == 5.0
+    # a second signal escalates
+    assert kinds(m.handle(st.SignalReceived(signal.SIGINT), 3.1)) == [st.ForwardSignal]
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "SIGTERM" in ex.reason
+
+
+def test_sigusr1_is_forwarded_to_workers() -> None:
+    m = running()
+    assert m.handle(st.SignalReceived(signal.SIGUSR1), 2.0) == [st.ForwardSignal(signal.SIGUSR1)]
+
+
+def test_connection_lost_stops_workers_then_exits_nonzero() -> None:
+    m = running()
+    assert kinds(m.handle(st.ConnectionLost("reset"), 2.0)) == [st.StopWorkers]
+    (ex,) = m.handle(st.WorkersStopped(), 2.5)
+    assert isinstance(ex, st.Exit) and ex.code != 0 and "reset" in ex.reason
+
+
+def test_server_error_while_joining_exits_with_its_message() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    (ex,) = m.handle(st.ServerSent(Error(code="job_mismatch", message="node range differs")), 0.1)
+    assert isinstance(ex, st.Exit) and ex.code != 0 and "node range differs" in ex.reason
+
+
+def test_spawn_failure_is_reported_as_worker_failure() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    m.handle(st.ServerSent(assignment()), 0.5)
+    eff = m.handle(st.WorkersStartFailed("no such file: train.py"), 0.6)
+    (send,) = [e for e in eff if isinstance(e, st.Send)]
+    assert isinstance(send.msg, WorkersFailed) and "train.py" in send.msg.failure.message
+    assert m.phase is st.Phase.VERDICT
+
+
+def test_assignment_outside_joining_is_a_local_error() -> None:
+    m = running()
+    with pytest.raises(st.UnexpectedEvent, match="phase running"):
+        m.handle(st.ServerSent(assignment(1)), 2.0)

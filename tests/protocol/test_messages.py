@@ -1,0 +1,500 @@
+"""Message constructors: every field's rule, the registries, versions and errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import pickle
+import typing
+
+import pytest
+
+from protocol import (
+    CLIENT_MESSAGES,
+    MAX_ADDR_LEN,
+    MAX_ID_LEN,
+    MAX_NODES,
+    MAX_NPROC,
+    MAX_TEXT_LEN,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    SERVER_MESSAGES,
+    SUPPORTED_VERSIONS,
+    Assignment,
+    BadMagic,
+    Error,
+    Failure,
+    FrameTooLarge,
+    Heartbeat,
+    Hello,
+    InvalidField,
+    JobDone,
+    JobFailed,
+    Join,
+    Leave,
+    MalformedFrame,
+    Message,
+    MissingField,
+    ProtocolError,
+    Restart,
+    UnexpectedMessage,
+    UnknownMessageType,
+    VersionMismatch,
+    Waiting,
+    Welcome,
+    WorkersFailed,
+    WorkersSucceeded,
+    error_message,
+    negotiate_version,
+)
+from protocol.errors import describe
+
+FAILURE = {
+    "node_id": "node-1",
+    "addr": "10.0.0.1",
+    "rank": 3,
+    "local_rank": 1,
+    "exitcode": -9,
+    "signal": "SIGKILL",
+    "timestamp": 1_700_000_000.5,
+    "message": "RuntimeError: CUDA error",
+}
+
+# One valid set of arguments per class; each test below breaks one field of it.
+VALID: dict[type, dict[str, typing.Any]] = {
+    Failure: FAILURE,
+    Hello: {"versions": (1,), "software": "node-agent 0.1.0"},
+    Join: {
+        "job_id": "job-7",
+        "node_id": "node-1",
+        "addr": "10.0.0.1",
+        "nproc": 8,
+        "min_nodes": 2,
+        "max_nodes": 4,
+        "entrypoint": "train.py --lr 0.1",
+        "master_port": 29500,
+        "max_restarts": 3,
+        "last_call_timeout": 30.0,
+        "heartbeat_interval": 5.0,
+        "heartbeat_timeout": 30.0,
+        "spare": True,
+    },
+    Heartbeat: {},
+    WorkersFailed: {"round": 2, "failure": Failure(**FAILURE)},
+    WorkersSucceeded: {"round": 2},
+    Leave: {"reason": "scale down"},
+    Welcome: {"version": 1, "software": "rdzv-server 0.1.0"},
+    Waiting: {"job_id": "job-7", "round": 1, "joined": 1, "min_nodes": 2, "max_nodes": 4, "reason": "1 more"},
+    Assignment: {
+        "job_id": "job-7",
+        "round": 1,
+        "group_rank": 1,
+        "group_world_size": 2,
+        "rank_offset": 8,
+        "world_size": 16,
+        "master_addr": "10.0.0.1",
+        "master_port": 29500,
+        "restart_count": 0,
+        "max_restarts": 3,
+    },
+    Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1},
+    JobFailed: {"reason": "max restarts reached", "failure": Failure(**FAILURE)},
+    JobDone: {},
+    Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
+}
+
+
+def path_of(cls: type) -> str:
+    return "failure" if cls is Failure else cls.TYPE
+
+
+def build(cls: type, **changes: typing.Any) -> typing.Any:
+    return cls(**{**VALID[cls], **changes})
+
+
+def assert_invalid(
+    cls: type, name: str, value: typing.Any, *, blamed: str | None = None, **others: typing.Any
+):
+    with pytest.raises(InvalidField) as info:
+        build(cls, **{name: value}, **others)
+    path = f"{path_of(cls)}.{blamed or name}"
+    assert info.value.code == "invalid_field"
+    assert info.value.field == path
+    assert str(info.value).startswith(f"{path}: ")
+    return info.value
+
+
+def fields_of_kind(kind: type) -> list[tuple[type, str]]:
+    # The field's kind comes from the valid sample, not from the code under test.
+    return [
+        (cls, name) for cls, sample in VALID.items() for name, value in sample.items() if type(value) is kind
+    ]
+
+
+ALL_FIELDS = [(cls, f.name) for cls in VALID for f in dataclasses.fields(cls)]
+
+
+def test_valid_samples_cover_every_field():
+    for cls, sample in VALID.items():
+        assert set(sample) == {f.name for f in dataclasses.fields(cls)}, cls
+
+
+@pytest.mark.parametrize("cls", list(VALID), ids=lambda c: c.__name__)
+def test_valid_sample_constructs(cls):
+    msg = build(cls)
+    for name, value in VALID[cls].items():
+        assert getattr(msg, name) == value
+
+
+# --- wrong types -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "name"), ALL_FIELDS, ids=lambda x: getattr(x, "__name__", x))
+def test_every_field_rejects_an_arbitrary_object(cls, name):
+    assert_invalid(cls, name, object())
+
+
+@pytest.mark.parametrize(("cls", "name"), fields_of_kind(int), ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [True, False, 1.0, "1", None, b"1"], ids=repr)
+def test_int_fields_reject_bool_float_and_str(cls, name, bad):
+    error = assert_invalid(cls, name, bad)
+    assert "int" in error.reason
+
+
+@pytest.mark.parametrize(("cls", "name"), fields_of_kind(float), ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1.0, -1, True, "1.0", None], ids=repr)
+def test_float_fields_reject_nan_inf_negative_bool_and_str(cls, name, bad):
+    assert_invalid(cls, name, bad)
+
+
+@pytest.mark.parametrize(("cls", "name"), fields_of_kind(str), ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [1, b"bytes", ["a"], "bad \ud800 surrogate"], ids=repr)
+def test_str_fields_reject_non_text(cls, name, bad):
+    assert_invalid(cls, name, bad)
+
+
+@pytest.mark.parametrize(("cls", "name"), fields_of_kind(bool), ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("bad", [0, 1, "true", None], ids=repr)
+def test_bool_fields_reject_ints_and_str(cls, name, bad):
+    assert_invalid(cls, name, bad)
+
+
+# --- ranges, lengths, relations ----------------------------------------------
+
+OUT_OF_RANGE = [
+    # (class, field, value, extra valid changes, field blamed if not `field`)
+    (Failure, "node_id", "", {}, None),
+    (Failure, "node_id", "n" * (MAX_ID_LEN + 1), {}, None),
+    (Failure, "addr", "a" * (MAX_ADDR_LEN + 1), {}, None),
+    (Failure, "rank", -1, {}, None),
+    (Failure, "local_rank", -1, {}, None),
+    (Failure, "exitcode", 2**63, {}, None),
+    (Failure, "exitcode", -(2**63) - 1, {}, None),
+    (Failure, "signal", "S" * 65, {}, None),
+    (Failure, "timestamp", -0.5, {}, None),
+    (Failure, "timestamp", 10**400, {}, None),
+    (Failure, "message", "m" * (MAX_TEXT_LEN + 1), {}, None),
+    (Hello, "versions", (), {}, None),
+    (Hello, "versions", (1,) * 17, {}, None),
+    (Hello, "versions", (0,), {}, None),
+    (Hello, "versions", (1, True), {}, None),
+    (Hello, "versions", (1, "2"), {}, None),
+    (Hello, "versions", "1", {}, None),
+    (Hello, "versions", 1, {}, None),
+    (Hello, "software", "s" * (MAX_ID_LEN + 1), {}, None),
+    (Join, "job_id", "", {}, None),
+    (Join, "job_id", "j" * (MAX_ID_LEN + 1), {}, None),
+    (Join, "node_id", "", {}, None),
+    (Join, "addr", "a" * (MAX_ADDR_LEN + 1), {}, None),
+    (Join, "nproc", 0, {}, None),
+    (Join, "nproc", MAX_NPROC + 1, {}, None),
+    (Join, "min_nodes", 0, {}, None),
+    (Join, "max_nodes", MAX_NODES + 1, {}, None),
+    (Join, "min_nodes", 5, {"max_nodes": 4}, "max_nodes"),
+    (Join, "entrypoint", "e" * (MAX_TEXT_LEN + 1), {}, None),
+    (Join, "master_port", 0, {}, None),
+    (Join, "master_port", 65536, {}, None),
+    (Join, "master_port", -1, {}, None),
+    (Join, "max_restarts", -1, {}, None),
+    (Join, "max_restarts", 2**63, {}, None),
+    (Join, "last_call_timeout", -0.001, {}, None),
+    (Join, "last_call_timeout", 1e7 + 1, {}, None),
+    (Join, "last_call_timeout", 10**400, {}, None),
+    (Join, "heartbeat_interval", 0, {}, None),
+    (Join, "heartbeat_interval", 0.0, {}, None),
+    (Join, "heartbeat_timeout", 0, {}, None),
+    (Join, "heartbeat_timeout", 1e8, {}, None),
+    (WorkersFailed, "round", -1, {}, None),
+    (WorkersFailed, "round", 2**63, {}, None),
+    (WorkersFailed, "failure", None, {}, None),
+    (WorkersFailed, "failure", FAILURE, {}, None),
+    (WorkersSucceeded, "round", -1, {}, None),
+    (Leave, "reason", None, {}, None),
+    (Leave, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
+    (Welcome, "version", 0, {}, None),
+    (Welcome, "software", "s" * (MAX_ID_LEN + 1), {}, None),
+    (Waiting, "job_id", "", {}, None),
+    (Waiting, "round", -1, {}, None),
+    (Waiting, "joined", -1, {}, None),
+    (Waiting, "min_nodes", 0, {}, None),
+    (Waiting, "max_nodes", MAX_NODES + 1, {}, None),
+    (Waiting, "min_nodes", 5, {"max_nodes": 4}, "max_nodes"),
+    (Waiting, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
+    (Assignment, "job_id", "", {}, None),
+    (Assignment, "round", -1, {}, None),
+    (Assignment, "group_rank", -1, {}, None),
+    (Assignment, "group_rank", 2, {"group_world_size": 2}, None),
+    (Assignment, "group_rank", 3, {"group_world_size": 2}, None),
+    (Assignment, "group_world_size", 0, {"group_rank": 0}, None),
+    (Assignment, "group_world_size", MAX_NODES + 1, {}, None),
+    (Assignment, "rank_offset", -1, {}, None),
+    (Assignment, "rank_offset", 16, {"world_size": 16}, None),
+    (Assignment, "world_size", 0, {"rank_offset": 0}, None),
+    (Assignment, "master_addr", "", {}, None),
+    (Assignment, "master_addr", "a" * (MAX_ADDR_LEN + 1), {}, None),
+    (Assignment, "master_port", 0, {}, None),
+    (Assignment, "master_port", 65536, {}, None),
+    (Assignment, "restart_count", -1, {}, None),
+    (Assignment, "max_restarts", -1, {}, None),
+    (Restart, "round", -1, {}, None),
+    (Restart, "reason", None, {}, None),
+    (Restart, "restart_count", -1, {}, None),
+    (JobFailed, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
+    (JobFailed, "failure", "node-1 died", {}, None),
+    (JobFailed, "failure", FAILURE, {}, None),
+    (Error, "code", "", {}, None),
+    (Error, "code", "c" * 65, {}, None),
+    (Error, "message", None, {}, None),
+    (Error, "message", "m" * (MAX_TEXT_LEN + 1), {}, None),
+    (Error, "field", 1, {}, None),
+    (Error, "field", "f" * (MAX_ID_LEN + 1), {}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "name", "value", "others", "blamed"),
+    OUT_OF_RANGE,
+    ids=[f"{c.__name__}.{n}={describe(v)}" for c, n, v, _, _ in OUT_OF_RANGE],
+)
+def test_out_of_range_values_are_rejected(cls, name, value, others, blamed):
+    assert_invalid(cls, name, value, blamed=blamed, **others)
+
+
+ON_THE_EDGE = [
+    (Failure, {"exitcode": -(2**63)}),
+    (Failure, {"exitcode": 2**63 - 1}),
+    (Failure, {"rank": 0, "local_rank": 0, "addr": "", "signal": "", "message": ""}),
+    (Failure, {"timestamp": 0}),
+    (Hello, {"versions": tuple(range(1, 17))}),
+    (Hello, {"software": ""}),
+    (Join, {"nproc": 1}),
+    (Join, {"nproc": MAX_NPROC}),
+    (Join, {"min_nodes": 1, "max_nodes": 1}),
+    (Join, {"min_nodes": MAX_NODES, "max_nodes": MAX_NODES}),
+    (Join, {"master_port": 1}),
+    (Join, {"master_port": 65535}),
+    (Join, {"last_call_timeout": 0}),
+    (Join, {"last_call_timeout": 1e7}),
+    (Join, {"heartbeat_interval": 1e-9, "heartbeat_timeout": 1e7}),
+    (Join, {"max_restarts": 2**63 - 1}),
+    (Join, {"addr": "", "entrypoint": ""}),
+    (Join, {"job_id": "j" * MAX_ID_LEN, "node_id": "\N{SNOWMAN}" * MAX_ID_LEN}),
+    (Join, {"entrypoint": "e" * MAX_TEXT_LEN}),
+    (Waiting, {"joined": 0, "round": 0, "reason": ""}),
+    (Assignment, {"group_rank": 0, "group_world_size": 1, "rank_offset": 0, "world_size": 1}),
+    (Assignment, {"group_rank": MAX_NODES - 1, "group_world_size": MAX_NODES}),
+    (Error, {"field": None, "code": "c" * 64}),
+]
+
+
+@pytest.mark.parametrize(("cls", "changes"), ON_THE_EDGE, ids=lambda x: getattr(x, "__name__", None))
+def test_values_on_the_edge_are_accepted(cls, changes):
+    msg = build(cls, **changes)
+    for name, value in changes.items():
+        assert getattr(msg, name) == value
+
+
+# --- coercion, defaults, dataclass shape -------------------------------------
+
+
+def test_ints_in_float_fields_become_floats():
+    join = build(Join, last_call_timeout=0, heartbeat_interval=5, heartbeat_timeout=30)
+    assert (join.last_call_timeout, join.heartbeat_interval, join.heartbeat_timeout) == (0.0, 5.0, 30.0)
+    assert all(type(v) is float for v in (join.last_call_timeout, join.heartbeat_interval))
+    assert type(build(Failure, timestamp=1_700_000_000).timestamp) is float
+
+
+def test_lists_in_tuple_fields_become_tuples():
+    hello = build(Hello, versions=[1, 2])
+    assert hello.versions == (1, 2)
+    assert type(hello.versions) is tuple
+    hash(hello)  # a list would have made it unhashable
+
+
+def test_defaults():
+    assert Leave().reason == ""
+    assert Join(**{k: v for k, v in VALID[Join].items() if k != "spare"}).spare is False
+    assert JobFailed(reason="x").failure is None
+    error = Error(code="bad_magic", message="no")
+    assert (error.field, error.fatal) == (None, True)
+    failure = Failure(**{k: v for k, v in FAILURE.items() if k not in ("signal", "message")})
+    assert (failure.signal, failure.message) == ("", "")
+    assert Waiting(**{k: v for k, v in VALID[Waiting].items() if k != "reason"}).reason == ""
+
+
+@pytest.mark.parametrize("cls", list(VALID), ids=lambda c: c.__name__)
+def test_messages_are_frozen_slotted_and_keyword_only(cls):
+    msg = build(cls)
+    assert msg == build(cls)
+    assert hash(msg) == hash(build(cls))
+    assert not hasattr(msg, "__dict__")
+    for f in dataclasses.fields(cls):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(msg, f.name, getattr(msg, f.name))
+    if VALID[cls]:
+        with pytest.raises(TypeError):
+            cls(*VALID[cls].values())
+    if any(f.default is dataclasses.MISSING for f in dataclasses.fields(cls)):
+        with pytest.raises(TypeError):  # a missing argument is our bug, not the peer's
+            cls()
+
+
+# --- registries --------------------------------------------------------------
+
+
+def test_registries():
+    assert set(CLIENT_MESSAGES) == {
+        "hello",
+        "join",
+        "heartbeat",
+        "workers_failed",
+        "workers_succeeded",
+        "leave",
+    }
+    assert set(SERVER_MESSAGES) == {
+        "welcome",
+        "waiting",
+        "assignment",
+        "restart",
+        "job_failed",
+        "job_done",
+        "error",
+    }
+    assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)
+    assert MESSAGE_TYPES == {**CLIENT_MESSAGES, **SERVER_MESSAGES}
+    for tag, cls in MESSAGE_TYPES.items():
+        assert cls.TYPE == tag
+    assert set(typing.get_args(Message)) == set(MESSAGE_TYPES.values())
+    assert not hasattr(Failure, "TYPE")
+    assert set(VALID) == {Failure, *MESSAGE_TYPES.values()}
+
+
+# --- versions ----------------------------------------------------------------
+
+
+def test_version_constants():
+    assert PROTOCOL_VERSION == 1
+    assert SUPPORTED_VERSIONS == (1,)
+    assert PROTOCOL_VERSION in SUPPORTED_VERSIONS
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours", "agreed"),
+    [
+        ((1,), (1,), 1),
+        ([1, 2, 3], (1,), 1),
+        ((3, 1, 2), (1, 2), 2),
+        ((2,), (1, 2, 3), 2),
+        ((1, 2, 5, 9), (2, 5, 7), 5),
+    ],
+)
+def test_negotiate_version_picks_the_highest_common_version(theirs, ours, agreed):
+    assert negotiate_version(theirs, ours=ours) == agreed
+    # Symmetric: the client checking the server's choice agrees with the server.
+    assert negotiate_version(ours, ours=theirs) == agreed
+
+
+def test_negotiate_version_defaults_to_our_supported_versions():
+    assert negotiate_version(Hello(versions=(1,), software="x").versions) == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize(("theirs", "ours"), [((2, 3), (1,)), ((1,), (2, 3)), ((), (1,))])
+def test_version_mismatch_names_both_sides(theirs, ours):
+    with pytest.raises(VersionMismatch) as info:
+        negotiate_version(theirs, ours=ours)
+    error = info.value
+    assert error.code == "version_mismatch"
+    assert (error.ours, error.theirs) == (tuple(ours), tuple(theirs))
+    assert str(list(ours)) in str(error)
+    assert str(list(theirs)) in str(error)
+    assert error.field == "hello.versions"
+
+
+# --- errors ------------------------------------------------------------------
+
+ERRORS = [
+    (MalformedFrame("not msgpack"), "malformed_frame"),
+    (FrameTooLarge(2_000_000, 1 << 20), "frame_too_large"),
+    (BadMagic(b"GET / HT"), "bad_magic"),
+    (UnknownMessageType("nope", accepted=["join", "hello"]), "unknown_type"),
+    (MissingField("join.nproc"), "missing_field"),
+    (InvalidField("join.nproc", "must be in 1..4096, got 0"), "invalid_field"),
+    (VersionMismatch(ours=(1,), theirs=(2,)), "version_mismatch"),
+    (UnexpectedMessage("join while running, node n1", field="t"), "unexpected_message"),
+]
+
+
+@pytest.mark.parametrize(("error", "code"), ERRORS, ids=lambda e: type(e).__name__)
+def test_errors_have_stable_codes_and_survive_pickle(error, code):
+    assert isinstance(error, ProtocolError)
+    assert error.code == type(error).code == code
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(clone) is type(error)
+        assert (str(clone), clone.code, clone.field) == (str(error), error.code, error.field)
+
+
+def test_error_text_is_readable():
+    assert (
+        str(FrameTooLarge(2_000_000, 1_048_576))
+        == "frame of 2000000 bytes exceeds the limit of 1048576 bytes"
+    )
+    assert str(MissingField("join.nproc")) == "join.nproc: required field is missing"
+    assert str(InvalidField("join.nproc", "must be >= 1")) == "join.nproc: must be >= 1"
+    assert "'nope'" in str(UnknownMessageType("nope"))
+    assert "(accepted here: hello, join)" in str(UnknownMessageType("x", accepted=["join", "hello"]))
+    assert "b'GET / HT'" in str(BadMagic(b"GET / HT"))
+    assert str(UnexpectedMessage("join while running")) == "join while running"
+
+
+@pytest.mark.parametrize(("error", "_code"), ERRORS, ids=lambda e: type(e).__name__)
+def test_error_message_builds_the_reply(error, _code):
+    reply = error_message(error)
+    assert reply == Error(code=error.code, message=str(error), field=error.field, fatal=True)
+    assert error_message(error, fatal=False).fatal is False
+
+
+def test_error_message_truncates_what_does_not_fit():
+    error = InvalidField("x" * 1000, "y" * (2 * MAX_TEXT_LEN))
+    reply = error_message(error)
+    assert len(reply.message) == MAX_TEXT_LEN
+    assert reply.field == "x" * MAX_ID_LEN
+
+
+def test_describe_is_short_and_never_raises():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert describe(deep) == "a list of length 1"
+    assert describe(10**5000) == "an int of 16610 bits"
+    assert len(describe("x" * 10**6)) < 120
+    assert describe(b"\x00" * 10) == repr(b"\x00" * 10)
+    assert describe(math.nan) == "nan"
+    assert describe(object()) == "a value of type object"
+
+
+def test_error_for_a_huge_value_stays_short():
+    error = assert_invalid(Join, "job_id", "j" * 10**6)
+    assert len(str(error)) < 200
+    error = assert_invalid(Join, "nproc", 10**5000)
+    assert "bits" in str(error)

@@ -1,0 +1,326 @@
+"""The rendezvous rules, deterministic: a fake clock and scripted agents."""
+
+from __future__ import annotations
+
+from protocol import (
+    SUPPORTED_VERSIONS,
+    Assignment,
+    Error,
+    Heartbeat,
+    Hello,
+    JobDone,
+    JobFailed,
+    Leave,
+    Restart,
+    Waiting,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+from rdzv_server.state import Connected, JobPhase, Received
+
+from .harness import Harness, failure
+
+
+def assignments(h: Harness, conns: list[int]) -> dict[int, Assignment]:
+    out = {}
+    for c in conns:
+        a = h.last(c, Assignment)
+        assert a is not None, f"connection {c} got no assignment: {h.inbox.get(c)}"
+        out[c] = a
+    return out
+
+
+def test_round_completes_when_node_count_reached() -> None:
+    h = Harness()
+    a = h.join()
+    w = h.last(a, Waiting)
+    assert w is not None and w.joined == 1
+    assert h.last(a, Assignment) is None
+    b = h.join()
+    got = assignments(h, [a, b])
+    # sorted by address: 10.0.0.1 < 10.0.0.2
+    assert got[a].group_rank == 0 and got[b].group_rank == 1
+    assert got[a].rank_offset == 0 and got[b].rank_offset == 2
+    assert {x.world_size for x in got.values()} == {4}
+    assert {x.group_world_size for x in got.values()} == {2}
+    assert {(x.master_addr, x.master_port) for x in got.values()} == {("10.0.0.1", 20001)}
+
+
+def test_ranks_follow_address_not_arrival_and_sum_nproc() -> None:
+    h = Harness()
+    c1, c2, c3 = h.connect(), h.connect(), h.connect()
+    kw = dict(min_nodes=3, max_nodes=3)
+    h.join(c3, nproc=1, **kw)
+    h.join(c1, nproc=4, **kw)
+    h.join(c2, nproc=2, **kw)
+    got = assignments(h, [c1, c2, c3])
+    assert [got[c].group_rank for c in (c1, c2, c3)] == [0, 1, 2]
+    assert [got[c].rank_offset for c in (c1, c2, c3)] == [0, 4, 6]
+    assert got[c1].world_size == 7
+    assert got[c1].master_addr == "10.0.0.1"
+
+
+def test_two_jobs_never_see_each_other() -> None:
+    h = Harness()
+    a1 = h.join(job="a")
+    b1 = h.join(job="b", node="x")
+    assert h.last(a1, Assignment) is None and h.last(b1, Assignment) is None
+    a2 = h.join(job="a")
+    assert h.last(a1, Assignment) is not None and h.last(a2, Assignment) is not None
+    assert h.last(b1, Assignment) is None
+    b2 = h.join(job="b", node="y")
+    got = assignments(h, [b1, b2])
+    assert {x.job_id for x in got.values()} == {"b"}
+    assert {x.world_size for x in got.values()} == {4}
+
+
+def test_mismatched_settings_are_refused_naming_both_values() -> None:
+    h = Harness()
+    a = h.join(min_nodes=2, max_nodes=2)
+    b = h.join(min_nodes=3, max_nodes=3)
+    err = h.last(b, Error)
+    assert err is not None and err.code == "job_mismatch"
+    assert "--nnodes 2" in err.message and "--nnodes 3" in err.message
+    assert b in h.closed
+    c = h.join(entrypoint="other.py")
+    err = h.last(c, Error)
+    assert err is not None and "train.py" in err.message and "other.py" in err.message
+    # the job itself is untouched
+    d = h.join()
+    assert h.last(a, Assignment) is not None and h.last(d, Assignment) is not None
+
+
+def test_hello_is_required_and_versions_negotiated() -> None:
+    h = Harness()
+    h.machine.handle(Connected(99, "peer"), 0.0)
+    h._apply(h.machine.handle(Received(99, Heartbeat()), 0.0))
+    err = h.last(99, Error)
+    assert err is not None and err.code == "unexpected_message" and 99 in h.closed
+    h.machine.handle(Connected(98, "peer"), 0.0)
+    h._apply(h.machine.handle(Received(98, Hello(versions=(99,), software="future")), 0.0))
+    err = h.last(98, Error)
+    assert err is not None and err.code == "version_mismatch"
+    assert "99" in err.message and str(SUPPORTED_VERSIONS[0]) in err.message
+
+
+def test_elastic_first_round_waits_for_last_call() -> None:
+    h = Harness()
+    kw = dict(min_nodes=2, max_nodes=4, last_call_timeout=3.0)
+    a = h.join(**kw)
+    b = h.join(**kw)
+    assert h.last(a, Assignment) is None
+    h.advance(2.0)
+    c = h.join(**kw)
+    assert h.last(c, Assignment) is None
+    h.advance(1.5)
+    got = assignments(h, [a, b, c])
+    assert {x.group_world_size for x in got.values()} == {3}
+
+
+def test_elastic_completes_at_once_when_max_reached() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2, last_call_timeout=30.0)
+    a = h.join(**kw)
+    assert h.last(a, Assignment) is None
+    b = h.join(**kw)
+    assert assignments(h, [a, b])[a].group_world_size == 2
+
+
+def test_worker_failure_restarts_everyone_and_counts_once() -> None:
+    h = Harness()
+    a = h.join(max_restarts=2)
+    b = h.join(max_restarts=2)
+    r0 = assignments(h, [a, b])
+    h.take(a), h.take(b)
+    # two failures in the same round (one per node) count as one restart
+    h.send(a, WorkersFailed(round=r0[a].round, failure=failure(0, "node1")))
+    h.send(b, WorkersFailed(round=r0[b].round, failure=failure(2, "node2")))
+    for c in (a, b):
+        rs = h.last(c, Restart)
+        assert rs is not None and rs.restart_count == 1 and "rank 0" in rs.reason
+    h.join(a, max_restarts=2)
+    assert h.last(a, Assignment) is None  # b has not re-joined yet
+    h.join(b, max_restarts=2)
+    r1 = assignments(h, [a, b])
+    assert r1[a].restart_count == 1 and r1[a].round == r0[a].round + 1
+    assert r1[a].group_rank == 0 and r1[b].group_rank == 1
+
+
+def test_restarts_exhausted_fails_job_with_root_cause_to_all() -> None:
+    h = Harness()
+    a = h.join(max_restarts=0)
+    b = h.join(max_restarts=0)
+    r = assignments(h, [a, b])
+    f = failure(3, "node2", exitcode=3)
+    h.send(b, WorkersFailed(round=r[b].round, failure=f))
+    for c in (a, b):
+        jf = h.last(c, JobFailed)
+        assert jf is not None and jf.failure == f and "exit code 3" in jf.reason
+    assert h.machine.jobs["job"].phase is JobPhase.FAILED
+
+
+def test_success_waits_for_every_node_then_job_done() -> None:
+    h = Harness()
+    a, b = h.join(), h.join()
+    r = assignments(h, [a, b])
+    h.send(a, WorkersSucceeded(round=r[a].round))
+    assert h.last(a, JobDone) is None
+    h.send(b, WorkersSucceeded(round=r[b].round))
+    assert h.last(a, JobDone) is not None and h.last(b, JobDone) is not None
+    # once every node has gone, the id can be used again
+    h.drop(a), h.drop(b)
+    assert "job" not in h.machine.jobs
+
+
+def test_finished_job_id_refused_while_nodes_remain() -> None:
+    h = Harness()
+    a, b = h.join(), h.join()
+    r = assignments(h, [a, b])
+    h.send(a, WorkersSucceeded(round=r[a].round))
+    h.send(b, WorkersSucceeded(round=r[b].round))
+    c = h.join()
+    err = h.last(c, Error)
+    assert err is not None and err.code == "job_closed"
+
+
+def test_stale_messages_from_an_abandoned_round_are_ignored() -> None:
+    h = Harness()
+    a, b = h.join(max_restarts=3), h.join(max_restarts=3)
+    r = assignments(h, [a, b])
+    h.send(a, WorkersFailed(round=r[a].round, failure=failure()))
+    h.send(b, WorkersSucceeded(round=r[b].round))  # late: that round is gone
+    h.send(b, WorkersFailed(round=r[b].round, failure=failure()))
+    assert h.machine.jobs["job"].restart_count == 1
+
+
+def test_node_loss_in_elastic_job_restarts_survivors_without_using_budget() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=3, last_call_timeout=1.0, max_restarts=0)
+    a, b, c = h.join(**kw), h.join(**kw), h.join(**kw)
+    r = assignments(h, [a, b, c])
+    assert r[a].group_world_size == 3
+    h.drop(b)
+    for x in (a, c):
+        rs = h.last(x, Restart)
+        assert rs is not None and "node2" in rs.reason and rs.restart_count == 0
+    h.join(a, **kw)
+    h.join(c, **kw)
+    r2 = assignments(h, [a, c])
+    # survivors keep their order; rank 0 stays put, so MASTER_ADDR does too
+    assert r2[a].group_rank == 0 and r2[c].group_rank == 1
+    assert r2[a].master_addr == r[a].master_addr
+    assert r2[a].world_size == 4
+
+
+def test_rank_zero_stays_when_a_lower_address_joins_later() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=3, last_call_timeout=1.0)
+    c5 = h.join(node="z", addr="10.0.0.5", **kw)
+    h.advance(1.5)
+    assert assignments(h, [c5])[c5].group_rank == 0
+    low = h.join(node="a", addr="10.0.0.1", **kw)
+    rs = h.last(c5, Restart)
+    assert rs is None  # the settle window is still open
+    h.advance(1.5)
+    assert h.last(c5, Restart) is not None
+    h.join(c5, node="z", addr="10.0.0.5", **kw)
+    got = assignments(h, [c5, low])
+    assert got[c5].group_rank == 0 and got[low].group_rank == 1
+    assert got[low].master_addr == "10.0.0.5"
+
+
+def test_join_during_round_settles_then_one_restart_for_a_burst() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=4, last_call_timeout=2.0)
+    a = h.join(**kw)
+    h.advance(2.5)
+    assert assignments(h, [a])[a].world_size == 2
+    h.take(a)
+    b = h.join(**kw)
+    h.advance(1.0)
+    c = h.join(**kw)
+    assert h.last(a, Restart) is None
+    h.advance(1.5)  # window opened by b's join closes
+    restarts = [m for m in h.take(a) if isinstance(m, Restart)]
+    assert len(restarts) == 1
+    h.join(a, **kw)
+    got = assignments(h, [a, b, c])
+    assert {x.world_size for x in got.values()} == {6}
+
+
+def test_silent_node_is_dropped_after_heartbeat_timeout() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2, heartbeat_timeout=3.0)
+    a, b = h.join(**kw), h.join(**kw)
+    assignments(h, [a, b])
+    for _ in range(4):
+        h.advance(1.0)
+        h.send(a, Heartbeat())
+    assert b in h.closed and "silent" in h.closed[b]
+    assert a not in h.closed
+    assert h.last(a, Restart) is not None
+
+
+def test_fixed_size_job_losing_a_node_fails_without_restarts() -> None:
+    h = Harness()
+    a, b = h.join(), h.join()
+    assignments(h, [a, b])
+    h.drop(b)
+    jf = h.last(a, JobFailed)
+    assert jf is not None and "node2" in jf.reason
+
+
+def test_fixed_size_job_waits_for_replacement_when_restarts_remain() -> None:
+    h = Harness()
+    a, b = h.join(max_restarts=1), h.join(max_restarts=1)
+    assignments(h, [a, b])
+    h.drop(b)
+    rs = h.last(a, Restart)
+    assert rs is not None and rs.restart_count == 1
+    h.join(a, max_restarts=1)
+    w = h.last(a, Waiting)
+    assert w is not None and w.joined == 1
+    c = h.join(max_restarts=1)
+    got = assignments(h, [a, c])
+    assert got[a].group_rank == 0 and got[c].restart_count == 1
+
+
+def test_spare_waits_and_replaces_a_lost_node() -> None:
+    h = Harness()
+    kw = dict(min_nodes=2, max_nodes=2, max_restarts=1)
+    a, b = h.join(**kw), h.join(**kw)
+    assignments(h, [a, b])
+    s = h.join(**kw)
+    w = h.last(s, Waiting)
+    assert w is not None and "spare" in w.reason and h.last(s, Assignment) is None
+    h.drop(b)
+    h.join(a, **kw)
+    got = assignments(h, [a, s])
+    assert got[s].group_world_size == 2 and got[a].group_rank == 0
+
+
+def test_leave_is_a_clean_departure() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2)
+    a, b = h.join(**kw), h.join(**kw)
+    assignments(h, [a, b])
+    h.send(b, Leave(reason="drain"))
+    assert b in h.closed
+    rs = h.last(a, Restart)
+    assert rs is not None and "left" in rs.reason and rs.restart_count == 0
+
+
+def test_join_and_loss_in_the_same_settle_window() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=4, last_call_timeout=2.0)
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(2.5)
+    assignments(h, [a, b])
+    h.take(a), h.take(b)
+    c = h.join(**kw)  # opens the settle window
+    assert h.last(a, Restart) is None
+    h.drop(b)  # loss restarts at once; c is admitted in the same new round
+    assert h.last(a, Restart) is not None
+    h.join(a, **kw)
+    got = assignments(h, [a, c])
+    assert got[a].group_rank == 0 and got[c].group_world_size == 2
