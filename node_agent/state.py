@@ -303,10 +303,10 @@ class AgentMachine:
         if event.failure is None:
             self.phase = Phase.BARRIER
             self.deadline = now + self.settings.exit_barrier_timeout
-            return [
-                Log("info", "workers finished; waiting for the other nodes (exit barrier)"),
-                Send(WorkersSucceeded(round=self.assignment.round)),
-            ]
+            effects: list[Effect] = [Send(WorkersSucceeded(round=self.assignment.round))]
+            if self.assignment.group_world_size > 1:
+                effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
+            return effects
         self.local_failures = event.local_failures or (event.failure,)
         self.phase = Phase.STOPPING
         self._after_stop = "verdict"

@@ -14,10 +14,13 @@ if TYPE_CHECKING:
     from .service import RendezvousService
 
 
+SERVICE: web.AppKey[RendezvousService] = web.AppKey("service")
+
+
 async def make_http_runner(service: RendezvousService) -> web.AppRunner:
     """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
     app = web.Application()
-    app["service"] = service
+    app[SERVICE] = service
 
     async def healthz(request: web.Request) -> web.Response:
         m = service.machine

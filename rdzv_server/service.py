@@ -50,8 +50,7 @@ class _Connection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_expired)
 
     def data_received(self, data: bytes) -> None:

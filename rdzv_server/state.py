@@ -370,8 +370,9 @@ class Rendezvous:
             return
         if n == job.settings.min_nodes and job.last_call_deadline is None and job.order == []:
             job.last_call_deadline = now + job.settings.last_call_timeout
-        out.append(Send(conn.id, self._waiting(job, "")))
         self._maybe_complete(job, now, out)
+        if member.state is MemberState.READY:
+            out.append(Send(conn.id, self._waiting(job, "")))
 
     def _on_rejoin(self, job: Job, member: Member, msg: Join, now: float, out: list[Effect]) -> None:
         if job.settings.mismatch(JobSettings.from_join(msg)) is not None or msg.node_id != member.node_id:

@@ -1,0 +1,176 @@
+"""The agent's connection to the rendezvous server: connect, say hello, exchange frames.
+
+Connecting retries with capped exponential backoff and jitter until a deadline, printing what
+it waits for once per distinct problem (not once per attempt). After the TCP connect the
+server has ``handshake_timeout`` to answer our hello with its magic and a welcome; a listener
+that answers anything else (or nothing) is named as not being a rendezvous server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+from collections.abc import Callable
+
+from protocol import (
+    MAGIC,
+    SERVER_MESSAGES,
+    SUPPORTED_VERSIONS,
+    Error,
+    FrameDecoder,
+    Hello,
+    Message,
+    ProtocolError,
+    Welcome,
+    encode,
+)
+
+SOFTWARE = "node-agent/0.1"
+READ_CHUNK = 1 << 16
+
+
+class RendezvousUnreachable(Exception):
+    """No rendezvous server answered at the endpoint before the deadline."""
+
+
+class NotARendezvousServer(Exception):
+    """Something listens at the endpoint, but it does not speak our protocol."""
+
+
+class RendezvousRefused(Exception):
+    """The server answered the hello with an error (e.g. no common protocol version)."""
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, version: int) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.version = version
+        self._decoder: FrameDecoder | None = None
+        self._pending: list[Message] = []
+
+    @property
+    def local_ip(self) -> str:
+        """The address of our end: the interface that routes to the server."""
+        return self.writer.get_extra_info("sockname")[0]
+
+    def send(self, msg: Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+    async def receive(self) -> Message:
+        """The next message; raises ConnectionError when the server is gone."""
+        assert self._decoder is not None
+        while not self._pending:
+            data = await self.reader.read(READ_CHUNK)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            self._pending.extend(self._decoder.feed(data))
+        return self._pending.pop(0)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    deadline: float,
+    handshake_timeout: float,
+    log: Callable[[str], None],
+    clock: Callable[[], float] = time.monotonic,
+) -> Connection:
+    """Connect and exchange hellos, retrying refused or unreachable endpoints until deadline."""
+    delay = 0.05
+    last_problem = ""
+    while True:
+        try:
+            remaining = max(0.1, deadline - clock())
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=remaining)
+            break
+        except (OSError, asyncio.TimeoutError) as exc:
+            problem = _describe_os_error(exc)
+            if problem != last_problem:
+                log(f"waiting for the rendezvous server at {host}:{port}: {problem}; retrying")
+                last_problem = problem
+            if clock() + delay > deadline:
+                raise RendezvousUnreachable(
+                    f"no rendezvous server answered at {host}:{port} ({problem}); gave up after the join "
+                    f"timeout. Is `rdzv-server` running there, or did you mean --standalone?"
+                ) from None
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 2.0)
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = Connection(reader, writer, version=0)
+    try:
+        writer.write(MAGIC + encode(Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE)))
+        first = await asyncio.wait_for(_first_message(conn), timeout=handshake_timeout)
+    except asyncio.TimeoutError:
+        await conn.close()
+        raise NotARendezvousServer(
+            f"{host}:{port} accepted the connection but did not answer as a rendezvous server "
+            f"within {handshake_timeout:g} s"
+        ) from None
+    except _Garbage as exc:
+        await conn.close()
+        raise NotARendezvousServer(
+            f"{host}:{port} does not speak the rendezvous protocol (it answered {exc.sample!r})"
+        ) from None
+    except ConnectionError:
+        await conn.close()
+        raise NotARendezvousServer(
+            f"{host}:{port} closed the connection during the hello: not a rendezvous server?"
+        ) from None
+    if isinstance(first, Error):
+        await conn.close()
+        raise RendezvousRefused(f"the rendezvous server at {host}:{port} refused us: {first.message}")
+    if not isinstance(first, Welcome):
+        await conn.close()
+        raise NotARendezvousServer(f"{host}:{port} answered the hello with {first.TYPE}")
+    conn.version = first.version
+    return conn
+
+
+class _Garbage(Exception):
+    def __init__(self, sample: bytes) -> None:
+        self.sample = sample
+
+
+async def _first_message(conn: Connection) -> Message:
+    received = bytearray()
+    decoder = FrameDecoder(allowed=SERVER_MESSAGES, expect_magic=True)
+    while True:
+        data = await conn.reader.read(READ_CHUNK)
+        if not data:
+            if received:
+                raise _Garbage(bytes(received[:40]))
+            raise ConnectionError("closed during hello")
+        if len(received) < 64:
+            received += data[:64]
+        try:
+            msgs = decoder.feed(data)
+        except ProtocolError:
+            raise _Garbage(bytes(received[:40])) from None
+        if msgs:
+            conn._decoder = decoder
+            conn._pending.extend(msgs[1:])
+            return msgs[0]
+
+
+def _describe_os_error(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "connect timed out"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve host ({exc.strerror})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc) or type(exc).__name__

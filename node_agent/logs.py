@@ -1,0 +1,78 @@
+"""Where worker logs go: torchrun's directory layout, minus its overwriting.
+
+    <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout.log,stderr.log,error.json}
+
+torchrun names the attempt directory after TORCHELASTIC_RESTART_COUNT and ``rmtree``s it when a
+membership change restarts the workers with the same count, so the logs of the attempt that
+failed are lost.  Here every ``new_attempt()`` takes the next free ``k`` instead; the directory
+name therefore counts attempts on this node, not restarts.
+
+Nothing here opens log files: the supervisor does, when it starts the workers.  Directories are
+created eagerly (the run directory at init, the attempt directory in ``new_attempt``, a rank's
+directory when one of its paths is asked for) because the worker itself writes ``error.json``
+and torch's error handler does not create missing directories.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+__all__ = ["Attempt", "RunLogs"]
+
+
+class Attempt:
+    """One attempt's directory; paths for each local rank inside it."""
+
+    def __init__(self, index: int, dir: str) -> None:
+        self.index = index
+        self.dir = dir
+
+    def rank_dir(self, local_rank: int) -> str:
+        """``<attempt>/<local_rank>``, created on first use."""
+        path = os.path.join(self.dir, str(local_rank))
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def error_file(self, local_rank: int) -> str:
+        return os.path.join(self.rank_dir(local_rank), "error.json")
+
+    def stdout_path(self, local_rank: int) -> str:
+        return os.path.join(self.rank_dir(local_rank), "stdout.log")
+
+    def stderr_path(self, local_rank: int) -> str:
+        return os.path.join(self.rank_dir(local_rank), "stderr.log")
+
+    def __repr__(self) -> str:
+        return f"Attempt(index={self.index}, dir={self.dir!r})"
+
+
+class RunLogs:
+    """The log directory of one run on this node (see the module header for the layout)."""
+
+    def __init__(self, log_dir: str | None, run_id: str) -> None:
+        if log_dir is None:
+            # torchrun's default: a fresh temporary base, so concurrent runs never collide.
+            base = tempfile.mkdtemp(prefix="torchelastic_")
+        else:
+            if os.path.isfile(log_dir):
+                raise NotADirectoryError(f"log_dir {log_dir!r} is a file")
+            os.makedirs(log_dir, exist_ok=True)
+            base = log_dir
+        # A run id is user input; a path separator in it must not create nested directories.
+        safe_id = run_id.replace(os.sep, "_") or "run"
+        self.root: str = tempfile.mkdtemp(prefix=f"{safe_id}_", dir=base)
+        self._next = 0
+
+    def new_attempt(self) -> Attempt:
+        """Create ``attempt_<k>`` for the smallest ``k`` not used before in this run."""
+        k = self._next
+        while True:
+            path = os.path.join(self.root, f"attempt_{k}")
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # someone made it behind our back: skip it, never reuse it
+                k += 1
+                continue
+            self._next = k + 1
+            return Attempt(k, path)

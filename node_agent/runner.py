@@ -1,0 +1,372 @@
+"""The agent's asyncio layer: wires the connection, the workers, signals and time to the machine.
+
+One queue of events feeds :class:`~node_agent.state.AgentMachine`; each of its effects is
+carried out here. Background work (reading the server, heartbeats, waiting for workers,
+stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import string
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message
+
+from . import state as st
+from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
+from .config import AgentConfig
+from .logs import RunLogs
+from .report import failure_summary
+from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, WorkerSpec
+from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
+
+HANDSHAKE_TIMEOUT_CAP = 10.0
+
+
+class AgentLog:
+    """The agent's own lines on stderr: ``[node-agent] …``, or JSON objects for log shippers."""
+
+    def __init__(self, stream: TextIO, fmt: str = "text", node: str = "") -> None:
+        self.stream = stream
+        self.fmt = fmt
+        self.node = node
+        self.job = ""
+
+    def __call__(self, text: str, level: str = "info") -> None:
+        if self.fmt == "json":
+            rec = {"ts": time.time(), "level": level, "job": self.job, "node": self.node, "msg": text}
+            line = json.dumps(rec)
+        else:
+            line = f"[node-agent] {text}" if level == "info" else f"[node-agent] {level.upper()}: {text}"
+        print(line, file=self.stream, flush=True)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(attempts: int = 50) -> int:
+    """A port free right now, for worker rank 0's TCPStore, which binds it seconds later.
+
+    Ports the kernel hands out for outgoing connections (the ephemeral range) can be taken in
+    those seconds by any connect() on this machine, gloo's included; a port below that range
+    is only taken by an explicit bind. So we look there first, and fall back to port 0.
+    """
+    lo, _ = _ephemeral_range()
+    low_end = max(1024, lo - 1)
+    for _ in range(attempts if low_end > 10000 else 0):
+        port = random.randint(10000, low_end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def line_prefix(cfg: AgentConfig, local_rank: int, rank: int) -> str:
+    """torchrun's tee prefix, ``[default0]:``, or its TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE."""
+    if cfg.log_line_prefix_template is None:
+        return f"[{cfg.role}{local_rank}]:"
+    return string.Template(cfg.log_line_prefix_template).safe_substitute(
+        role_name=cfg.role, local_rank=local_rank, rank=rank
+    )
+
+
+def make_node_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
+
+
+class Agent:
+    def __init__(
+        self, config: AgentConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+    ) -> None:
+        self.config = config
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.log = AgentLog(self.stderr, config.log_format)
+        self.node_id = make_node_id()
+        self.log.node = self.node_id
+        self.log.job = config.rdzv_id
+        self.events: asyncio.Queue[st.Event] = asyncio.Queue()
+        self.clock: Callable[[], float] = time.monotonic
+        self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log)
+        self.logs = RunLogs(config.log_dir, config.rdzv_id)
+        self.conn: Connection | None = None
+        self.addr = ""
+        self._tasks: asyncio.TaskGroup | None = None
+        self._wait_task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+        self._exit: st.Exit | None = None
+
+    # -- the whole run ---------------------------------------------------------------------
+
+    async def run(self) -> int:
+        cfg = self.config
+        service = None
+        host, port = cfg.rdzv_host, cfg.rdzv_port
+        if cfg.hosts_rendezvous:
+            from rdzv_server.service import RendezvousService
+
+            service = RendezvousService(http=False)
+            try:
+                port = await service.start(host, port)
+            except OSError as exc:
+                self.log(f"cannot host the rendezvous on {host}:{port}: {exc.strerror or exc}", "error")
+                return st.EXIT_RDZV
+        try:
+            return await self._run_connected(host, port)
+        finally:
+            if service is not None:
+                await service.close()
+
+    async def _run_connected(self, host: str, port: int) -> int:
+        cfg = self.config
+        start = self.clock()
+        try:
+            self.conn = await connect(
+                host,
+                port,
+                deadline=start + cfg.rdzv_conf.join_timeout,
+                handshake_timeout=min(cfg.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+                log=self.log,
+                clock=self.clock,
+            )
+        except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
+            self.log(str(exc), "error")
+            return st.EXIT_RDZV
+        self.addr = cfg.local_addr or self.conn.local_ip
+        machine = st.AgentMachine(
+            settings=st.AgentSettings(
+                node_id=self.node_id,
+                addr=self.addr,
+                join_timeout=cfg.rdzv_conf.join_timeout,
+                exit_barrier_timeout=cfg.rdzv_conf.exit_barrier_timeout,
+                shutdown_timeout=cfg.shutdown_timeout,
+                handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
+            )
+        )
+        notice = omp_threads_notice(cfg, os.environ)
+        if notice:
+            print(notice, file=self.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        watched = {signal.Signals[s] for s in cfg.signals_to_handle} | {signal.SIGUSR1, signal.SIGUSR2}
+        for sig in watched:
+            loop.add_signal_handler(sig, self.events.put_nowait, st.SignalReceived(int(sig)))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                reader = tasks.create_task(self._read_server())
+                beat = tasks.create_task(self._heartbeat())
+                try:
+                    await self._drive(machine)
+                finally:
+                    reader.cancel()
+                    beat.cancel()
+                    for t in (self._wait_task, self._stop_task):
+                        if t is not None:
+                            t.cancel()
+        finally:
+            for sig in watched:
+                loop.remove_signal_handler(sig)
+            # Whatever happened, no worker outlives the agent.
+            await self.group.stop(grace=0.0, sig=signal.SIGKILL)
+            await self.conn.close()
+        return self._finish()
+
+    async def _drive(self, machine: st.AgentMachine) -> None:
+        await self._apply(machine.start(self.clock()))
+        while self._exit is None:
+            deadline = machine.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - self.clock())
+            try:
+                event = await asyncio.wait_for(self.events.get(), timeout)
+            except asyncio.TimeoutError:
+                event = st.Tick()
+            await self._apply(machine.handle(event, self.clock()))
+
+    # -- effects ---------------------------------------------------------------------------
+
+    async def _apply(self, effects: list[st.Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, st.Send):
+                self._send(eff.msg)
+            elif isinstance(eff, st.SendJoin):
+                self._send(self._join())
+            elif isinstance(eff, st.StartWorkers):
+                await self._start_workers(eff.assignment)
+            elif isinstance(eff, st.StopWorkers):
+                self._stop_workers(eff.signum, eff.grace)
+            elif isinstance(eff, st.ForwardSignal):
+                self.group.send_signal(eff.signum)
+            elif isinstance(eff, st.Log):
+                self.log(eff.text, eff.level)
+            elif isinstance(eff, st.Exit):
+                self._exit = eff
+
+    def _send(self, msg: Message) -> None:
+        assert self.conn is not None
+        self.conn.send(msg)
+
+    def _join(self) -> Join:
+        cfg = self.config
+        return Join(
+            job_id=cfg.rdzv_id,
+            node_id=self.node_id,
+            addr=self.addr,
+            nproc=cfg.nproc_per_node,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            entrypoint=cfg.entrypoint_name,
+            master_port=free_port(),
+            max_restarts=cfg.max_restarts,
+            last_call_timeout=cfg.rdzv_conf.last_call_timeout,
+            heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
+            heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
+        )
+
+    async def _start_workers(self, a: Assignment) -> None:
+        cfg = self.config
+        node = NodeAssignment(
+            run_id=cfg.rdzv_id,
+            group_rank=a.group_rank,
+            group_world_size=a.group_world_size,
+            rank_offset=a.rank_offset,
+            world_size=a.world_size,
+            master_addr=a.master_addr,
+            master_port=a.master_port,
+            restart_count=a.restart_count,
+            max_restarts=a.max_restarts,
+        )
+        attempt = self.logs.new_attempt()
+        specs = []
+        for local_rank in range(cfg.nproc_per_node):
+            error_file = attempt.error_file(local_rank)
+            redirect, tee = cfg.redirect_for(local_rank), cfg.tee_for(local_rank)
+            specs.append(
+                WorkerSpec(
+                    local_rank=local_rank,
+                    rank=a.rank_offset + local_rank,
+                    argv=worker_argv(cfg, local_rank),
+                    env=worker_env(
+                        config=cfg,
+                        node=node,
+                        local_rank=local_rank,
+                        error_file=error_file,
+                        base_env=os.environ,
+                    ),
+                    redirect=redirect,
+                    tee=tee,
+                    stdout_path=attempt.stdout_path(local_rank),
+                    stderr_path=attempt.stderr_path(local_rank),
+                    console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
+                    prefix=line_prefix(cfg, local_rank, a.rank_offset + local_rank),
+                    error_file=error_file,
+                )
+            )
+        try:
+            await self.group.start(specs)
+        except WorkerSpawnError as exc:
+            self.events.put_nowait(st.WorkersStartFailed(str(exc)))
+            return
+        self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
+        assert self._tasks is not None
+        self._wait_task = self._tasks.create_task(self._wait_workers())
+
+    async def _wait_workers(self) -> None:
+        result = await self.group.wait()
+        failures = self._failures(result)
+        first = self._failure(result.first_failure) if result.first_failure is not None else None
+        self.events.put_nowait(st.WorkersExited(first, failures))
+
+    def _stop_workers(self, signum: int, grace: float) -> None:
+        if self._wait_task is not None:
+            self._wait_task.cancel()
+            self._wait_task = None
+
+        async def stop() -> None:
+            await self.group.stop(grace=grace, sig=signum)
+            self.events.put_nowait(st.WorkersStopped())
+
+        assert self._tasks is not None
+        self._stop_task = self._tasks.create_task(stop())
+
+    def _failure(self, w: WorkerExit) -> Failure:
+        return Failure(
+            node_id=self.node_id,
+            addr=self.addr,
+            rank=w.rank,
+            local_rank=w.local_rank,
+            exitcode=w.exitcode,
+            signal=w.signal_name,
+            timestamp=w.timestamp,
+            message=w.error_message[-MAX_TEXT_LEN // 2 :],
+        )
+
+    def _failures(self, result: GroupResult) -> tuple[Failure, ...]:
+        """This node's failed workers, first first (those we stop afterwards are not causes)."""
+        exits = sorted((w for w in result.exits if w.failed), key=lambda w: w.timestamp)
+        return tuple(self._failure(w) for w in exits)
+
+    # -- background tasks ------------------------------------------------------------------
+
+    async def _read_server(self) -> None:
+        assert self.conn is not None
+        try:
+            while True:
+                msg = await self.conn.receive()
+                self.events.put_nowait(st.ServerSent(msg))
+        except (ConnectionError, OSError) as exc:
+            self.events.put_nowait(st.ConnectionLost(str(exc) or type(exc).__name__))
+        except Exception as exc:  # a protocol error from the server: report it, do not crash
+            self.events.put_nowait(st.ConnectionLost(f"bad message from the server: {exc}"))
+
+    async def _heartbeat(self) -> None:
+        interval = self.config.rdzv_conf.heartbeat_interval
+        beat = Heartbeat()
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(Exception):
+                self._send(beat)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    def _finish(self) -> int:
+        exit_ = self._exit
+        assert exit_ is not None
+        if exit_.code == st.EXIT_OK:
+            self.log(exit_.reason if exit_.reason != "all nodes finished" else "done: all nodes finished")
+            return exit_.code
+        if exit_.failure is not None or exit_.local_failures:
+            print(
+                failure_summary(self.config.entrypoint_name, exit_.failure, exit_.local_failures),
+                file=self.stderr,
+                flush=True,
+            )
+        self.log(exit_.reason, "error")
+        return exit_.code
+
+
+def run_agent(config: AgentConfig, **kwargs: Any) -> int:
+    from rdzv_server.loop import run_loop
+
+    return run_loop(Agent(config, **kwargs).run())

@@ -1,0 +1,809 @@
+"""The worker supervisor: start a node's workers, carry their output, notice the first failure,
+stop them all, and never leave one behind.
+
+How it works.
+
+* Each worker is spawned with ``loop.subprocess_exec`` into its own session, so that a signal to
+  its process group (pgid == pid) also reaches what it starts: DataLoader workers, shells,
+  compilers.  ``PR_SET_PDEATHSIG`` and a per-group watchdog process make sure the groups die
+  with the agent, even when the agent is SIGKILLed (see ``procutil``).
+* A ``SubprocessProtocol`` per worker, rather than ``create_subprocess_exec``: on Python 3.11
+  ``Process.wait()`` resolves only once every pipe of the child is closed, so a grandchild that
+  inherited stdout would hide the worker's exit.  ``process_exited`` fires when the worker is
+  reaped, whatever holds its pipes.  Output arrives in ``pipe_data_received`` callbacks and is
+  written synchronously, so there are no reader tasks at all: the group owns futures (one exit
+  and one EOF per pipe per worker) and ``wait()``/``stop()`` await them.
+* Output routing follows torchrun.  A stream that is neither redirected nor tee'd goes to the
+  console unprefixed; a tee'd one goes to its file and to the console with the rank's prefix; a
+  redirected one goes only to its file; ``console=False`` drops the console copy.  A stream whose
+  only destination is a file is handed to the worker as that file (the agent copies nothing);
+  stderr always passes through the agent otherwise, because its last lines are the failure
+  message when there is no error file.  Console writes are whole lines (a line longer than 64 KiB
+  is passed on in pieces), so ranks do not interleave mid-line, and are flushed at once.  They are
+  synchronous: a console that stops reading stalls the agent, as it would stall torchrun's tee.
+* Shutdown policy (``stop``): the stop signal (SIGTERM) to every process group still alive, wait
+  up to ``grace`` for the workers to exit, SIGKILL the groups of those that did not, wait up to
+  ``reap_timeout`` for them to be reaped, then SIGKILL whatever is left in any worker's process
+  group (children that ignored the signal or outlived their parent) and wait for those to die.
+  Then pipes get ``DRAIN_TIMEOUT`` to reach EOF (only a process that left its group can hold
+  one open longer), files are closed and the watchdog is told to exit.  Each step is logged once.
+  If ``stop()`` (or ``start()``) is cancelled, every group is SIGKILLed on the spot and the
+  cancellation propagates; a later ``stop()`` finishes the reaping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Literal, TextIO
+
+from node_agent import procutil
+from node_agent.config import Std
+
+__all__ = [
+    "DRAIN_TIMEOUT",
+    "REAP_TIMEOUT",
+    "ConsoleFramer",
+    "GroupResult",
+    "SupervisorError",
+    "WorkerExit",
+    "WorkerGroup",
+    "WorkerSpawnError",
+    "WorkerSpec",
+]
+
+_logger = logging.getLogger(__name__)
+
+# After a worker exits, how long its pipes may take to reach EOF before its exit is reported.
+# The worker's own copies close before it is reaped, so this bound matters only when a child of
+# the worker still holds them; the output already in the pipe is read within that time.
+OUTPUT_SETTLE = 0.2
+# In stop(), once every process of the group is dead: how long a pipe may stay open (a process
+# that left the worker's group holds it) before we stop reading it.
+DRAIN_TIMEOUT = 1.0
+# After SIGKILL: how long to wait for the kernel to let a process go.  Only a process stuck in
+# uninterruptible sleep (a wedged GPU or NFS call) takes longer; we report it and move on.
+REAP_TIMEOUT = 10.0
+# Console lines are buffered up to this size waiting for their newline.
+CONSOLE_LINE_MAX = 64 * 1024
+# The stderr tail kept for the failure message.
+TAIL_BYTES = 8 * 1024
+TAIL_LINES = 20
+
+
+class SupervisorError(Exception):
+    """Base of the supervisor's errors."""
+
+
+class WorkerSpawnError(SupervisorError):
+    """A worker could not be started (missing executable, bad cwd, ...); none is left running."""
+
+    def __init__(self, local_rank: int, argv0: str, error: OSError) -> None:
+        self.local_rank = local_rank
+        self.argv0 = argv0
+        self.errno = error.errno
+        self.strerror = error.strerror or str(error)
+        super().__init__(f"cannot start local_rank {local_rank}: {argv0}: {self.strerror}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything needed to start one worker; ``env`` is its whole environment."""
+
+    local_rank: int
+    rank: int  # the global rank, for reports
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str | None = None
+    redirect: Std = Std.NONE  # streams written only to their files
+    tee: Std = Std.NONE  # streams written to their files and, prefixed, to the console
+    stdout_path: str | None = None
+    stderr_path: str | None = None
+    console: bool = True  # False: the console copy is dropped (--local-ranks-filter)
+    prefix: str = ""  # put before each tee'd console line, e.g. "[default0]:"
+    error_file: str | None = None  # TORCHELASTIC_ERROR_FILE, read when the worker fails
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError(f"local_rank {self.local_rank}: empty argv")
+        object.__setattr__(self, "redirect", Std(int(self.redirect)))
+        object.__setattr__(self, "tee", Std(int(self.tee)))
+        to_file = self.redirect | self.tee
+        if to_file & Std.OUT and not self.stdout_path:
+            raise ValueError(f"local_rank {self.local_rank}: stdout is redirected but stdout_path is not set")
+        if to_file & Std.ERR and not self.stderr_path:
+            raise ValueError(f"local_rank {self.local_rank}: stderr is redirected but stderr_path is not set")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerExit:
+    local_rank: int
+    rank: int
+    pid: int
+    exitcode: int  # as Popen.returncode: negative means killed by that signal
+    signal_name: str  # "SIGKILL" etc.; "" for a normal exit
+    timestamp: float  # time.time() when reaped (for reports only)
+    error_message: str  # error file's message and traceback, else the stderr tail, else ""
+    error_record: Mapping[str, Any] | None  # the error file's JSON, if there was one
+
+    @property
+    def failed(self) -> bool:
+        return self.exitcode != 0
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    state: Literal["succeeded", "failed"]
+    exits: tuple[WorkerExit, ...]  # every worker reaped so far, by local rank
+    first_failure: WorkerExit | None  # the earliest failure: torchrun's root cause
+
+
+class ConsoleFramer:
+    """Cuts a byte stream into console writes of whole lines, each prefixed when asked.
+
+    A partial line waits for its newline up to ``max_pending`` bytes, then goes out as it is (the
+    rest of that line follows without a second prefix).  ``finish()`` returns what is left; with
+    a prefix it also ends the line, so that the next rank's prefix starts a line of its own.
+    """
+
+    def __init__(self, prefix: bytes = b"", max_pending: int = CONSOLE_LINE_MAX) -> None:
+        self._prefix = prefix
+        self._max = max_pending
+        self._pending = bytearray()
+        self._at_line_start = True
+
+    def feed(self, data: bytes) -> bytes:
+        self._pending += data
+        cut = self._pending.rfind(b"\n") + 1
+        if cut == 0:
+            if len(self._pending) < self._max:
+                return b""
+            cut = len(self._pending)
+        chunk = bytes(self._pending[:cut])
+        del self._pending[:cut]
+        return self._frame(chunk)
+
+    def finish(self) -> bytes:
+        out = self._frame(bytes(self._pending))
+        self._pending.clear()
+        if self._prefix and not self._at_line_start:
+            out += b"\n"
+            self._at_line_start = True
+        return out
+
+    def _frame(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return b""
+        if not self._prefix:
+            self._at_line_start = chunk.endswith(b"\n")
+            return chunk
+        out = bytearray()
+        lines = chunk.split(b"\n")
+        for i, line in enumerate(lines):
+            last = i == len(lines) - 1
+            if last and not line:  # the chunk ended with a newline
+                break
+            if self._at_line_start:
+                out += self._prefix
+            out += line
+            if last:
+                self._at_line_start = False
+            else:
+                out += b"\n"
+                self._at_line_start = True
+        return bytes(out)
+
+
+class _Console:
+    """Bytes to a console stream: a binary stream, or a text stream's buffer (or the text itself)."""
+
+    def __init__(self, stream: TextIO | BinaryIO, name: str, log: Callable[[str], None]) -> None:
+        self._name = name
+        self._log = log
+        self._broken = False
+        self._text: TextIO | None = None
+        self._binary: BinaryIO | None = None
+        buffer = getattr(stream, "buffer", None)
+        if buffer is not None:
+            self._text = stream  # type: ignore[assignment]
+            self._binary = buffer
+        elif isinstance(stream, io.TextIOBase):
+            self._text = stream  # type: ignore[assignment]
+        else:
+            self._binary = stream  # type: ignore[assignment]
+
+    def write(self, data: bytes) -> None:
+        if self._broken or not data:
+            return
+        try:
+            if self._binary is not None:
+                if self._text is not None:
+                    self._text.flush()  # the agent's own pending text goes first
+                self._binary.write(data)
+                self._binary.flush()
+            elif self._text is not None:
+                self._text.write(data.decode("utf-8", "replace"))
+                self._text.flush()
+        except (OSError, ValueError) as e:  # EPIPE, a closed stream: keep the files going
+            self._broken = True
+            self._log(f"console {self._name} is unusable ({e}); workers' console output is dropped")
+
+
+class _StreamSink:
+    """Where one piped worker stream goes: its file, the console, the stderr tail."""
+
+    def __init__(
+        self,
+        *,
+        label: str,
+        file: BinaryIO | None,
+        console: _Console | None,
+        framer: ConsoleFramer | None,
+        keep_tail: bool,
+        log: Callable[[str], None],
+    ) -> None:
+        self._label = label
+        self._file = file
+        self._console = console
+        self._framer = framer
+        self._tail: bytearray | None = bytearray() if keep_tail else None
+        self._log = log
+
+    def feed(self, data: bytes) -> None:
+        if self._file is not None:
+            try:
+                self._file.write(data)
+                self._file.flush()  # so that `tail -f` and a crash of the agent see it all
+            except (OSError, ValueError) as e:  # ENOSPC and friends: the console copy goes on
+                self._log(f"{self._label}: cannot write its log file ({e}); file output stops here")
+                self._close_file()
+        if self._tail is not None:
+            self._tail += data
+            if len(self._tail) > 2 * TAIL_BYTES:
+                del self._tail[:-TAIL_BYTES]
+        if self._console is not None and self._framer is not None:
+            self._console.write(self._framer.feed(data))
+
+    def close(self) -> None:
+        if self._console is not None and self._framer is not None:
+            self._console.write(self._framer.finish())
+            self._console = None
+        self._close_file()
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:  # a failed flush of what we already reported lost
+                pass
+            self._file = None
+
+    def tail_text(self) -> str:
+        if self._tail is None:
+            return ""
+        return _last_lines(bytes(self._tail[-TAIL_BYTES:]), trimmed=len(self._tail) > TAIL_BYTES)
+
+
+def _last_lines(data: bytes, *, trimmed: bool) -> str:
+    lines = data.decode("utf-8", "replace").splitlines()
+    if trimmed and lines:
+        lines = lines[1:]  # the first line was cut by the byte bound
+    return "\n".join(lines[-TAIL_LINES:]).strip()
+
+
+def _file_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_BYTES))
+            return _last_lines(f.read(), trimmed=size > TAIL_BYTES)
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class _Route:
+    file: str | None  # the log file, if this stream is redirected or tee'd
+    console: bool
+    prefixed: bool
+    piped: bool  # passes through the agent (else the worker writes the file or /dev/null itself)
+
+
+def _route(spec: WorkerSpec, stream: Std) -> _Route:
+    teed = bool(spec.tee & stream)
+    to_file = teed or bool(spec.redirect & stream)
+    console = spec.console and (teed or not to_file)
+    path = spec.stdout_path if stream is Std.OUT else spec.stderr_path
+    piped = console or (stream is Std.ERR and not to_file)  # stderr's tail is always kept
+    return _Route(file=path if to_file else None, console=console, prefixed=console and teed, piped=piped)
+
+
+def _read_error_file(path: str, log: Callable[[str], None]) -> tuple[Mapping[str, Any] | None, str]:
+    """torch's @record file: {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:  # half-written by a dying worker, or not ours
+        log(f"error file {path} is unreadable ({e}); using the stderr tail instead")
+        return None, ""
+    if not isinstance(data, dict):
+        return None, ""
+    message = data.get("message")
+    if isinstance(message, str):  # the newer flat format
+        return data, message
+    if not isinstance(message, dict):
+        return data, ""
+    text = str(message.get("message", ""))
+    extra = message.get("extraInfo")
+    callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
+    if isinstance(callstack, str) and callstack.strip():
+        text = f"{text}\n{callstack.rstrip()}" if text else callstack.rstrip()
+    return data, text
+
+
+class _Worker:
+    """One worker's process, pipes and bookkeeping; its protocol feeds it."""
+
+    def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop) -> None:
+        self.spec = spec
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.pid = 0
+        self.sinks: dict[int, _StreamSink] = {}
+        self.eof: dict[int, asyncio.Future[None]] = {}
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.returncode: int | None = None
+        self.reaped_at = 0.0
+        self.group_gone = False  # no process, not even a zombie, has this pgid any more
+        self.stderr_file: str | None = None  # stderr written straight to a file: its tail is there
+        self.exit: WorkerExit | None = None
+
+    @property
+    def label(self) -> str:
+        return f"local_rank {self.spec.local_rank} (pid {self.pid})"
+
+    def on_exited(self, returncode: int) -> None:
+        self.returncode = returncode
+        self.reaped_at = time.time()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def on_eof(self, fd: int) -> None:
+        sink = self.sinks.get(fd)
+        if sink is not None:
+            sink.close()
+        fut = self.eof.get(fd)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def finalize(self, log: Callable[[str], None]) -> WorkerExit:
+        if self.exit is not None:
+            return self.exit
+        assert self.returncode is not None
+        record: Mapping[str, Any] | None = None
+        message = ""
+        if self.returncode != 0:
+            if self.spec.error_file:
+                record, message = _read_error_file(self.spec.error_file, log)
+            if not message:
+                sink = self.sinks.get(2)
+                if sink is not None:
+                    message = sink.tail_text()
+                elif self.stderr_file is not None:
+                    message = _file_tail(self.stderr_file)
+        self.exit = WorkerExit(
+            local_rank=self.spec.local_rank,
+            rank=self.spec.rank,
+            pid=self.pid,
+            exitcode=self.returncode,
+            signal_name=procutil.signal_name(self.returncode),
+            timestamp=self.reaped_at,
+            error_message=message,
+            error_record=record,
+        )
+        return self.exit
+
+
+class _WorkerProtocol(asyncio.SubprocessProtocol):
+    def __init__(self, worker: _Worker) -> None:
+        self._worker = worker
+        self._transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        sink = self._worker.sinks.get(fd)
+        if sink is not None:
+            sink.feed(data)  # type: ignore[arg-type]
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._worker.on_eof(fd)
+
+    def process_exited(self) -> None:
+        assert self._transport is not None
+        returncode = self._transport.get_returncode()
+        assert returncode is not None
+        self._worker.on_exited(returncode)
+
+
+class _Watchdog:
+    """The agent's end of the watchdog (see procutil): a pipe to write pgids into.
+
+    Spawned with plain ``subprocess.Popen`` (vfork, 0.5 ms) rather than through the event loop
+    (3 ms, measured): it has no pipes for asyncio to carry, and its exit is awaited via a pidfd.
+    """
+
+    def __init__(self, fd: int, proc: subprocess.Popen[bytes]) -> None:
+        self._fd: int | None = fd
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def start(cls, log: Callable[[str], None]) -> _Watchdog | None:
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits the write end
+        try:
+            proc = subprocess.Popen(
+                procutil.watchdog_argv(read_fd),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(read_fd,),
+                # Its own session: a Ctrl-C or a kill of the agent's process group spares it.
+                start_new_session=True,
+            )
+        except OSError as e:
+            os.close(write_fd)
+            log(f"cannot start the orphan watchdog ({e}); only PDEATHSIG protects against agent death")
+            return None
+        finally:
+            os.close(read_fd)
+        return cls(write_fd, proc)
+
+    def _send(self, message: bytes, log: Callable[[str], None]) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, message)
+        except OSError as e:  # EPIPE: it died; PDEATHSIG still covers the workers themselves
+            log(f"orphan watchdog is gone ({e}); grandchildren are no longer guarded")
+            self._close()
+
+    def guard(self, pgid: int, log: Callable[[str], None]) -> None:
+        self._send(procutil.encode_guard(pgid), log)
+
+    def forget(self, pgid: int, log: Callable[[str], None]) -> None:
+        self._send(procutil.encode_forget(pgid), log)
+
+    def release(self, log: Callable[[str], None]) -> None:
+        """The groups are gone: let it exit without killing anything."""
+        self._send(procutil.WATCHDOG_QUIT, log)
+        self._close()
+
+    def fire(self) -> None:
+        """Close the pipe without a quit: it SIGKILLs every guarded group, as if we had died."""
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def wait_closed(self, timeout: float, log: Callable[[str], None]) -> None:
+        """Wait for it to exit (it was released or fired) and reap it."""
+        if self.proc.poll() is None and await _wait_pids_dead([self.proc.pid], timeout):
+            log("orphan watchdog did not exit; killing it")
+            self.proc.kill()
+            await _wait_pids_dead([self.proc.pid], timeout)
+        if self.proc.poll() is None:
+            log(f"orphan watchdog (pid {self.proc.pid}) could not be reaped")
+
+
+async def _wait_futures(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
+    """Wait until all are done or ``timeout`` passes; never cancels them."""
+    pending = [f for f in futures if not f.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=max(0.0, timeout))
+
+
+async def _wait_pids_dead(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait for processes that are not our children to die (become zombies); return the survivors.
+
+    A pidfd turns readable when its process exits, so this is event-driven like everything else.
+    """
+    loop = asyncio.get_running_loop()
+    futures: dict[int, asyncio.Future[None]] = {}
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            fds.append(fd)
+            fut: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, lambda f=fut: f.done() or f.set_result(None))
+            futures[pid] = fut
+        await _wait_futures(futures.values(), timeout)
+        return [pid for pid, fut in futures.items() if not fut.done()]
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+
+class WorkerGroup:
+    """A node's workers.  ``start``, then ``wait`` and/or ``stop``; after ``stop`` the group can
+    ``start`` the next attempt's workers (each start gets fresh state and a fresh watchdog).
+
+    ``guard_orphans=False`` turns off PDEATHSIG and the watchdog (for measuring their cost; a
+    real agent keeps them on).
+    """
+
+    def __init__(
+        self,
+        *,
+        stdout: TextIO | BinaryIO | None = None,
+        stderr: TextIO | BinaryIO | None = None,
+        log: Callable[[str], None] | None = None,
+        guard_orphans: bool = True,
+    ) -> None:
+        self._log: Callable[[str], None] = log or _logger.info
+        # Resolved now, not at import time, so that a replaced sys.stdout (pytest, a wrapper) counts.
+        self._stdout = _Console(stdout if stdout is not None else sys.stdout, "stdout", self._log)
+        self._stderr = _Console(stderr if stderr is not None else sys.stderr, "stderr", self._log)
+        self._guard_orphans = guard_orphans
+        self._workers: list[_Worker] = []
+        self._watchdog: _Watchdog | None = None
+        self._started = False  # start() was called at least once
+        self._stop_lock = asyncio.Lock()
+        self._stopped: GroupResult | None = None
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {w.spec.local_rank: w.pid for w in self._workers}
+
+    async def start(self, specs: Sequence[WorkerSpec]) -> None:
+        """Spawn every worker.  If one cannot be spawned, stop the others and raise WorkerSpawnError.
+
+        A previous start's workers must have been stopped, or have all exited (then they are
+        cleaned up here); starting over running workers is a RuntimeError.
+        """
+        ranks = [s.local_rank for s in specs]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"duplicate local ranks in {ranks}")
+        if self._started and self._stopped is None:
+            if any(not w.exited.done() for w in self._workers):
+                raise RuntimeError("WorkerGroup.start() while the previous workers run; stop() them first")
+            await self.stop(grace=0.0)
+        self._started = True
+        self._workers = []
+        self._watchdog = None
+        self._stopped = None
+        loop = asyncio.get_running_loop()
+        try:
+            preexec = None
+            if self._guard_orphans:
+                self._watchdog = _Watchdog.start(self._log)
+                preexec = procutil.pdeathsig_preexec()
+            for spec in specs:
+                worker = _Worker(spec, loop)
+                try:
+                    await self._spawn(worker, loop, preexec)
+                except OSError as e:
+                    self._log(f"cannot start local_rank {spec.local_rank}: {spec.argv[0]}: {e.strerror or e}")
+                    await self.stop(grace=0.0, sig=signal.SIGKILL)
+                    raise WorkerSpawnError(spec.local_rank, spec.argv[0], e) from e
+                self._workers.append(worker)
+                if self._watchdog is not None:
+                    self._watchdog.guard(worker.pid, self._log)
+        except asyncio.CancelledError:
+            self._kill_now()
+            raise
+        self._log(f"started {len(self._workers)} worker(s), local_rank->pid {self.pids}")
+
+    async def wait(self) -> GroupResult:
+        """Return once every worker exited 0, or as soon as one exits non-zero (the rest keep
+        running: call ``stop()``)."""
+        if not self._started:
+            raise RuntimeError("WorkerGroup.wait() before start()")
+        if self._stopped is not None:
+            return self._stopped
+        while True:
+            running = [w.exited for w in self._workers if not w.exited.done()]
+            failed = any(w.returncode for w in self._workers if w.exited.done())
+            if failed or not running:
+                break
+            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        exited = [w for w in self._workers if w.exited.done()]
+        await _wait_futures((f for w in exited for f in w.eof.values()), OUTPUT_SETTLE)
+        return self._result()
+
+    async def stop(
+        self, *, grace: float, sig: int = signal.SIGTERM, reap_timeout: float = REAP_TIMEOUT
+    ) -> GroupResult:
+        """Stop every worker and everything in their process groups (policy: module header).
+        Idempotent; the second call returns the first call's result."""
+        async with self._stop_lock:
+            if self._stopped is None:
+                try:
+                    self._stopped = await self._stop(grace, sig, reap_timeout)
+                except asyncio.CancelledError:
+                    self._kill_now()
+                    raise
+            return self._stopped
+
+    def send_signal(self, sig: int) -> None:
+        """Forward a signal to the process group of every worker still running."""
+        live = [w for w in self._workers if not w.exited.done()]
+        if live:
+            self._log(f"forwarding {procutil.signal_name(-sig)} to {len(live)} worker(s)")
+        for w in live:
+            procutil.killpg(w.pid, sig)
+
+    # --- internals ----------------------------------------------------------------------------
+
+    async def _spawn(
+        self, worker: _Worker, loop: asyncio.AbstractEventLoop, preexec: Callable[[], None] | None
+    ) -> None:
+        spec = worker.spec
+        if spec.error_file:
+            # A file left from an earlier run would be read as this worker's error.
+            try:
+                os.unlink(spec.error_file)
+            except FileNotFoundError:
+                pass
+        opened: list[BinaryIO] = []  # files the worker writes itself: our copies close after spawn
+        try:
+            stdio: dict[int, Any] = {}
+            for fd, stream in ((1, Std.OUT), (2, Std.ERR)):
+                route = _route(spec, stream)
+                if not route.piped:
+                    if route.file is None:
+                        stdio[fd] = subprocess.DEVNULL
+                    else:
+                        f = open(route.file, "wb")
+                        opened.append(f)
+                        stdio[fd] = f
+                        if fd == 2:
+                            worker.stderr_file = route.file
+                    continue
+                stdio[fd] = subprocess.PIPE
+                console = self._stdout if fd == 1 else self._stderr
+                prefix = spec.prefix.encode() if route.prefixed else b""
+                worker.sinks[fd] = _StreamSink(
+                    label=f"local_rank {spec.local_rank} {'stdout' if fd == 1 else 'stderr'}",
+                    file=open(route.file, "wb") if route.file else None,
+                    console=console if route.console else None,
+                    framer=ConsoleFramer(prefix) if route.console else None,
+                    keep_tail=fd == 2,
+                    log=self._log,
+                )
+                worker.eof[fd] = loop.create_future()
+            transport, _ = await loop.subprocess_exec(
+                lambda: _WorkerProtocol(worker),
+                *spec.argv,
+                stdin=None,  # inherited, as torchrun does: pdb in a worker still works
+                stdout=stdio[1],
+                stderr=stdio[2],
+                env=dict(spec.env),
+                cwd=spec.cwd,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        except BaseException:
+            for sink in worker.sinks.values():
+                sink.close()
+            raise
+        finally:
+            for f in opened:
+                f.close()
+        worker.transport = transport  # type: ignore[assignment]
+        worker.pid = transport.get_pid()
+
+    def _result(self) -> GroupResult:
+        exits = tuple(w.finalize(self._log) for w in self._workers if w.exited.done())
+        failures = [e for e in exits if e.failed]
+        first = min(failures, key=lambda e: (e.timestamp, e.local_rank)) if failures else None
+        state: Literal["succeeded", "failed"] = "failed" if failures else "succeeded"
+        return GroupResult(state=state, exits=exits, first_failure=first)
+
+    def _forget_gone_groups(self) -> None:
+        for w in self._workers:
+            if w.exited.done() and not w.group_gone and not procutil.group_exists(w.pid):
+                w.group_gone = True
+                if self._watchdog is not None:
+                    self._watchdog.forget(w.pid, self._log)
+
+    async def _stop(self, grace: float, sig: int, reap_timeout: float) -> GroupResult:
+        workers = self._workers
+        live = [w for w in workers if not w.exited.done()]
+        if live:
+            self._log(
+                f"stopping {len(live)} worker(s) with {procutil.signal_name(-sig)}, grace {grace:g}s: "
+                f"local ranks {[w.spec.local_rank for w in live]}"
+            )
+        # The groups of workers that already exited may still hold their children: signal those too.
+        self._forget_gone_groups()
+        for w in workers:
+            if not w.group_gone:
+                procutil.killpg(w.pid, sig)
+        if sig != signal.SIGKILL:
+            await _wait_futures((w.exited for w in live), grace)
+        stubborn = [w for w in live if not w.exited.done()]
+        if stubborn:
+            if sig != signal.SIGKILL:
+                self._log(
+                    f"{len(stubborn)} worker(s) still running after {grace:g}s: SIGKILL "
+                    f"{', '.join(w.label for w in stubborn)}"
+                )
+            for w in stubborn:
+                procutil.killpg(w.pid, signal.SIGKILL)
+            await _wait_futures((w.exited for w in stubborn), reap_timeout)
+            for w in stubborn:
+                if not w.exited.done():
+                    self._log(f"{w.label} survived SIGKILL for {reap_timeout:g}s (uninterruptible sleep?)")
+        await self._kill_leftovers(reap_timeout)
+
+        eofs = [f for w in workers for f in w.eof.values()]
+        await _wait_futures(eofs, DRAIN_TIMEOUT)
+        held = [w.label for w in workers if any(not f.done() for f in w.eof.values())]
+        if held:
+            self._log(
+                f"output of {', '.join(held)} still open after its processes died (held by a "
+                "process that left the group); no longer read"
+            )
+        for w in workers:
+            for fd in list(w.sinks):
+                w.on_eof(fd)
+            if w.transport is not None:
+                w.transport.close()
+        result = self._result()
+        if self._watchdog is not None:
+            if all(w.exited.done() for w in workers):
+                self._watchdog.release(self._log)
+            else:  # a worker in uninterruptible sleep: let the watchdog keep trying when we exit
+                self._watchdog.fire()
+            await self._watchdog.wait_closed(reap_timeout, self._log)
+        return result
+
+    async def _kill_leftovers(self, timeout: float) -> None:
+        """SIGKILL whatever is still alive in the workers' process groups and wait for it to die."""
+        self._forget_gone_groups()
+        pgids = {w.pid for w in self._workers if w.pid and not w.group_gone}
+        if not pgids:
+            return
+        members = procutil.live_group_members(pgids)
+        pids = [pid for group in members.values() for pid in group]
+        if not pids:
+            return
+        self._log(f"killing {len(pids)} leftover process(es) in the workers' process groups: {sorted(pids)}")
+        for pgid in members:
+            procutil.killpg(pgid, signal.SIGKILL)
+        survivors = await _wait_pids_dead(pids, timeout)
+        if survivors:
+            self._log(f"process(es) {survivors} survived SIGKILL for {timeout:g}s (uninterruptible sleep?)")
+        self._forget_gone_groups()
+
+    def _kill_now(self) -> None:
+        """Cancellation path: SIGKILL every group at once, without waiting for anything."""
+        for w in self._workers:
+            if w.pid and not w.group_gone:
+                procutil.killpg(w.pid, signal.SIGKILL)
+        if self._watchdog is not None:
+            self._watchdog.fire()

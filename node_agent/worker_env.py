@@ -1,0 +1,193 @@
+"""A rendezvous assignment turned into each worker's environment and command line.
+
+Scripts written for torchrun read their place in the job from the environment, so this module
+must give a worker exactly what torchrun 2.13 gives it (``LocalElasticAgent._start_workers``
+plus what ``torch.distributed.run`` and ``launcher.api`` put into the agent's own environment,
+which workers inherit). ``tests/node_agent/test_worker_env.py`` runs the real torchrun and
+compares, key by key. Values that differ on purpose:
+
+* ``TORCHELASTIC_USE_AGENT_STORE`` is ``"False"``: our agent hosts no TCPStore, so worker
+  RANK 0 hosts it on ``MASTER_PORT`` (what torch does when the variable is False).
+  torchrun's c10d agent hosts it and says ``"True"``.
+* ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RUN_ID`` come from the rendezvous
+  (torchrun's standalone run says ``localhost``; ours gives whatever the server assigned,
+  ``127.0.0.1`` for a standalone run, so nothing depends on how ``localhost`` resolves).
+* ``TORCHELASTIC_ERROR_FILE`` is a path in our log directory.
+* ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is the parsed list joined by commas; torchrun exports
+  the flag's text as typed (the same for any value without spaces).
+
+Not set, as torchrun sets them only for features we do not have: ``TORCHELASTIC_TIMER_FILE``
+(the file-timer watchdog).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .config import AgentConfig, ConfigError
+
+__all__ = ["NodeAssignment", "omp_threads_notice", "worker_argv", "worker_env"]
+
+# What torchrun prints when it sets OMP_NUM_THREADS for the workers, word for word, so logs and
+# the scripts that grep them look the same.
+_OMP_NOTICE = (
+    "\n*****************************************\n"
+    "Setting OMP_NUM_THREADS environment variable for each process to be "
+    "{threads} in default, to avoid your system being overloaded, "
+    "please further tune the variable for optimal performance in "
+    "your application as needed. \n"
+    "*****************************************"
+)
+_DEFAULT_OMP_THREADS = 1
+
+# --run-path: torchrun calls runpy.run_path in a function worker wrapped by @record. We run a
+# fresh interpreter instead and do the same: sys.argv = [script, *args], run_name="__main__",
+# faulthandler on, and an uncaught exception written to TORCHELASTIC_ERROR_FILE in @record's
+# format before it propagates (SystemExit is not an Exception, so exit codes pass through).
+RUN_PATH_BOOTSTRAP = """\
+import faulthandler, json, os, runpy, sys, time, traceback
+faulthandler.enable(all_threads=True)
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except Exception as e:
+    _path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if _path:
+        with open(_path, "w") as _f:
+            json.dump({"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+                "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}, _f)
+    raise
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeAssignment:
+    """What one rendezvous round gives this node."""
+
+    run_id: str
+    group_rank: int  # this node's rank among the nodes
+    group_world_size: int  # the number of nodes
+    rank_offset: int  # RANK of this node's local rank 0
+    world_size: int  # workers in the whole job
+    master_addr: str  # where worker RANK 0 hosts the TCPStore
+    master_port: int
+    restart_count: int
+    max_restarts: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.group_rank < self.group_world_size:
+            raise ValueError(f"group_rank {self.group_rank} not in 0..{self.group_world_size - 1}")
+        if not 0 <= self.rank_offset < self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} not in 0..{self.world_size - 1}")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port {self.master_port} not in 1..65535")
+        if not self.master_addr:
+            raise ValueError("master_addr is empty")
+        if self.restart_count < 0 or self.max_restarts < 0:
+            raise ValueError(f"restart_count {self.restart_count} / max_restarts {self.max_restarts} < 0")
+
+
+def worker_env(
+    *,
+    config: AgentConfig,
+    node: NodeAssignment,
+    local_rank: int,
+    error_file: str,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
+    """The complete environment of worker ``local_rank`` (inherited variables included).
+
+    ``base_env`` is the agent's environment: torchrun's workers inherit the agent's, so ours
+    inherit it too (``PET_*`` included, as in torchrun).
+    """
+    if not 0 <= local_rank < config.nproc_per_node:
+        raise ValueError(f"local_rank {local_rank} not in 0..{config.nproc_per_node - 1}")
+    rank = node.rank_offset + local_rank
+    if rank >= node.world_size:
+        raise ValueError(
+            f"rank {rank} (offset {node.rank_offset} + local rank {local_rank}) "
+            f">= world_size {node.world_size}"
+        )
+
+    env = dict(base_env)
+    # torchrun writes these two into its own os.environ before starting workers, so every
+    # worker inherits them; the worker-specific variables below then take precedence.
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(config.signals_to_handle)
+    if _sets_omp_threads(config, base_env):
+        env["OMP_NUM_THREADS"] = str(_DEFAULT_OMP_THREADS)
+
+    env.update(
+        {
+            "RANK": str(rank),
+            "GROUP_RANK": str(node.group_rank),
+            # One role per job, so the role's ranks are the job's ranks.
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": config.role,
+            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+            "WORLD_SIZE": str(node.world_size),
+            "GROUP_WORLD_SIZE": str(node.group_world_size),
+            "ROLE_WORLD_SIZE": str(node.world_size),
+            "MASTER_ADDR": node.master_addr,
+            "MASTER_PORT": str(node.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(node.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(node.max_restarts),
+            "TORCHELASTIC_RUN_ID": node.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": error_file,
+        }
+    )
+    if config.virtual_local_rank:
+        # Each worker sees only its own GPU, as device 0.
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = _own_device(base_env.get("CUDA_VISIBLE_DEVICES"), local_rank)
+    else:
+        env["LOCAL_RANK"] = str(local_rank)
+    return env
+
+
+def _own_device(parent_visible: str | None, local_rank: int) -> str:
+    if parent_visible is None:
+        return str(local_rank)
+    devices = parent_visible.split(",")
+    if local_rank >= len(devices):
+        raise ConfigError(
+            f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+            f"CUDA_VISIBLE_DEVICES={parent_visible!r} ({len(devices)} listed)"
+        )
+    return devices[local_rank].strip()
+
+
+def _sets_omp_threads(config: AgentConfig, base_env: Mapping[str, str]) -> bool:
+    # torchrun's rule: only when the user left it unset and several workers share the node.
+    return "OMP_NUM_THREADS" not in base_env and config.nproc_per_node > 1
+
+
+def omp_threads_notice(config: AgentConfig, base_env: Mapping[str, str]) -> str | None:
+    """torchrun's warning banner when it sets OMP_NUM_THREADS=1 for the workers, else None."""
+    if not _sets_omp_threads(config, base_env):
+        return None
+    return _OMP_NOTICE.format(threads=_DEFAULT_OMP_THREADS)
+
+
+def worker_argv(config: AgentConfig, local_rank: int) -> list[str]:
+    """The worker's command line, as torchrun builds it.
+
+    ``[python, "-u", ("-m"), script, *args]``; with --no-python ``[script, *args]``; with
+    --run-path a python that runs the file through runpy (see RUN_PATH_BOOTSTRAP).
+    --pass-local-rank puts ``--local-rank=N`` right after the script, where
+    torch.distributed.launch puts it.
+    """
+    extra: list[str] = []
+    if config.pass_local_rank == "dash":
+        extra.append(f"--local-rank={local_rank}")
+    elif config.pass_local_rank == "underscore":
+        extra.append(f"--local_rank={local_rank}")
+    args = [config.training_script, *extra, *config.training_script_args]
+
+    if config.run_path:  # takes precedence over --no-python, as in torchrun
+        return [config.python_exec, "-u", "-c", RUN_PATH_BOOTSTRAP, *args]
+    if config.no_python:
+        return args
+    return [config.python_exec, "-u", *(["-m"] if config.module else []), *args]

@@ -1,0 +1,20 @@
+"""Writes this worker's environment to $DUMP_DIR/env-<RANK>.json, then exits $EXIT_CODE (if this rank)."""
+
+import json
+import os
+import sys
+
+out = os.environ["DUMP_DIR"]
+rank = os.environ.get("RANK", "x")
+env = dict(os.environ)
+env["_argv"] = json.dumps(sys.argv[1:])
+env["_pid"] = str(os.getpid())
+tmp = os.path.join(out, f".env-{rank}.tmp")
+with open(tmp, "w") as f:
+    json.dump(env, f)
+os.replace(tmp, os.path.join(out, f"env-{rank}.json"))
+print(f"worker rank {rank} of {os.environ.get('WORLD_SIZE')} done", flush=True)
+fail_rank = os.environ.get("FAIL_RANK")
+if fail_rank is not None and fail_rank == rank:
+    print(f"rank {rank} failing on purpose", file=sys.stderr, flush=True)
+    sys.exit(int(os.environ.get("EXIT_CODE", "3")))
