@@ -195,6 +195,8 @@ class RdzvConf:
     read_timeout: float = 60.0  # how long to keep trying to connect to the endpoint
     is_host: bool | None = None  # None: not said; the runner decides whether to host
     exit_barrier_timeout: float = 300.0
+    # Exclude a node from the job once its workers have failed this many times (0: never).
+    exclude_after: int = 0
     extra: Mapping[str, str] = field(default_factory=_frozen_map)
 
     def __post_init__(self) -> None:
@@ -243,6 +245,10 @@ class RdzvConf:
                 kwargs[key] = parse_float(pairs[key], what=f"{origin} {key}")
         if "is_host" in pairs:
             kwargs["is_host"] = parse_bool(pairs["is_host"], what=f"{origin} is_host")
+        if "exclude_after" in pairs:
+            kwargs["exclude_after"] = parse_int(pairs["exclude_after"], what=f"{origin} exclude_after")
+            if kwargs["exclude_after"] < 0:  # type: ignore[operator]
+                raise ConfigError(f"{origin} exclude_after={pairs['exclude_after']} must be >= 0")
 
         # torchrun declares a node dead after keep_alive_interval x keep_alive_max_attempt
         # seconds without a heartbeat; that product is exactly our heartbeat_timeout, and
@@ -290,12 +296,12 @@ class RdzvConf:
 
     @staticmethod
     def accepted_keys() -> tuple[str, ...]:
-        return (*_FLOAT_KEYS, "is_host", *_KEEP_ALIVE_KEYS, *EXTRA_RDZV_KEYS)
+        return (*_FLOAT_KEYS, "is_host", "exclude_after", *_KEEP_ALIVE_KEYS, *EXTRA_RDZV_KEYS)
 
 
 def _accepted_keys() -> str:
     return (
-        f"accepted keys: {', '.join((*_FLOAT_KEYS, 'is_host', *_KEEP_ALIVE_KEYS))}; "
+        f"accepted keys: {', '.join((*_FLOAT_KEYS, 'is_host', 'exclude_after', *_KEEP_ALIVE_KEYS))}; "
         f"accepted for torchrun compatibility but unused: {', '.join(EXTRA_RDZV_KEYS)}"
     )
 

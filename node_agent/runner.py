@@ -32,6 +32,7 @@ from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, 
 from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
 
 HANDSHAKE_TIMEOUT_CAP = 10.0
+HEALTH_CHECK_TIMEOUT = 60.0
 
 
 class AgentLog:
@@ -162,6 +163,7 @@ class Agent:
                 join_timeout=cfg.rdzv_conf.join_timeout,
                 exit_barrier_timeout=cfg.rdzv_conf.exit_barrier_timeout,
                 shutdown_timeout=cfg.shutdown_timeout,
+                elastic=cfg.elastic,
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
             )
         )
@@ -211,7 +213,11 @@ class Agent:
             if isinstance(eff, st.Send):
                 self._send(eff.msg)
             elif isinstance(eff, st.SendJoin):
-                self._send(self._join())
+                problem = await self._health_check()
+                if problem is None:
+                    self._send(self._join())
+                else:
+                    self.events.put_nowait(st.HealthCheckFailed(problem))
             elif isinstance(eff, st.StartWorkers):
                 await self._start_workers(eff.assignment)
             elif isinstance(eff, st.StopWorkers):
@@ -242,7 +248,29 @@ class Agent:
             last_call_timeout=cfg.rdzv_conf.last_call_timeout,
             heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
             heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
+            exclude_after=cfg.rdzv_conf.exclude_after,
         )
+
+    async def _health_check(self) -> str | None:
+        """Run --health-check before each rendezvous; a failing node must not join."""
+        cmd = self.config.health_check
+        if not cmd:
+            return None
+        proc = await asyncio.create_subprocess_shell(
+            cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), HEALTH_CHECK_TIMEOUT)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            return f"{cmd!r} did not finish within {HEALTH_CHECK_TIMEOUT:g} s"
+        if proc.returncode == 0:
+            return None
+        tail = out.decode(errors="replace").strip().splitlines()[-5:]
+        detail = f": {' / '.join(tail)}" if tail else ""
+        return f"{cmd!r} exited with {proc.returncode}{detail}"
 
     async def _start_workers(self, a: Assignment) -> None:
         cfg = self.config

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from protocol import (
     Assignment,
+    Drain,
     Error,
     Failure,
     JobDone,
@@ -95,6 +96,11 @@ class SignalReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthCheckFailed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     pass
 
@@ -107,6 +113,7 @@ Event = (
     | WorkersStopped
     | ConnectionLost
     | SignalReceived
+    | HealthCheckFailed
     | Tick
 )
 
@@ -168,6 +175,7 @@ class AgentSettings:
     join_timeout: float
     exit_barrier_timeout: float
     shutdown_timeout: float  # grace between SIGTERM and SIGKILL for workers
+    elastic: bool = False  # SIGTERM in an elastic job is a clean leave (drain), not a failure
     forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
 
@@ -183,6 +191,7 @@ class AgentMachine:
     _exit: Exit | None = None
     _last_waiting: tuple[int, int, str] | None = None
     _signalled: int | None = None
+    _leaving: bool = False  # we told the server we leave; its closing the connection is expected
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -209,6 +218,9 @@ class AgentMachine:
             return self._on_connection_lost(event)
         if isinstance(event, SignalReceived):
             return self._on_signal(event.signum)
+        if isinstance(event, HealthCheckFailed):
+            exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.reason}")
+            return [Send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
         if isinstance(event, Tick):
             return self._on_tick(now)
         raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
@@ -243,6 +255,9 @@ class AgentMachine:
             if self.phase is Phase.BARRIER:
                 return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
             raise UnexpectedEvent(f"job_done in phase {self.phase.value}")
+        if isinstance(msg, Drain):
+            why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
+            return self._drain(why)
         if isinstance(msg, Error):
             return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
         raise UnexpectedEvent(f"{msg.TYPE} from the server in phase {self.phase.value}")
@@ -332,6 +347,8 @@ class AgentMachine:
     # -- the rest --------------------------------------------------------------------------
 
     def _on_connection_lost(self, event: ConnectionLost) -> list[Effect]:
+        if self._leaving:
+            return [] if self.phase is Phase.STOPPING else self._exit_now(self._exit or Exit(EXIT_OK, "left"))
         if self.phase is Phase.BARRIER:
             return self._exit_now(
                 Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({event.reason})")
@@ -350,8 +367,18 @@ class AgentMachine:
             # A second signal while we stop: the user insists.
             return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
         self._signalled = signum
+        if self.settings.elastic and signum == signal.SIGTERM:
+            return self._drain(f"received {name}")
         exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
-        return [Send(Leave(reason=f"agent received {name}")), *self._stop_then_exit(exit_, signum)]
+        self._leaving = True
+        return [*self._stop_then_exit(exit_, signum), Send(Leave(reason=f"agent received {name}"))]
+
+    def _drain(self, why: str) -> list[Effect]:
+        """A clean leave: workers get SIGTERM first (to checkpoint), the others go on without us."""
+        self._leaving = True
+        note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
+        exit_ = Exit(EXIT_OK, f"drained: {why}; left the job")
+        return [note, *self._stop_then_exit(exit_), Send(Leave(reason=f"drain: {why}"))]
 
     def _on_tick(self, now: float) -> list[Effect]:
         if self.deadline is None or now < self.deadline:

@@ -276,6 +276,8 @@ class Join(_Schema):
     heartbeat_interval: float = field(metadata=_INTERVAL)
     heartbeat_timeout: float = field(metadata=_INTERVAL)
     spare: bool = field(default=False, metadata=_flag())
+    # A node whose workers failed this many times is excluded from the job (0: never).
+    exclude_after: int = field(default=0, metadata=_COUNT)
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -391,6 +393,14 @@ class JobFailed(_Schema):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Drain(_Schema):
+    """Leave the job cleanly: stop the workers with SIGTERM (they may checkpoint), then Leave."""
+
+    TYPE: ClassVar[str] = "drain"
+    reason: str = field(default="", metadata=_TEXT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobDone(_Schema):
     """The job is over and every node succeeded."""
 
@@ -425,6 +435,7 @@ Message: TypeAlias = (
     | Restart
     | JobFailed
     | JobDone
+    | Drain
     | Error
 )
 
@@ -432,7 +443,7 @@ CLIENT_MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, Join, Heartbeat, WorkersFailed, WorkersSucceeded, Leave)
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Error)
+    cls.TYPE: cls for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error)
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
 

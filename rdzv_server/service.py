@@ -215,6 +215,13 @@ class RendezvousService:
         proto.connection_made(transport)
         proto.data_received(preface)
 
+    # -- operations ------------------------------------------------------------------------
+
+    def drain(self, job_id: str, node_id: str, reason: str = "") -> None:
+        """Ask one node to leave its job cleanly; KeyError names what does not exist."""
+        self._apply(self.machine.drain(job_id, node_id, reason, self.clock()))
+        self._schedule()
+
     # -- the machine -----------------------------------------------------------------------
 
     def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> None:

@@ -33,12 +33,15 @@ Each node is told only its own slice: messages stay O(1) in the size of the job.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from protocol import (
     Assignment,
+    Drain,
     Error,
     Failure,
     Heartbeat,
@@ -158,6 +161,7 @@ class Member:
     nproc: int
     master_port: int
     seq: int  # arrival order, for logs and ties
+    joined_at: float = 0.0
     state: MemberState = MemberState.READY
     failures: int = 0
 
@@ -170,6 +174,7 @@ class JobSettings:
     max_restarts: int
     last_call_timeout: float
     heartbeat_timeout: float
+    exclude_after: int = 0
 
     @classmethod
     def from_join(cls, msg: Join) -> JobSettings:
@@ -180,6 +185,7 @@ class JobSettings:
             max_restarts=msg.max_restarts,
             last_call_timeout=msg.last_call_timeout,
             heartbeat_timeout=msg.heartbeat_timeout,
+            exclude_after=msg.exclude_after,
         )
 
     def mismatch(self, other: JobSettings) -> str | None:
@@ -203,6 +209,41 @@ def _range(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}:{hi}"
 
 
+HISTORY_LEN = 200
+FINISHED_JOBS_KEPT = 50
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    """One line of a job's history, for the status API and dashboard."""
+
+    time: float  # the server's monotonic clock
+    kind: str  # created | joined | round | restart | failure | lost | left | finished | failed | excluded
+    text: str
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters since the server started, for /metrics."""
+
+    jobs_created: int = 0
+    jobs_finished: int = 0
+    jobs_failed: int = 0
+    rounds_started: int = 0
+    rounds_completed: int = 0
+    restarts: int = 0
+    failures: Counter[str] = field(default_factory=Counter)  # by cause
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+    latency_count: int = 0
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+        self.latency_count += 1
+
+
 @dataclass(slots=True)
 class Job:
     id: str
@@ -216,6 +257,15 @@ class Job:
     last_call_deadline: float | None = None
     failures: list[Failure] = field(default_factory=list)
     next_seq: int = 0
+    created_at: float = 0.0
+    gathering_since: float = 0.0  # when the round being gathered started (rendezvous latency)
+    rounds_completed: int = 0
+    outcome: str = ""  # why the job ended, once it has
+    excluded: dict[str, str] = field(default_factory=dict)  # node id -> why
+    history: deque[JobEvent] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+
+    def record(self, now: float, kind: str, text: str) -> None:
+        self.history.append(JobEvent(now, kind, text))
 
     @property
     def elastic(self) -> bool:
@@ -228,6 +278,9 @@ class Rendezvous:
     def __init__(self) -> None:
         self.conns: dict[int, Conn] = {}
         self.jobs: dict[str, Job] = {}
+        self.stats = Stats()
+        # Jobs that ended and were forgotten, newest last, for the status API.
+        self.finished_jobs: deque[Job] = deque(maxlen=FINISHED_JOBS_KEPT)
         self._next_sweep: float | None = None
 
     # -- public API ------------------------------------------------------------------------
@@ -302,25 +355,23 @@ class Rendezvous:
         job = self.jobs.get(msg.job_id)
         if job is not None and job.phase in (JobPhase.FINISHED, JobPhase.FAILED):
             if job.members or job.spares:
-                self._refuse(
-                    conn,
-                    "job_closed",
-                    f"job {job.id!r} has {job.phase.value}; use another --rdzv-id",
-                    now,
-                    out,
-                )
+                what = f"job {job.id!r} has {job.phase.value}; use another --rdzv-id"
+                self._refuse(conn, "job_closed", what, now, out)
                 return
             del self.jobs[job.id]
             job = None
         if job is None:
-            job = Job(id=msg.job_id, settings=settings)
+            job = Job(id=msg.job_id, settings=settings, created_at=now, gathering_since=now)
             self.jobs[job.id] = job
-            out.append(
-                Log(
-                    "info",
-                    f"job {job.id}: created (nnodes {_range(settings.min_nodes, settings.max_nodes)}, "
-                    f"entrypoint {settings.entrypoint!r}, max restarts {settings.max_restarts})",
-                )
+            self.stats.jobs_created += 1
+            self.stats.rounds_started += 1
+            self._note(
+                job,
+                now,
+                "created",
+                f"created (nnodes {_range(settings.min_nodes, settings.max_nodes)}, "
+                f"entrypoint {settings.entrypoint!r}, max restarts {settings.max_restarts})",
+                out,
             )
         else:
             problem = job.settings.mismatch(settings)
@@ -332,6 +383,12 @@ class Rendezvous:
                 conn, "duplicate_node", f"node id {msg.node_id!r} is already in job {job.id!r}", now, out
             )
             return
+        if msg.node_id in job.excluded:
+            why = job.excluded[msg.node_id]
+            self._refuse(
+                conn, "excluded", f"node {msg.node_id} is excluded from job {job.id!r}: {why}", now, out
+            )
+            return
         conn.phase = ConnPhase.JOINED
         conn.job_id, conn.node_id = job.id, msg.node_id
         member = Member(
@@ -341,6 +398,7 @@ class Rendezvous:
             nproc=msg.nproc,
             master_port=msg.master_port,
             seq=job.next_seq,
+            joined_at=now,
         )
         job.next_seq += 1
         self._ensure_sweep(now, job.settings.heartbeat_timeout)
@@ -348,17 +406,17 @@ class Rendezvous:
         finishing = any(m.state is MemberState.SUCCEEDED for m in job.members.values())
         if msg.spare or full or finishing:
             job.spares[member.node_id] = member
-            out.append(Log("info", f"job {job.id}: node {member.node_id} ({member.addr}) waits as a spare"))
+            self._note(job, now, "spare", f"node {member.node_id} ({member.addr}) waits as a spare", out)
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
             return
         job.members[member.node_id] = member
-        n = len(job.members)
-        out.append(
-            Log(
-                "info",
-                f"job {job.id}: node {member.node_id} ({member.addr}, nproc {member.nproc}) joined "
-                f"({n} of {_range(job.settings.min_nodes, job.settings.max_nodes)})",
-            )
+        self._note(
+            job,
+            now,
+            "joined",
+            f"node {member.node_id} ({member.addr}, nproc {member.nproc}) joined "
+            f"({len(job.members)} of {_range(job.settings.min_nodes, job.settings.max_nodes)})",
+            out,
         )
         if job.phase is JobPhase.RUNNING:
             # A newcomer to a running job: let the workers run on while the settle window
@@ -368,7 +426,7 @@ class Rendezvous:
             out.append(Send(conn.id, self._waiting(job, "joining a running job")))
             self._maybe_regather(job, now, out)
             return
-        if n == job.settings.min_nodes and job.last_call_deadline is None and job.order == []:
+        if len(job.members) == job.settings.min_nodes and job.last_call_deadline is None and not job.order:
             job.last_call_deadline = now + job.settings.last_call_timeout
         self._maybe_complete(job, now, out)
         if member.state is MemberState.READY:
@@ -385,13 +443,8 @@ class Rendezvous:
             return
         if member.state is not MemberState.WAITING:
             # Only a member told to restart re-joins; anything else is a confused agent.
-            self._refuse(
-                self.conns[member.conn],
-                "unexpected_message",
-                f"join while {member.state.value} in round {job.round}",
-                now,
-                out,
-            )
+            what = f"join while {member.state.value} in round {job.round}"
+            self._refuse(self.conns[member.conn], "unexpected_message", what, now, out)
             return
         member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
         member.state = MemberState.READY
@@ -404,16 +457,25 @@ class Rendezvous:
         member.failures += 1
         failure = msg.failure
         job.failures.append(failure)
+        self.stats.failures["worker"] += 1
         cause = _describe_failure(failure)
+        limit = job.settings.exclude_after
+        excluded = limit > 0 and member.failures >= limit
         if job.restart_count < job.settings.max_restarts:
             job.restart_count += 1
-            out.append(
-                Log(
-                    "warning",
-                    f"job {job.id}: round {job.round}: {cause}; restart "
-                    f"{job.restart_count} of {job.settings.max_restarts}",
-                )
+            self.stats.restarts += 1
+            self._note(
+                job,
+                now,
+                "failure",
+                f"round {job.round}: {cause}; restart {job.restart_count} of {job.settings.max_restarts}",
+                out,
+                level="warning",
             )
+            if excluded:
+                self._exclude(job, member, f"its workers failed {member.failures} times", now, out)
+                if job.phase is not JobPhase.RUNNING:
+                    return
             self._regather(job, f"worker failure: {cause}", now, out)
         else:
             reason = (
@@ -421,7 +483,30 @@ class Rendezvous:
                 if job.settings.max_restarts
                 else f"{cause} (--max-restarts 0)"
             )
-            self._fail(job, reason, failure, out)
+            self._fail(job, reason, failure, now, out)
+
+    def _exclude(self, job: Job, member: Member, why: str, now: float, out: list[Effect]) -> None:
+        """Take a flaky node out of the job for good; the others go on if enough remain."""
+        job.excluded[member.node_id] = why
+        self._note(
+            job, now, "excluded", f"node {member.node_id} ({member.addr}) excluded: {why}", out, "warning"
+        )
+        text = f"node {member.node_id} is excluded from job {job.id!r}: {why}"
+        out.append(Send(member.conn, Error(code="excluded", message=text, fatal=True)))
+        conn = self.conns.pop(member.conn, None)
+        out.append(Close(member.conn, "excluded"))
+        del job.members[member.node_id]
+        if conn is not None:
+            conn.phase = ConnPhase.READY
+        self._promote_spares(job, now, out)
+        if len(job.members) < job.settings.min_nodes and not job.spares and not job.elastic:
+            self._fail(
+                job,
+                f"node {member.node_id} excluded ({why}) and the job needs {job.settings.min_nodes} nodes",
+                None,
+                now,
+                out,
+            )
 
     def _on_succeeded(
         self, job: Job, member: Member, msg: WorkersSucceeded, now: float, out: list[Effect]
@@ -433,7 +518,20 @@ class Rendezvous:
         ):
             return
         member.state = MemberState.SUCCEEDED
-        self._maybe_finish(job, out)
+        self._maybe_finish(job, now, out)
+
+    def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
+        """An operator asks a node to leave cleanly (its agent stops its workers, then leaves)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"no job {job_id!r}")
+        member = job.members.get(node_id) or job.spares.get(node_id)
+        if member is None:
+            raise KeyError(f"job {job_id!r} has no node {node_id!r}")
+        out: list[Effect] = []
+        self._note(job, now, "drain", f"node {node_id} asked to drain: {reason}", out)
+        out.append(Send(member.conn, Drain(reason=reason)))
+        return out
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -459,6 +557,9 @@ class Rendezvous:
         master = job.members[job.order[0]]
         job.phase = JobPhase.RUNNING
         job.last_call_deadline = None
+        job.rounds_completed += 1
+        self.stats.rounds_completed += 1
+        self.stats.observe_latency(now - job.gathering_since)
         offset = 0
         for group_rank, nid in enumerate(job.order):
             m = job.members[nid]
@@ -481,12 +582,13 @@ class Rendezvous:
                 )
             )
             offset += m.nproc
-        out.append(
-            Log(
-                "info",
-                f"job {job.id}: round {job.round} complete: {len(job.order)} nodes, world size "
-                f"{world_size}, master {master.addr}:{master.master_port}, restarts {job.restart_count}",
-            )
+        self._note(
+            job,
+            now,
+            "round",
+            f"round {job.round} complete: {len(job.order)} nodes, world size {world_size}, "
+            f"master {master.addr}:{master.master_port}, restarts {job.restart_count}",
+            out,
         )
 
     def _regather(self, job: Job, reason: str, now: float, out: list[Effect]) -> None:
@@ -494,7 +596,9 @@ class Rendezvous:
         abandoned = job.round
         job.round += 1
         job.phase = JobPhase.GATHERING
+        job.gathering_since = now
         job.last_call_deadline = None  # newcomers already here are in; no need to wait longer
+        self.stats.rounds_started += 1
         for m in job.members.values():
             if m.node_id in job.order:
                 m.state = MemberState.WAITING
@@ -502,7 +606,7 @@ class Rendezvous:
                     Send(m.conn, Restart(round=abandoned, reason=reason, restart_count=job.restart_count))
                 )
         # Newcomers joined while the round ran are ready already; promote spares if room.
-        self._promote_spares(job, out)
+        self._promote_spares(job, now, out)
         self._maybe_complete(job, now, out)
 
     def _maybe_regather(self, job: Job, now: float, out: list[Effect]) -> None:
@@ -515,35 +619,39 @@ class Rendezvous:
         full = len(job.members) >= job.settings.max_nodes
         if full or (job.last_call_deadline is not None and now >= job.last_call_deadline):
             names = ", ".join(newcomers)
-            out.append(Log("info", f"job {job.id}: admitting {names}; re-rendezvous"))
+            self._note(job, now, "admit", f"admitting {names}; re-rendezvous", out)
             job.last_call_deadline = None
             self._regather(job, f"node(s) joined: {names}", now, out)
 
-    def _promote_spares(self, job: Job, out: list[Effect]) -> None:
+    def _promote_spares(self, job: Job, now: float, out: list[Effect]) -> None:
         while job.spares and len(job.members) < job.settings.max_nodes:
             nid = next(iter(job.spares))
             m = job.spares.pop(nid)
             m.state = MemberState.READY
             job.members[nid] = m
-            out.append(Log("info", f"job {job.id}: spare {nid} takes a place in the job"))
+            self._note(job, now, "spare", f"spare {nid} takes a place in the job", out)
 
-    def _maybe_finish(self, job: Job, out: list[Effect]) -> None:
+    def _maybe_finish(self, job: Job, now: float, out: list[Effect]) -> None:
         if job.phase is not JobPhase.RUNNING or not job.members:
             return
         in_round = [job.members[nid] for nid in job.order if nid in job.members]
         if all(m.state is MemberState.SUCCEEDED for m in in_round):
             job.phase = JobPhase.FINISHED
             job.last_call_deadline = None
+            job.outcome = f"all workers succeeded in round {job.round}"
+            self.stats.jobs_finished += 1
             for m in [*job.members.values(), *job.spares.values()]:
                 out.append(Send(m.conn, JobDone()))
-            out.append(Log("info", f"job {job.id}: finished: all workers succeeded in round {job.round}"))
+            self._note(job, now, "finished", f"finished: {job.outcome}", out)
 
-    def _fail(self, job: Job, reason: str, failure: Failure | None, out: list[Effect]) -> None:
+    def _fail(self, job: Job, reason: str, failure: Failure | None, now: float, out: list[Effect]) -> None:
         job.phase = JobPhase.FAILED
         job.last_call_deadline = None
+        job.outcome = reason
+        self.stats.jobs_failed += 1
         for m in [*job.members.values(), *job.spares.values()]:
             out.append(Send(m.conn, JobFailed(reason=reason, failure=failure)))
-        out.append(Log("error", f"job {job.id}: failed: {reason}"))
+        self._note(job, now, "failed", f"failed: {reason}", out, "error")
 
     # -- departures and time ---------------------------------------------------------------
 
@@ -560,23 +668,23 @@ class Rendezvous:
             return
         nid = conn.node_id
         if job.spares.pop(nid, None) is not None:
-            out.append(Log("info", f"job {job.id}: spare {nid} {reason}"))
-            self._forget_if_done(job)
+            self._note(job, now, "left", f"spare {nid} {reason}", out)
+            self._forget_if_done(job, now, out)
             return
         member = job.members.pop(nid, None)
         if member is None:
             return
         if job.phase in (JobPhase.FINISHED, JobPhase.FAILED):
-            self._forget_if_done(job)
+            self._forget_if_done(job, now, out)
             return
-        out.append(Log("warning", f"job {job.id}: node {nid} {reason} ({len(job.members)} remain)"))
+        kind = "left" if reason.startswith("left") else "lost"
+        self.stats.failures[f"node_{kind}"] += 1
+        self._note(job, now, kind, f"node {nid} {reason} ({len(job.members)} remain)", out, "warning")
         if job.phase is JobPhase.GATHERING:
-            self._promote_spares(job, out)
-            if not job.members and not job.spares:
-                del self.jobs[job.id]
-                out.append(Log("info", f"job {job.id}: no nodes left; forgotten"))
+            self._promote_spares(job, now, out)
+            if self._forget_if_done(job, now, out):
                 return
-            if len(job.members) < job.settings.min_nodes and job.order == []:
+            if len(job.members) < job.settings.min_nodes and not job.order:
                 job.last_call_deadline = None
             self._notify_waiting(job, out)
             self._maybe_complete(job, now, out)
@@ -585,20 +693,20 @@ class Rendezvous:
         if nid not in job.order:
             return  # a newcomer that had not started yet
         if member.state is MemberState.SUCCEEDED:
-            self._maybe_finish(job, out)
+            self._maybe_finish(job, now, out)
             return
-        if not job.members and not job.spares:
-            del self.jobs[job.id]
-            out.append(Log("info", f"job {job.id}: no nodes left; forgotten"))
+        if self._forget_if_done(job, now, out):
             return
         cause = f"node {nid} ({member.addr}) {reason}"
-        if not job.elastic:
+        if not job.elastic and kind == "lost":
             # A fixed-size job cannot go on smaller: losing a node is a failure, as it is for
             # torchrun (whose survivors fail in their next collective).
-            if job.restart_count >= job.settings.max_restarts:
-                self._fail(job, f"{cause}; the job needs {job.settings.min_nodes} nodes", None, out)
+            if job.restart_count >= job.settings.max_restarts and not job.spares:
+                self._fail(job, f"{cause}; the job needs {job.settings.min_nodes} nodes", None, now, out)
                 return
-            job.restart_count += 1
+            if not job.spares:
+                job.restart_count += 1
+                self.stats.restarts += 1
         self._regather(job, cause, now, out)
         self._notify_waiting(job, out)
 
@@ -608,9 +716,16 @@ class Rendezvous:
             for m in job.members.values():
                 out.append(Send(m.conn, msg))
 
-    def _forget_if_done(self, job: Job) -> None:
-        if job.phase in (JobPhase.FINISHED, JobPhase.FAILED) and not job.members and not job.spares:
-            del self.jobs[job.id]
+    def _forget_if_done(self, job: Job, now: float, out: list[Effect]) -> bool:
+        """Forget a job nobody is in any more (its id may then be used again)."""
+        if job.members or job.spares:
+            return False
+        if job.phase not in (JobPhase.FINISHED, JobPhase.FAILED):
+            job.outcome = job.outcome or "every node left"
+            self._note(job, now, "forgotten", "no nodes left; forgotten", out)
+        del self.jobs[job.id]
+        self.finished_jobs.append(job)
+        return True
 
     def _on_tick(self, now: float, out: list[Effect]) -> None:
         for job in list(self.jobs.values()):
@@ -641,6 +756,13 @@ class Rendezvous:
             self._next_sweep = due
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _note(
+        self, job: Job, now: float, kind: str, text: str, out: list[Effect], level: str = "info"
+    ) -> None:
+        """Log a job event once, and keep it in the job's history."""
+        job.record(now, kind, text)
+        out.append(Log(level, f"job {job.id}: {text}"))
 
     def _member_of(self, conn: Conn) -> tuple[Job, Member]:
         job = self.jobs.get(conn.job_id or "")

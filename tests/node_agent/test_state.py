@@ -143,8 +143,9 @@ def test_waiting_is_logged_once_per_change() -> None:
 def test_sigterm_forwards_and_exits_after_stop() -> None:
     m = running()
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
-    assert kinds(eff) == [st.Send, st.StopWorkers]
-    stop = eff[1]
+    # workers get the signal first, then the server hears we leave
+    assert kinds(eff) == [st.StopWorkers, st.Send]
+    stop = eff[0]
     assert isinstance(stop, st.StopWorkers) and stop.signum == signal.SIGTERM and stop.grace == 5.0
     # a second signal escalates
     assert kinds(m.handle(st.SignalReceived(signal.SIGINT), 3.1)) == [st.ForwardSignal]
@@ -185,3 +186,33 @@ def test_assignment_outside_joining_is_a_local_error() -> None:
     m = running()
     with pytest.raises(st.UnexpectedEvent, match="phase running"):
         m.handle(st.ServerSent(assignment(1)), 2.0)
+
+
+def test_sigterm_in_elastic_job_drains_and_exits_zero() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert kinds(eff) == [st.StopWorkers, st.Send]
+    assert isinstance(eff[-1], st.Send) and isinstance(eff[-1].msg, Leave)
+    # the server closes our connection once we have left: expected, not an error
+    assert m.handle(st.ConnectionLost("closed"), 3.1) == []
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "drained" in ex.reason
+
+
+def test_drain_message_from_server_is_a_clean_leave() -> None:
+    from protocol import Drain
+
+    m = running()
+    eff = m.handle(st.ServerSent(Drain(reason="maintenance")), 3.0)
+    assert kinds(eff) == [st.StopWorkers, st.Send]
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "maintenance" in ex.reason
+
+
+def test_failed_health_check_never_joins() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    eff = m.handle(st.HealthCheckFailed("gpu 3 is missing"), 0.1)
+    assert kinds(eff) == [st.Send, st.Exit]
+    ex = eff[-1]
+    assert isinstance(ex, st.Exit) and ex.code != 0 and "gpu 3 is missing" in ex.reason

@@ -28,6 +28,7 @@ from protocol import (
     SERVER_MESSAGES,
     Assignment,
     BadMagic,
+    Drain,
     Error,
     Failure,
     FrameDecoder,
@@ -114,6 +115,7 @@ SAMPLES = [
     JobFailed(reason="max restarts reached"),
     JOB_FAILED,
     JobDone(),
+    Drain(reason="scale down"),
     Error(code="invalid_field", message="join.nproc: must be in 1..4096, got 0"),
     Error(code="invalid_field", message="m", field="join.nproc", fatal=False),
 ]
@@ -699,6 +701,7 @@ messages = st.one_of(
     st.builds(Restart, round=counts, reason=texts, restart_count=counts),
     st.builds(JobFailed, reason=texts, failure=st.none() | failures),
     st.just(JobDone()),
+    st.builds(Drain, reason=st.text(max_size=20)),
     st.builds(
         Error,
         code=st.text(min_size=1, max_size=MAX_CODE_LEN),

@@ -23,6 +23,7 @@ from protocol import (
     SUPPORTED_VERSIONS,
     Assignment,
     BadMagic,
+    Drain,
     Error,
     Failure,
     FrameTooLarge,
@@ -79,6 +80,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "heartbeat_interval": 5.0,
         "heartbeat_timeout": 30.0,
         "spare": True,
+        "exclude_after": 3,
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE)},
@@ -101,6 +103,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1},
     JobFailed: {"reason": "max restarts reached", "failure": Failure(**FAILURE)},
     JobDone: {},
+    Drain: {"reason": "operator asked"},
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
 }
 
@@ -379,6 +382,7 @@ def test_registries():
         "restart",
         "job_failed",
         "job_done",
+        "drain",
         "error",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)

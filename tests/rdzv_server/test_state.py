@@ -324,3 +324,59 @@ def test_join_and_loss_in_the_same_settle_window() -> None:
     h.join(a, **kw)
     got = assignments(h, [a, c])
     assert got[a].group_rank == 0 and got[c].group_world_size == 2
+
+
+def test_flaky_node_is_excluded_after_threshold_and_job_goes_on() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2, max_restarts=5, exclude_after=2)
+    a, b = h.join(**kw), h.join(**kw)
+    r = assignments(h, [a, b])
+    h.send(b, WorkersFailed(round=r[b].round, failure=failure(2, "node2")))
+    assert b not in h.closed  # one failure is not enough
+    h.join(a, **kw)
+    h.join(b, **kw)
+    r = assignments(h, [a, b])
+    h.send(b, WorkersFailed(round=r[b].round, failure=failure(2, "node2")))
+    err = h.last(b, Error)
+    assert err is not None and err.code == "excluded" and "failed 2 times" in err.message
+    assert b in h.closed
+    job = h.machine.jobs["job"]
+    assert "node2" in job.excluded and [e.kind for e in job.history].count("excluded") == 1
+    h.join(a, **kw)
+    r2 = assignments(h, [a])
+    assert r2[a].group_world_size == 1 and r2[a].world_size == 2
+    # the excluded node cannot come back under the same id
+    again = h.join(node="node2", **kw)
+    err = h.last(again, Error)
+    assert err is not None and err.code == "excluded"
+
+
+def test_drain_request_reaches_only_that_node() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2)
+    a, b = h.join(**kw), h.join(**kw)
+    assignments(h, [a, b])
+    h._apply(h.machine.drain("job", "node2", "maintenance", h.now))
+    from protocol import Drain
+
+    assert h.last(b, Drain) == Drain(reason="maintenance")
+    assert h.last(a, Drain) is None
+
+
+def test_stats_and_history_follow_the_job() -> None:
+    h = Harness()
+    a, b = h.join(max_restarts=1), h.join(max_restarts=1)
+    r = assignments(h, [a, b])
+    h.advance(1.0)
+    h.send(a, WorkersFailed(round=r[a].round, failure=failure()))
+    h.join(a, max_restarts=1)
+    h.advance(0.5)
+    h.join(b, max_restarts=1)
+    s = h.machine.stats
+    assert (s.jobs_created, s.rounds_started, s.rounds_completed, s.restarts) == (1, 2, 2, 1)
+    assert s.failures["worker"] == 1 and s.latency_count == 2
+    assert abs(s.latency_sum - 0.5) < 1e-9
+    kinds = [e.kind for e in h.machine.jobs["job"].history]
+    assert kinds == ["created", "joined", "joined", "round", "failure", "round"]
+    h.drop(a), h.drop(b)
+    assert [j.id for j in h.machine.finished_jobs] == ["job"]
