@@ -416,7 +416,9 @@ class AgentMachine:
             return [StopWorkers(signum, self.settings.shutdown_timeout)]
         if self.phase is Phase.STOPPING:
             self._after_stop = "exit"
-            self._exit = exit_
+            # The first reason to exit is the one a person needs (a refusal, not the
+            # connection closing right after it).
+            self._exit = self._exit or exit_
             return []
         return self._exit_now(exit_)
 

@@ -216,3 +216,12 @@ def test_failed_health_check_never_joins() -> None:
     assert kinds(eff) == [st.Send, st.Exit]
     ex = eff[-1]
     assert isinstance(ex, st.Exit) and ex.code != 0 and "gpu 3 is missing" in ex.reason
+
+
+def test_first_reason_to_exit_wins_over_the_connection_closing() -> None:
+    m = running()
+    m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    m.handle(st.ServerSent(Error(code="excluded", message="node n1 is excluded: failed 2 times")), 5.1)
+    m.handle(st.ConnectionLost("the server closed the connection"), 5.1)
+    (ex,) = m.handle(st.WorkersStopped(), 5.2)
+    assert isinstance(ex, st.Exit) and "excluded" in ex.reason
