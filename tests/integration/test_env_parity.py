@@ -1,0 +1,48 @@
+"""The environment a worker sees under node-agent equals torchrun's, key by key."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .procs import WORKERS, Proc, agent_cmd, read_env_dumps
+
+# Values that must differ between two runs or two launchers, and why.
+DIFFERENT_BY_DESIGN = {
+    "MASTER_PORT": "a free port chosen per run",
+    "TORCHELASTIC_RUN_ID": "a fresh uuid per --standalone run",
+    "TORCHELASTIC_ERROR_FILE": "each launcher's own log directory",
+    "TORCHELASTIC_USE_AGENT_STORE": "our agent hosts no TCPStore: worker rank 0 does (False)",
+    "MASTER_ADDR": "127.0.0.1 here, torchrun's 'localhost' (which may resolve to ::1 first)",
+    "_pid": "the worker's own pid",
+    "DUMP_DIR": "this test's output folder, one per launcher",
+}
+
+
+def launch(argv: list[str], out: Path) -> list[dict[str, str]]:
+    out.mkdir()
+    env = {"DUMP_DIR": str(out), "PARITY_MARK": "inherited"}
+    p = Proc(argv, env=env)
+    try:
+        assert p.wait(timeout=90) == 0, p.stderr
+    finally:
+        p.kill()
+    return read_env_dumps(out)
+
+
+def test_worker_env_matches_torchrun(tmp_path: Path) -> None:
+    script = str(WORKERS / "dump_env.py")
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2"]
+    theirs = launch([sys.executable, "-m", "torch.distributed.run", *flags, script], tmp_path / "torchrun")
+    ours = launch(agent_cmd(*flags, script), tmp_path / "ours")
+    assert len(theirs) == len(ours) == 2
+    for t, o in zip(theirs, ours, strict=True):
+        assert t["RANK"] == o["RANK"]
+        assert set(o) == set(t), f"keys only ours: {set(o) - set(t)}, only torchrun's: {set(t) - set(o)}"
+        differ = {k for k in t if t[k] != o[k]}
+        assert differ <= set(DIFFERENT_BY_DESIGN), {
+            k: (t[k], o[k]) for k in differ - set(DIFFERENT_BY_DESIGN)
+        }
+        assert o["PARITY_MARK"] == "inherited"
+        assert o["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert o["_argv"] == t["_argv"] == "[]"
