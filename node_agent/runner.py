@@ -19,7 +19,7 @@ import string
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message
 
@@ -30,6 +30,9 @@ from .logs import RunLogs
 from .report import failure_summary
 from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, WorkerSpec
 from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
+
+if TYPE_CHECKING:
+    from rdzv_server.service import RendezvousService
 
 HANDSHAKE_TIMEOUT_CAP = 10.0
 HEALTH_CHECK_TIMEOUT = 60.0
@@ -93,6 +96,39 @@ def line_prefix(cfg: AgentConfig, local_rank: int, rank: int) -> str:
     )
 
 
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether host names this machine: loopback, our hostname, or an address we can bind."""
+    if _is_loopback(host) or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))  # succeeds only for an address of this machine
+            except OSError:
+                continue
+            return True
+    return False
+
+
+async def _something_listens(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 def make_node_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
 
@@ -134,11 +170,42 @@ class Agent:
             except OSError as exc:
                 self.log(f"cannot host the rendezvous on {host}:{port}: {exc.strerror or exc}", "error")
                 return st.EXIT_RDZV
+        elif cfg.rdzv_backend == "c10d" and cfg.rdzv_conf.is_host is None and is_this_machine(host):
+            service = await self._host_if_nobody_does(host, port)
         try:
-            return await self._run_connected(host, port)
+            code = await self._run_connected(host, port)
+            if service is not None and not cfg.hosts_rendezvous:
+                await self._linger(service)
+            return code
         finally:
             if service is not None:
                 await service.close()
+
+    async def _host_if_nobody_does(self, host: str, port: int) -> RendezvousService | None:
+        """Like torchrun's c10d backend: the first agent on the endpoint's machine hosts it.
+
+        Several agents may race here; the one whose bind wins hosts, the others connect.
+        """
+        from rdzv_server.service import RendezvousService
+
+        if await _something_listens(host, port):
+            return None
+        service = RendezvousService(http=False)  # the agent stays free of aiohttp
+        bind = host if _is_loopback(host) else None  # peers on other machines must reach it
+        try:
+            await service.start(bind, port)
+        except OSError:
+            return None  # another agent won the race, or the port is taken: connect as a client
+        self.log(f"no rendezvous server was listening on port {port}: this agent hosts it")
+        return service
+
+    async def _linger(self, service: RendezvousService) -> None:
+        """Keep serving until the other nodes are gone, so our early exit does not strand them."""
+        if service.machine.conns:
+            timeout = self.config.rdzv_conf.close_timeout
+            self.log(f"waiting up to {timeout:g} s for the other nodes to leave the rendezvous we host")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(service.wait_idle(), timeout)
 
     async def _run_connected(self, host: str, port: int) -> int:
         cfg = self.config

@@ -153,6 +153,8 @@ class RendezvousService:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closed = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -200,12 +202,19 @@ class RendezvousService:
 
     def _agent_connected(self, conn: _Connection) -> None:
         self._conns[conn.conn_id] = conn
+        self._idle.clear()
         conn.write(MAGIC)
         self._dispatch(Connected(conn.conn_id, conn.peer))
 
     def _agent_disconnected(self, conn: _Connection, reason: str) -> None:
         if self._conns.pop(conn.conn_id, None) is not None:
             self._dispatch(Disconnected(conn.conn_id, reason))
+        if not self._conns:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no agent is connected (an agent hosting the rendezvous waits for its peers)."""
+        await self._idle.wait()
 
     def _hand_to_http(self, conn: _Connection, preface: bytes) -> None:
         assert self.http_factory is not None and conn.transport is not None
@@ -239,6 +248,8 @@ class RendezvousService:
                 c = self._conns.pop(eff.conn, None)
                 if c is not None:
                     c.close()
+                if not self._conns:
+                    self._idle.set()
             elif isinstance(eff, Log):
                 logger.log(_LEVELS.get(eff.level, logging.INFO), "%s", eff.text)
 
