@@ -56,8 +56,8 @@ __all__ = ["build_parser", "parse_config"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_BACKENDS = ("c10d",)
-PLANNED_BACKENDS = ("static", "etcd", "etcd-v2")  # torch's other backends; another issue adds them
+SUPPORTED_BACKENDS = ("c10d", "static")
+PLANNED_BACKENDS = ("etcd", "etcd-v2")  # torch's other backends; another issue adds them
 # torch's registered event handlers: "null" and "dynamic_rendezvous" discard events, "console"
 # prints them to stderr; any other name fails in torchrun at the first event.
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
@@ -405,7 +405,11 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
     node_rank = _int(inputs, "node_rank", minimum=0)
     master_addr = inputs.get("master_addr").value
     master_port = _port(inputs, "master_port")
-    if backend != "static":
+    if backend == "static":
+        rdzv_host, rdzv_port = _static_master(
+            inputs, endpoint, rdzv_host, rdzv_port, master_addr, master_port, min_nodes, max_nodes, node_rank
+        )
+    else:
         unused = [f"--{d.replace('_', '-')}" for d in ("master_addr", "master_port") if inputs.given(d)]
         if unused:
             logger.warning(
@@ -551,14 +555,44 @@ def _resolve_rendezvous(inputs: _Inputs, max_nodes: int) -> tuple[bool, str, str
         # static default; waiting on 127.0.0.1 would just time out after join_timeout.
         raise ConfigError(
             "a multi-node run needs --rdzv-endpoint HOST[:PORT], the address of the rendezvous "
-            "server (torchrun's static rendezvous with --master-addr/--node-rank is not yet "
-            "supported by node-agent)"
+            "server, or --rdzv-backend static with --master-addr, --master-port and --node-rank "
+            "(torchrun's default)"
         )
     if not id_given.value:
         raise ConfigError(
             f"{id_given.what(_BY_DEST['rdzv_id'])} is empty: give the job a name shared by its nodes"
         )
     return False, backend, endpoint, id_given.value
+
+
+def _static_master(
+    inputs: _Inputs,
+    endpoint: str,
+    endpoint_host: str,
+    endpoint_port: int,
+    master_addr: str | None,
+    master_port: int | None,
+    min_nodes: int,
+    max_nodes: int,
+    node_rank: int,
+) -> tuple[str, int]:
+    """torchrun's static rendezvous: ranks come from --node-rank; the master from the flags.
+
+    The master is --rdzv-endpoint when given, else --master-addr:--master-port (torchrun's
+    127.0.0.1:29500). Worker rank 0 hosts torch's TCPStore on that port.
+    """
+    if min_nodes != max_nodes:
+        raise ConfigError(
+            f"--rdzv-backend=static needs a fixed node count (--nnodes N), not {min_nodes}:{max_nodes}; "
+            "use c10d for an elastic job"
+        )
+    if node_rank >= max_nodes:
+        raise ConfigError(f"--node-rank={node_rank} must be below --nnodes={max_nodes} (ranks count from 0)")
+    if endpoint:
+        if not inputs.given("rdzv_endpoint") or ":" in endpoint.rsplit("]", 1)[-1]:
+            return endpoint_host, endpoint_port
+        return endpoint_host, master_port or DEFAULT_RDZV_PORT
+    return master_addr or "127.0.0.1", master_port or DEFAULT_RDZV_PORT
 
 
 def _parse_endpoint(endpoint: str, given: _Given, max_nodes: int) -> tuple[str, int]:

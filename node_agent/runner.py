@@ -210,15 +210,20 @@ class Agent:
     async def _run_connected(self, host: str, port: int) -> int:
         cfg = self.config
         start = self.clock()
+        if cfg.rdzv_backend == "static":
+            from .static_rdzv import StaticConnection
+
+            self.conn = StaticConnection(cfg)  # type: ignore[assignment]
         try:
-            self.conn = await connect(
-                host,
-                port,
-                deadline=start + cfg.rdzv_conf.join_timeout,
-                handshake_timeout=min(cfg.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
-                log=self.log,
-                clock=self.clock,
-            )
+            if self.conn is None:
+                self.conn = await connect(
+                    host,
+                    port,
+                    deadline=start + cfg.rdzv_conf.join_timeout,
+                    handshake_timeout=min(cfg.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+                    log=self.log,
+                    clock=self.clock,
+                )
         except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
             self.log(str(exc), "error")
             return st.EXIT_RDZV

@@ -62,7 +62,8 @@ def test_worker_failing_once_is_restarted_with_incremented_count(tmp_path: Path)
     env = {"DUMP_DIR": str(tmp_path), "FAIL_RANK": "0"}
     p = run(agent_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", FAIL_ONCE), env)
     assert p.p.returncode == 0, p.stderr
-    assert attempts(tmp_path) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # rank 1's first attempt may be stopped before it writes its line
+    assert {(0, 0), (0, 1), (1, 1)} <= set(attempts(tmp_path))
     assert "re-rendezvous after round 0: worker failure" in p.stderr
 
 

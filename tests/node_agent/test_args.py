@@ -627,13 +627,14 @@ ERRORS = [
     (["--nproc-per-node", "xpu"], {}, "xpu is not supported"),
     ([], {"PET_NPROC_PER_NODE": ""}, "PET_NPROC_PER_NODE=''"),
     # backends
-    (["--rdzv-backend", "static"], {}, "--rdzv-backend=static is not yet supported by node-agent"),
+    (["--rdzv-backend", "static", "--nnodes", "1:2"], {}, "--rdzv-backend=static needs a fixed node count"),
+    (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank=2 must be below"),
     (["--rdzv-backend", "etcd"], {}, "etcd is not yet supported by node-agent"),
     (["--rdzv-backend", "etcd-v2"], {}, "etcd-v2 is not yet supported by node-agent"),
-    ([], {"PET_RDZV_BACKEND": "static"}, "PET_RDZV_BACKEND=static is not yet supported"),
+    ([], {"PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND=etcd is not yet supported"),
     (["--rdzv-backend", "zookeeper"], {}, "'zookeeper' is not a rendezvous backend"),
     (["--nnodes", "2"], {}, "a multi-node run needs --rdzv-endpoint"),
-    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1"], {}, "static rendezvous"),
+    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1"], {}, "--rdzv-backend static"),
     (["--rdzv-id", "", *ENDPOINT], {}, "--rdzv-id is empty"),
     (
         ["--standalone", "--nnodes", "1:2"],
@@ -892,3 +893,31 @@ def test_importing_the_front_end_loads_neither_torch_nor_aiohttp():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+def test_static_backend_takes_ranks_and_master_from_flags(tmp_path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cfg = parse_config(
+        [
+            "--rdzv-backend",
+            "static",
+            "--nnodes",
+            "3",
+            "--node-rank",
+            "2",
+            "--master-addr",
+            "10.1.2.3",
+            "--master-port",
+            "23456",
+            str(script),
+        ],
+        {},
+    )
+    assert (cfg.rdzv_backend, cfg.node_rank, cfg.rdzv_host, cfg.rdzv_port) == ("static", 2, "10.1.2.3", 23456)
+    cfg = parse_config(
+        ["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h:5", str(script)], {}
+    )
+    assert (cfg.rdzv_host, cfg.rdzv_port) == ("h", 5)
+    cfg = parse_config(["--rdzv-backend", "static", "--nnodes", "2", str(script)], {})
+    assert (cfg.rdzv_host, cfg.rdzv_port) == ("127.0.0.1", 29500)
