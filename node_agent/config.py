@@ -143,6 +143,7 @@ _FLOAT_KEYS = (
     "heartbeat_timeout",
     "read_timeout",
     "exit_barrier_timeout",
+    "reconnect_timeout",
 )
 # torchrun's liveness knobs, translated into ours (see RdzvConf.parse).
 _KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")
@@ -195,6 +196,9 @@ class RdzvConf:
     read_timeout: float = 60.0  # how long to keep trying to connect to the endpoint
     is_host: bool | None = None  # None: not said; the runner decides whether to host
     exit_barrier_timeout: float = 300.0
+    # How long an agent whose server connection broke keeps its workers running while it
+    # reconnects and resumes its round (0: stop them at once).
+    reconnect_timeout: float = 30.0
     # Exclude a node from the job once its workers have failed this many times (0: never).
     exclude_after: int = 0
     extra: Mapping[str, str] = field(default_factory=_frozen_map)
@@ -207,7 +211,7 @@ class RdzvConf:
         for name in ("join_timeout", "heartbeat_interval", "heartbeat_timeout", "read_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--rdzv-conf {name}={getattr(self, name)!r} must be > 0 seconds")
-        for name in ("last_call_timeout", "close_timeout", "exit_barrier_timeout"):
+        for name in ("last_call_timeout", "close_timeout", "exit_barrier_timeout", "reconnect_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--rdzv-conf {name}={getattr(self, name)!r} must be >= 0 seconds")
         if self.heartbeat_timeout < self.heartbeat_interval:

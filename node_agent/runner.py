@@ -18,10 +18,10 @@ import socket
 import string
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TextIO
 
-from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message
+from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
 
 from . import state as st
 from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
@@ -154,6 +154,8 @@ class Agent:
         self._wait_task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._exit: st.Exit | None = None
+        self._bg: set[asyncio.Task[None]] = set()
+        self.endpoint = ("", 0)
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -209,6 +211,7 @@ class Agent:
 
     async def _run_connected(self, host: str, port: int) -> int:
         cfg = self.config
+        self.endpoint = (host, port)
         start = self.clock()
         if cfg.rdzv_backend == "static":
             from .static_rdzv import StaticConnection
@@ -236,6 +239,7 @@ class Agent:
                 exit_barrier_timeout=cfg.rdzv_conf.exit_barrier_timeout,
                 shutdown_timeout=cfg.shutdown_timeout,
                 elastic=cfg.elastic,
+                reconnect_timeout=0.0 if cfg.rdzv_backend == "static" else cfg.rdzv_conf.reconnect_timeout,
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
             )
         )
@@ -249,16 +253,13 @@ class Agent:
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
-                reader = tasks.create_task(self._read_server())
-                beat = tasks.create_task(self._heartbeat())
+                self._spawn(self._read_server())
+                self._spawn(self._heartbeat())
                 try:
                     await self._drive(machine)
                 finally:
-                    reader.cancel()
-                    beat.cancel()
-                    for t in (self._wait_task, self._stop_task):
-                        if t is not None:
-                            t.cancel()
+                    for t in list(self._bg):
+                        t.cancel()
         finally:
             for sig in watched:
                 loop.remove_signal_handler(sig)
@@ -278,6 +279,14 @@ class Agent:
                 event = st.Tick()
             await self._apply(machine.handle(event, self.clock()))
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A background task owned by the run's task group, cancelled when the run ends."""
+        assert self._tasks is not None
+        task = self._tasks.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return task
+
     # -- effects ---------------------------------------------------------------------------
 
     async def _apply(self, effects: list[st.Effect]) -> None:
@@ -290,6 +299,10 @@ class Agent:
                     self._send(self._join())
                 else:
                     self.events.put_nowait(st.HealthCheckFailed(problem))
+            elif isinstance(eff, st.SendResume):
+                self._send(Resume(join=self._join(), assignment=eff.assignment, succeeded=eff.succeeded))
+            elif isinstance(eff, st.Reconnect):
+                self._spawn(self._reconnect(eff.deadline))
             elif isinstance(eff, st.StartWorkers):
                 await self._start_workers(eff.assignment)
             elif isinstance(eff, st.StopWorkers):
@@ -389,8 +402,7 @@ class Agent:
             self.events.put_nowait(st.WorkersStartFailed(str(exc)))
             return
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
-        assert self._tasks is not None
-        self._wait_task = self._tasks.create_task(self._wait_workers())
+        self._wait_task = self._spawn(self._wait_workers())
 
     async def _wait_workers(self) -> None:
         result = await self.group.wait()
@@ -407,8 +419,7 @@ class Agent:
             await self.group.stop(grace=grace, sig=signum)
             self.events.put_nowait(st.WorkersStopped())
 
-        assert self._tasks is not None
-        self._stop_task = self._tasks.create_task(stop())
+        self._stop_task = self._spawn(stop())
 
     def _failure(self, w: WorkerExit) -> Failure:
         return Failure(
@@ -428,6 +439,27 @@ class Agent:
         return tuple(self._failure(w) for w in exits)
 
     # -- background tasks ------------------------------------------------------------------
+
+    async def _reconnect(self, deadline: float) -> None:
+        host, port = self.endpoint
+        try:
+            conn = await connect(
+                host,
+                port,
+                deadline=deadline,
+                handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+                log=self.log,
+                clock=self.clock,
+            )
+        except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
+            self.events.put_nowait(st.ReconnectFailed(str(exc)))
+            return
+        old, self.conn = self.conn, conn
+        if old is not None:
+            await old.close()
+        assert self._tasks is not None
+        self._spawn(self._read_server())
+        self.events.put_nowait(st.Reconnected())
 
     async def _read_server(self) -> None:
         assert self.conn is not None

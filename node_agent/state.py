@@ -32,6 +32,7 @@ from protocol import (
     Leave,
     Message,
     Restart,
+    Resumed,
     Waiting,
     WorkersFailed,
     WorkersSucceeded,
@@ -96,6 +97,16 @@ class SignalReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class Reconnected:
+    """A new connection to the server is up (hello exchanged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReconnectFailed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class HealthCheckFailed:
     reason: str
 
@@ -114,6 +125,8 @@ Event = (
     | ConnectionLost
     | SignalReceived
     | HealthCheckFailed
+    | Reconnected
+    | ReconnectFailed
     | Tick
 )
 
@@ -129,6 +142,21 @@ class SendJoin:
 @dataclass(frozen=True, slots=True)
 class Send:
     msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """Connect to the server again, trying until ``deadline``; workers keep running."""
+
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class SendResume:
+    """Tell the new connection which round we hold (the I/O layer adds our join)."""
+
+    assignment: Assignment
+    succeeded: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +189,7 @@ class Log:
     text: str
 
 
-Effect = SendJoin | Send | StartWorkers | StopWorkers | ForwardSignal | Exit | Log
+Effect = SendJoin | Send | Reconnect | SendResume | StartWorkers | StopWorkers | ForwardSignal | Exit | Log
 
 
 class UnexpectedEvent(Exception):
@@ -176,6 +204,7 @@ class AgentSettings:
     exit_barrier_timeout: float
     shutdown_timeout: float  # grace between SIGTERM and SIGKILL for workers
     elastic: bool = False  # SIGTERM in an elastic job is a clean leave (drain), not a failure
+    reconnect_timeout: float = 0.0  # keep workers running this long while reconnecting
     forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
 
@@ -192,6 +221,7 @@ class AgentMachine:
     _last_waiting: tuple[int, int, str] | None = None
     _signalled: int | None = None
     _leaving: bool = False  # we told the server we leave; its closing the connection is expected
+    away: bool = False  # the connection broke and we are reconnecting
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -215,7 +245,11 @@ class AgentMachine:
         if isinstance(event, WorkersStopped):
             return self._on_stopped(event, now)
         if isinstance(event, ConnectionLost):
-            return self._on_connection_lost(event)
+            return self._on_connection_lost(event, now)
+        if isinstance(event, Reconnected):
+            return self._on_reconnected()
+        if isinstance(event, ReconnectFailed):
+            return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
             return self._on_signal(event.signum)
         if isinstance(event, HealthCheckFailed):
@@ -255,6 +289,9 @@ class AgentMachine:
             if self.phase is Phase.BARRIER:
                 return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
             raise UnexpectedEvent(f"job_done in phase {self.phase.value}")
+        if isinstance(msg, Resumed):
+            how = "rebuilt by the server from its agents" if msg.rebuilt else "the server kept it"
+            return [Log("info", f"resumed round {msg.round} ({how}); workers were not restarted")]
         if isinstance(msg, Drain):
             why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
             return self._drain(why)
@@ -323,6 +360,10 @@ class AgentMachine:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
             return effects
         self.local_failures = event.local_failures or (event.failure,)
+        if self.away:
+            # Nobody to report to: stop and fail; the server will see this node gone.
+            why = "a worker failed while the rendezvous server was unreachable"
+            return self._stop_then_exit(Exit(EXIT_FAILED, why, event.failure, self.local_failures))
         self.phase = Phase.STOPPING
         self._after_stop = "verdict"
         return [
@@ -346,15 +387,47 @@ class AgentMachine:
 
     # -- the rest --------------------------------------------------------------------------
 
-    def _on_connection_lost(self, event: ConnectionLost) -> list[Effect]:
+    def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
         if self._leaving:
             return [] if self.phase is Phase.STOPPING else self._exit_now(self._exit or Exit(EXIT_OK, "left"))
+        resumable = (Phase.JOINING, Phase.STARTING, Phase.RUNNING, Phase.BARRIER)
+        if self.settings.reconnect_timeout > 0 and self.phase in resumable and self._exit is None:
+            self.away = True
+            keep = "workers keep running; " if self.phase in (Phase.STARTING, Phase.RUNNING) else ""
+            return [
+                Log(
+                    "warning",
+                    f"lost the connection to the rendezvous server ({event.reason}); {keep}"
+                    f"reconnecting for up to {self.settings.reconnect_timeout:g} s",
+                ),
+                Reconnect(deadline=now + self.settings.reconnect_timeout),
+            ]
+        return self._gone(event.reason)
+
+    def _on_reconnected(self) -> list[Effect]:
+        if not self.away:
+            return []
+        self.away = False
+        if self.phase is Phase.JOINING:
+            return [Log("info", "reconnected; joining again"), SendJoin()]
+        if self.assignment is not None and self.phase in (Phase.STARTING, Phase.RUNNING, Phase.BARRIER):
+            done = self.phase is Phase.BARRIER
+            return [Log("info", "reconnected; resuming our round"), SendResume(self.assignment, done)]
+        return []
+
+    def _on_reconnect_failed(self, event: ReconnectFailed) -> list[Effect]:
+        self.away = False
+        return self._gone(
+            f"{event.reason} (could not reconnect within {self.settings.reconnect_timeout:g} s)"
+        )
+
+    def _gone(self, reason: str) -> list[Effect]:
         if self.phase is Phase.BARRIER:
             return self._exit_now(
-                Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({event.reason})")
+                Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({reason})")
             )
         return self._stop_then_exit(
-            Exit(EXIT_RDZV, f"lost the connection to the rendezvous server: {event.reason}")
+            Exit(EXIT_RDZV, f"lost the connection to the rendezvous server: {reason}")
         )
 
     def _on_signal(self, signum: int) -> list[Effect]:

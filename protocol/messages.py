@@ -189,6 +189,15 @@ def _failure(*, optional: bool = False) -> dict[str, Any]:
     return _rule(check, nested=Failure)
 
 
+def _nested(cls: type) -> dict[str, Any]:
+    def check(value: Any) -> Any:
+        if not isinstance(value, cls):
+            raise _Reject(f"must be a {cls.__name__}, got {describe(value)}")
+        return value
+
+    return _rule(check, nested=cls)
+
+
 _ID = _text(MAX_ID_LEN, nonempty=True)
 _ADDR = _text(MAX_ADDR_LEN)
 _TEXT = _text(MAX_TEXT_LEN)
@@ -373,6 +382,34 @@ class Assignment(_Schema):
             )
 
 
+# --- client -> server, after a lost connection ---------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resume(_Schema):
+    """After a lost connection, in place of Join: the node's join and the round it holds.
+
+    Its workers kept running. A server that knows the round takes the node back as it
+    was (``Resumed``); one that lost its state rebuilds the round from every node's Resume
+    when they agree, and otherwise starts a new round (``Restart``).
+    """
+
+    TYPE: ClassVar[str] = "resume"
+    join: Join = field(metadata=_nested(Join))
+    assignment: Assignment = field(metadata=_nested(Assignment))
+    succeeded: bool = field(default=False, metadata=_flag())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resumed(_Schema):
+    """The server took the node back into ``round``; its workers go on untouched."""
+
+    TYPE: ClassVar[str] = "resumed"
+    job_id: str = field(metadata=_ID)
+    round: int = field(metadata=_COUNT)
+    rebuilt: bool = field(default=False, metadata=_flag())  # the server had lost the round
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Restart(_Schema):
     """Stop the workers; a new round ``round`` is forming."""
@@ -429,7 +466,9 @@ Message: TypeAlias = (
     | WorkersFailed
     | WorkersSucceeded
     | Leave
+    | Resume
     | Welcome
+    | Resumed
     | Waiting
     | Assignment
     | Restart
@@ -440,10 +479,11 @@ Message: TypeAlias = (
 )
 
 CLIENT_MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Join, Heartbeat, WorkersFailed, WorkersSucceeded, Leave)
+    cls.TYPE: cls for cls in (Hello, Join, Heartbeat, WorkersFailed, WorkersSucceeded, Leave, Resume)
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error)
+    cls.TYPE: cls
+    for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error, Resumed)
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
 

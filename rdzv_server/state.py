@@ -52,6 +52,8 @@ from protocol import (
     Leave,
     Message,
     Restart,
+    Resume,
+    Resumed,
     VersionMismatch,
     Waiting,
     Welcome,
@@ -126,6 +128,7 @@ class ConnPhase(enum.Enum):
 
 
 class JobPhase(enum.Enum):
+    RESUMING = "resuming"  # rebuilding a round from the agents' Resume after losing our state
     GATHERING = "gathering"
     RUNNING = "running"
     FINISHED = "finished"
@@ -210,6 +213,7 @@ def _range(lo: int, hi: int) -> str:
 
 
 HISTORY_LEN = 200
+RESUME_WINDOW = 10.0  # how long a rebuilt round waits for every node to come back
 FINISHED_JOBS_KEPT = 50
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -263,6 +267,9 @@ class Job:
     outcome: str = ""  # why the job ended, once it has
     excluded: dict[str, str] = field(default_factory=dict)  # node id -> why
     history: deque[JobEvent] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+    # While RESUMING: the round every node must hold, and which node holds each group rank.
+    resume_expect: tuple[int, int, int, str, int] | None = None
+    resume_slots: dict[int, str] = field(default_factory=dict)
 
     def record(self, now: float, kind: str, text: str) -> None:
         self.history.append(JobEvent(now, kind, text))
@@ -332,6 +339,8 @@ class Rendezvous:
         if conn.phase is ConnPhase.READY:
             if isinstance(msg, Join):
                 self._on_join(conn, msg, now, out)
+            elif isinstance(msg, Resume):
+                self._on_resume(conn, msg, now, out)
             elif isinstance(msg, Leave):
                 self._drop(conn.id, "left before joining", now, out, close=True)
             else:
@@ -432,6 +441,115 @@ class Rendezvous:
         if member.state is MemberState.READY:
             out.append(Send(conn.id, self._waiting(job, "")))
 
+    def _on_resume(self, conn: Conn, msg: Resume, now: float, out: list[Effect]) -> None:
+        """A node whose connection broke comes back holding a round, its workers still running."""
+        j, a = msg.join, msg.assignment
+        if j.job_id != a.job_id:
+            self._refuse(conn, "invalid_field", "resume: join and assignment name different jobs", now, out)
+            return
+        settings = JobSettings.from_join(j)
+        job = self.jobs.get(j.job_id)
+        if job is None:
+            # We have no record of the job (restarted without a state dir): rebuild the round
+            # from what the nodes hold, if they all agree on it.
+            job = Job(
+                id=j.job_id,
+                settings=settings,
+                phase=JobPhase.RESUMING,
+                round=a.round,
+                restart_count=a.restart_count,
+                created_at=now,
+                gathering_since=now,
+            )
+            job.resume_expect = (a.round, a.group_world_size, a.world_size, a.master_addr, a.master_port)
+            job.last_call_deadline = now + max(RESUME_WINDOW, 2 * settings.heartbeat_timeout)
+            self.jobs[job.id] = job
+            self.stats.jobs_created += 1
+            self._note(
+                job, now, "resuming", f"rebuilding round {a.round} from its agents (no record of it)", out
+            )
+        if job.phase is JobPhase.RESUMING:
+            self._resume_into_rebuild(job, conn, msg, settings, now, out)
+            return
+        # We know the job, but not this node in its current round (it was dropped when its
+        # connection broke): it must stop its workers and join again.
+        if job.settings.mismatch(settings) is not None:
+            self._refuse(
+                conn,
+                "job_mismatch",
+                f"job {job.id!r} disagrees on {job.settings.mismatch(settings)}",
+                now,
+                out,
+            )
+            return
+        why = f"the server dropped node {j.node_id} from job {job.id!r} while it was away; join again"
+        out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+
+    def _resume_into_rebuild(
+        self, job: Job, conn: Conn, msg: Resume, settings: JobSettings, now: float, out: list[Effect]
+    ) -> None:
+        j, a = msg.join, msg.assignment
+        view = (a.round, a.group_world_size, a.world_size, a.master_addr, a.master_port)
+        problem = job.settings.mismatch(settings)
+        if problem is None and view != job.resume_expect:
+            problem = f"node {j.node_id} holds round {a.round} of {a.group_world_size} nodes, others another"
+        if problem is None and a.group_rank in job.resume_slots:
+            problem = f"two nodes claim group rank {a.group_rank}"
+        conn.phase = ConnPhase.JOINED
+        conn.job_id, conn.node_id = job.id, j.node_id
+        member = Member(
+            node_id=j.node_id,
+            conn=conn.id,
+            addr=j.addr,
+            nproc=j.nproc,
+            master_port=j.master_port,
+            seq=job.next_seq,
+            joined_at=now,
+            state=MemberState.SUCCEEDED if msg.succeeded else MemberState.RUNNING,
+        )
+        job.next_seq += 1
+        job.members[member.node_id] = member
+        self._ensure_sweep(now, job.settings.heartbeat_timeout)
+        if problem is not None:
+            self._abandon_resume(job, f"the agents disagree ({problem})", now, out)
+            return
+        job.resume_slots[a.group_rank] = member.node_id
+        if len(job.resume_slots) < a.group_world_size:
+            return
+        job.order = [job.resume_slots[i] for i in range(a.group_world_size)]
+        job.phase = JobPhase.RUNNING
+        job.last_call_deadline = None
+        job.rounds_completed += 1
+        for m in job.members.values():
+            out.append(Send(m.conn, Resumed(job_id=job.id, round=job.round, rebuilt=True)))
+        self._note(
+            job,
+            now,
+            "round",
+            f"round {job.round} rebuilt from its {len(job.order)} agents; nothing restarts",
+            out,
+        )
+        self._maybe_finish(job, now, out)
+
+    def _abandon_resume(self, job: Job, why: str, now: float, out: list[Effect]) -> None:
+        """The round cannot be rebuilt: a new round begins with whoever came back."""
+        self._note(
+            job,
+            now,
+            "restart",
+            f"cannot rebuild round {job.round}: {why}; a new round begins",
+            out,
+            "warning",
+        )
+        job.order = [
+            job.resume_slots[i] for i in sorted(job.resume_slots) if job.resume_slots[i] in job.members
+        ]
+        job.order += [nid for nid in job.members if nid not in job.order]
+        job.phase = JobPhase.RUNNING
+        job.resume_slots.clear()
+        job.resume_expect = None
+        self._regather(job, f"the server lost round {job.round} and {why}", now, out)
+
     def _on_rejoin(self, job: Job, member: Member, msg: Join, now: float, out: list[Effect]) -> None:
         if job.settings.mismatch(JobSettings.from_join(msg)) is not None or msg.node_id != member.node_id:
             self._refuse(
@@ -451,6 +569,14 @@ class Rendezvous:
         self._maybe_complete(job, now, out)
 
     def _on_failed(self, job: Job, member: Member, msg: WorkersFailed, now: float, out: list[Effect]) -> None:
+        if job.phase is JobPhase.RESUMING and msg.round == job.round:
+            # A failure while the round is being rebuilt ends the rebuild: it is a failure of
+            # that round, handled like any other.
+            job.order = [job.resume_slots[i] for i in sorted(job.resume_slots)]
+            job.phase = JobPhase.RUNNING
+            job.resume_slots.clear()
+            job.resume_expect = None
+            job.last_call_deadline = None
         if job.phase is not JobPhase.RUNNING or msg.round != job.round or member.node_id not in job.order:
             # A second failure in a round that is already being restarted counts once.
             return
@@ -511,11 +637,12 @@ class Rendezvous:
     def _on_succeeded(
         self, job: Job, member: Member, msg: WorkersSucceeded, now: float, out: list[Effect]
     ) -> None:
-        if (
-            job.phase is not JobPhase.RUNNING
-            or msg.round != job.round
-            or member.state is not MemberState.RUNNING
-        ):
+        if msg.round != job.round or member.state is not MemberState.RUNNING:
+            return
+        if job.phase is JobPhase.RESUMING:
+            member.state = MemberState.SUCCEEDED  # counted once the round is rebuilt
+            return
+        if job.phase is not JobPhase.RUNNING:
             return
         member.state = MemberState.SUCCEEDED
         self._maybe_finish(job, now, out)
@@ -677,6 +804,11 @@ class Rendezvous:
         if job.phase in (JobPhase.FINISHED, JobPhase.FAILED):
             self._forget_if_done(job, now, out)
             return
+        if job.phase is JobPhase.RESUMING:
+            job.resume_slots = {r: n for r, n in job.resume_slots.items() if n != nid}
+            self._note(job, now, "lost", f"node {nid} {reason} during the rebuild", out, "warning")
+            self._forget_if_done(job, now, out)
+            return
         kind = "left" if reason.startswith("left") else "lost"
         self.stats.failures[f"node_{kind}"] += 1
         self._note(job, now, kind, f"node {nid} {reason} ({len(job.members)} remain)", out, "warning")
@@ -730,7 +862,10 @@ class Rendezvous:
     def _on_tick(self, now: float, out: list[Effect]) -> None:
         for job in list(self.jobs.values()):
             if job.last_call_deadline is not None and now >= job.last_call_deadline:
-                if job.phase is JobPhase.RUNNING:
+                if job.phase is JobPhase.RESUMING:
+                    missing = job.resume_expect[1] - len(job.members) if job.resume_expect else 0
+                    self._abandon_resume(job, f"{missing} node(s) did not come back in time", now, out)
+                elif job.phase is JobPhase.RUNNING:
                     self._maybe_regather(job, now, out)
                 else:
                     job.last_call_deadline = None

@@ -29,6 +29,8 @@ from protocol import (
     Assignment,
     BadMagic,
     Drain,
+    Resume,
+    Resumed,
     Error,
     Failure,
     FrameDecoder,
@@ -116,9 +118,13 @@ SAMPLES = [
     JOB_FAILED,
     JobDone(),
     Drain(reason="scale down"),
+    Resumed(job_id="job-7", round=2, rebuilt=True),
     Error(code="invalid_field", message="join.nproc: must be in 1..4096, got 0"),
     Error(code="invalid_field", message="m", field="join.nproc", fatal=False),
 ]
+SAMPLES.append(
+    Resume(join=JOIN, assignment=next(m for m in SAMPLES if isinstance(m, Assignment)), succeeded=True)
+)
 
 
 def payload_of(msg: typing.Any) -> dict[str, typing.Any]:

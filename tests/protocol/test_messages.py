@@ -24,6 +24,8 @@ from protocol import (
     Assignment,
     BadMagic,
     Drain,
+    Resume,
+    Resumed,
     Error,
     Failure,
     FrameTooLarge,
@@ -104,7 +106,15 @@ VALID: dict[type, dict[str, typing.Any]] = {
     JobFailed: {"reason": "max restarts reached", "failure": Failure(**FAILURE)},
     JobDone: {},
     Drain: {"reason": "operator asked"},
+    Resumed: {"job_id": "job-7", "round": 1, "rebuilt": True},
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
+}
+
+
+VALID[Resume] = {
+    "join": Join(**VALID[Join]),
+    "assignment": Assignment(**VALID[Assignment]),
+    "succeeded": True,
 }
 
 
@@ -374,6 +384,7 @@ def test_registries():
         "workers_failed",
         "workers_succeeded",
         "leave",
+        "resume",
     }
     assert set(SERVER_MESSAGES) == {
         "welcome",
@@ -383,6 +394,7 @@ def test_registries():
         "job_failed",
         "job_done",
         "drain",
+        "resumed",
         "error",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)

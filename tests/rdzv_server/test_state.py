@@ -380,3 +380,94 @@ def test_stats_and_history_follow_the_job() -> None:
     assert kinds == ["created", "joined", "joined", "round", "failure", "round"]
     h.drop(a), h.drop(b)
     assert [j.id for j in h.machine.finished_jobs] == ["job"]
+
+
+def _resume(h: Harness, conn: int, a: Assignment, node: str, **kw: object):
+    from protocol import Join, Resume
+
+    fields: dict[str, object] = dict(
+        job_id="job",
+        node_id=node,
+        addr=f"10.0.0.{conn}",
+        nproc=2,
+        min_nodes=2,
+        max_nodes=2,
+        entrypoint="train.py",
+        master_port=20000 + conn,
+        max_restarts=0,
+        last_call_timeout=5.0,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=5.0,
+    )
+    fields.update(kw)
+    h.send(conn, Resume(join=Join(**fields), assignment=a))  # type: ignore[arg-type]
+
+
+def test_server_without_state_rebuilds_the_round_when_all_agents_agree() -> None:
+    from protocol import Resumed
+
+    old = Harness()
+    a, b = old.join(), old.join()
+    held = assignments(old, [a, b])
+    new = Harness()  # the restarted server knows nothing
+    a2, b2 = new.connect(), new.connect()
+    _resume(new, a2, held[a], "node1")
+    assert new.last(a2, Resumed) is None
+    assert new.machine.jobs["job"].phase is JobPhase.RESUMING
+    _resume(new, b2, held[b], "node2")
+    for c in (a2, b2):
+        r = new.last(c, Resumed)
+        assert r is not None and r.rebuilt and r.round == held[a].round
+    job = new.machine.jobs["job"]
+    assert job.phase is JobPhase.RUNNING and job.order == ["node1", "node2"]
+    # the rebuilt job behaves like the original: success ends it
+    new.send(a2, WorkersSucceeded(round=held[a].round))
+    new.send(b2, WorkersSucceeded(round=held[b].round))
+    assert new.last(a2, JobDone) is not None
+
+
+def test_agents_that_disagree_start_a_new_round() -> None:
+    import dataclasses
+
+    old = Harness()
+    a, b = old.join(), old.join()
+    held = assignments(old, [a, b])
+    new = Harness()
+    a2, b2 = new.connect(), new.connect()
+    _resume(new, a2, held[a], "node1")
+    _resume(new, b2, dataclasses.replace(held[b], round=7), "node2")
+    for c in (a2, b2):
+        rs = new.last(c, Restart)
+        assert rs is not None and "disagree" in rs.reason
+    new.join(a2, node="node1")
+    new.join(b2, node="node2")
+    got = assignments(new, [a2, b2])
+    assert got[a2].group_rank == 0 and got[b2].group_rank == 1
+
+
+def test_rebuild_gives_up_when_a_node_never_comes_back() -> None:
+    old = Harness()
+    a, b = old.join(min_nodes=1), old.join(min_nodes=1)
+    held = assignments(old, [a, b])
+    new = Harness()
+    a2 = new.connect()
+    _resume(new, a2, held[a], "node1", min_nodes=1)
+    for _ in range(11):
+        new.advance(1.0)
+        new.send(a2, Heartbeat())
+    rs = new.last(a2, Restart)
+    assert rs is not None and "did not come back" in rs.reason
+    new.join(a2, node="node1", min_nodes=1)
+    assert assignments(new, [a2])[a2].group_world_size == 1
+
+
+def test_resume_of_a_node_the_server_dropped_means_join_again() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2)
+    a, b = h.join(**kw), h.join(**kw)
+    held = assignments(h, [a, b])
+    h.drop(b)
+    b2 = h.connect()
+    _resume(h, b2, held[b], "node2", **kw)
+    rs = h.last(b2, Restart)
+    assert rs is not None and "join again" in rs.reason
