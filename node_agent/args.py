@@ -36,6 +36,9 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.auth import TokenTable
 
 from .config import (
     DEFAULT_RDZV_PORT,
@@ -255,6 +258,15 @@ _FLAGS: tuple[_Flag, ...] = (
         default=None,
         metavar="CMD",
         help="command that checks this node's health",
+    ),
+    _f(
+        "token_file",
+        *_both("--token-file"),
+        default=None,
+        env=False,
+        metavar="PATH",
+        help="file with the rendezvous token (TOKEN, or 'JOB_ID TOKEN' lines); also RDZV_TOKEN_FILE "
+        "or RDZV_TOKEN",
     ),
 )
 _BY_DEST = {flag.dest: flag for flag in _FLAGS}
@@ -478,6 +490,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         virtual_local_rank=virtual_local_rank,
         pass_local_rank=_choice(inputs, "pass_local_rank", PASS_LOCAL_RANK_STYLES, optional=True),
         health_check=inputs.get("health_check").value or None,
+        token=_token(inputs.get("token_file").value, environ, rdzv_id),
         training_script=training_script,
         training_script_args=tuple(namespace.training_script_args),
     )
@@ -736,6 +749,25 @@ def _local_ranks_filter(inputs: _Inputs) -> frozenset[int] | None:
             "list of local ranks, e.g. 0,1,2"
         )
     return frozenset(int(item) for item in items)
+
+
+def _token(path: str | None, environ: Mapping[str, str], rdzv_id: str) -> str | None:
+    """The job's token: --token-file, else RDZV_TOKEN_FILE, else RDZV_TOKEN; None without one."""
+    path = path or environ.get("RDZV_TOKEN_FILE") or None
+    if path is None:
+        return environ.get("RDZV_TOKEN") or None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
+    try:
+        table = TokenTable.parse(text, origin=f"token file {path!r}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    token = table.for_job(rdzv_id)
+    if token is None:
+        raise ConfigError(f"token file {path!r} has no token for job {rdzv_id!r}")
+    return token
 
 
 def _filters(text: str) -> tuple[str, ...]:

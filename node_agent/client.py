@@ -48,6 +48,7 @@ class Connection:
         self.reader = reader
         self.writer = writer
         self.version = version
+        self.challenge = ""  # the server's nonce for token proofs, from its welcome
         self._decoder: FrameDecoder | None = None
         self._pending: list[Message] = []
 
@@ -137,6 +138,7 @@ async def connect(
         await conn.close()
         raise NotARendezvousServer(f"{host}:{port} answered the hello with {first.TYPE}")
     conn.version = first.version
+    conn.challenge = first.challenge
     return conn
 
 

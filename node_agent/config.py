@@ -373,6 +373,8 @@ class AgentConfig:
     # node-agent's own
     pass_local_rank: str | None = None  # None | "dash" (--local-rank=N) | "underscore" (--local_rank=N)
     health_check: str | None = None
+    # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Cheap invariants only: parse_config has already given the user a precise message;

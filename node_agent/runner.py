@@ -22,6 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TextIO
 
 from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
+from protocol.auth import proof as auth_proof
 
 from . import state as st
 from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
@@ -334,7 +335,15 @@ class Agent:
             heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
             heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
             exclude_after=cfg.rdzv_conf.exclude_after,
+            proof=self._proof(),
         )
+
+    def _proof(self) -> str:
+        token = self.config.token
+        challenge = getattr(self.conn, "challenge", "")
+        if not token or not challenge:
+            return ""
+        return auth_proof(token, challenge, self.config.rdzv_id, self.node_id)
 
     async def _health_check(self) -> str | None:
         """Run --health-check before each rendezvous; a failing node must not join."""

@@ -287,6 +287,8 @@ class Join(_Schema):
     spare: bool = field(default=False, metadata=_flag())
     # A node whose workers failed this many times is excluded from the job (0: never).
     exclude_after: int = field(default=0, metadata=_COUNT)
+    # HMAC of the server's challenge with the job's token (protocol.auth); "" without a token.
+    proof: str = field(default="", metadata=_text(128))
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -335,6 +337,9 @@ class Welcome(_Schema):
     TYPE: ClassVar[str] = "welcome"
     version: int = field(metadata=_integer(1, MAX_COUNT))
     software: str = field(metadata=_SOFTWARE)
+    # A fresh random nonce per connection; a Join must prove the token over it (so a proof
+    # seen on one connection is worthless on another). "" when the server needs no token.
+    challenge: str = field(default="", metadata=_text(128))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from protocol import (
     encode,
     error_message,
 )
+from protocol.auth import TokenTable
 
 from .state import Close, Connected, Disconnected, Effect, Log, Received, Rendezvous, Send, Tick
 
@@ -140,8 +142,10 @@ class RendezvousService:
         clock: Callable[[], float] = time.monotonic,
         http: bool = False,
         max_frame_size: int = MAX_FRAME_SIZE,
+        tokens: TokenTable | None = None,
     ) -> None:
-        self.machine = Rendezvous()
+        self.machine = Rendezvous(tokens)
+        self.tokens = tokens
         self.clock = clock
         self.max_frame_size = max_frame_size
         self.http_enabled = http
@@ -204,7 +208,8 @@ class RendezvousService:
         self._conns[conn.conn_id] = conn
         self._idle.clear()
         conn.write(MAGIC)
-        self._dispatch(Connected(conn.conn_id, conn.peer))
+        challenge = secrets.token_hex(16) if self.tokens is not None else ""
+        self._dispatch(Connected(conn.conn_id, conn.peer, challenge))
 
     def _agent_disconnected(self, conn: _Connection, reason: str) -> None:
         if self._conns.pop(conn.conn_id, None) is not None:

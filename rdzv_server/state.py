@@ -61,6 +61,7 @@ from protocol import (
     WorkersSucceeded,
     negotiate_version,
 )
+from protocol.auth import TokenTable, verify
 
 SOFTWARE = "rdzv-server/0.1"
 
@@ -72,6 +73,7 @@ SOFTWARE = "rdzv-server/0.1"
 class Connected:
     conn: int
     peer: str
+    challenge: str = ""  # a fresh random nonce, when the server asks for tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,7 @@ class Conn:
     peer: str
     phase: ConnPhase = ConnPhase.HELLO
     last_seen: float = 0.0
+    challenge: str = ""
     job_id: str | None = None
     node_id: str | None = None
 
@@ -282,7 +285,8 @@ class Job:
 class Rendezvous:
     """Every job on one server. Feed it events; carry out what it returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: TokenTable | None = None) -> None:
+        self.tokens = tokens  # None: no authentication (the server says so at start)
         self.conns: dict[int, Conn] = {}
         self.jobs: dict[str, Job] = {}
         self.stats = Stats()
@@ -299,7 +303,9 @@ class Rendezvous:
         elif isinstance(event, Connected):
             if event.conn in self.conns:
                 raise LocalError(f"connection {event.conn} connected twice")
-            self.conns[event.conn] = Conn(id=event.conn, peer=event.peer, last_seen=now)
+            self.conns[event.conn] = Conn(
+                id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge
+            )
         elif isinstance(event, Disconnected):
             self._drop(event.conn, event.reason, now, out, close=False)
         elif isinstance(event, Tick):
@@ -332,15 +338,20 @@ class Rendezvous:
                 self._refuse(conn, exc.code, str(exc), now, out)
                 return
             conn.phase = ConnPhase.READY
-            out.append(Send(conn.id, Welcome(version=version, software=SOFTWARE)))
+            challenge = conn.challenge if self.tokens is not None else ""
+            out.append(Send(conn.id, Welcome(version=version, software=SOFTWARE, challenge=challenge)))
             return
         if isinstance(msg, Heartbeat):
             return
         if conn.phase is ConnPhase.READY:
-            if isinstance(msg, Join):
-                self._on_join(conn, msg, now, out)
-            elif isinstance(msg, Resume):
-                self._on_resume(conn, msg, now, out)
+            if isinstance(msg, Join | Resume):
+                problem = self._authenticate(conn, msg.join if isinstance(msg, Resume) else msg)
+                if problem is not None:
+                    self._refuse(conn, "auth_failed", problem, now, out)
+                elif isinstance(msg, Join):
+                    self._on_join(conn, msg, now, out)
+                else:
+                    self._on_resume(conn, msg, now, out)
             elif isinstance(msg, Leave):
                 self._drop(conn.id, "left before joining", now, out, close=True)
             else:
@@ -440,6 +451,19 @@ class Rendezvous:
         self._maybe_complete(job, now, out)
         if member.state is MemberState.READY:
             out.append(Send(conn.id, self._waiting(job, "")))
+
+    def _authenticate(self, conn: Conn, join: Join) -> str | None:
+        """Why this join may not enter its job, or None. The token itself never travels."""
+        if self.tokens is None:
+            return None
+        token = self.tokens.for_job(join.job_id)
+        if token is None:
+            return f"this server has no token for job {join.job_id!r}"
+        if not join.proof:
+            return "this server requires a token: give the agent --token-file (or RDZV_TOKEN)"
+        if not conn.challenge or not verify(token, conn.challenge, join.job_id, join.node_id, join.proof):
+            return f"wrong token for job {join.job_id!r}"
+        return None
 
     def _on_resume(self, conn: Conn, msg: Resume, now: float, out: list[Effect]) -> None:
         """A node whose connection broke comes back holding a round, its workers still running."""

@@ -229,7 +229,9 @@ def test_switch_flag(dest, argv, environ, getter, expected, script):
 
 def test_the_tables_cover_every_flag():
     covered = (
-        {row[0] for row in VALUE_FLAGS} | {row[0] for row in SWITCH_FLAGS} | {"logs_specs", "numa_binding"}
+        {row[0] for row in VALUE_FLAGS}
+        | {row[0] for row in SWITCH_FLAGS}
+        | {"logs_specs", "numa_binding", "token_file"}  # token_file: test_token_sources
     )
     assert covered == {flag.dest for flag in _FLAGS}
     spellings = {s for row in VALUE_FLAGS for s in row[1]} | {s for row in SWITCH_FLAGS for s in row[1]}
@@ -238,6 +240,8 @@ def test_the_tables_cover_every_flag():
         "--logs_specs",
         "--numa-binding",
         "--numa_binding",
+        "--token-file",
+        "--token_file",
     }
 
 
@@ -921,3 +925,27 @@ def test_static_backend_takes_ranks_and_master_from_flags(tmp_path) -> None:
     assert (cfg.rdzv_host, cfg.rdzv_port) == ("h", 5)
     cfg = parse_config(["--rdzv-backend", "static", "--nnodes", "2", str(script)], {})
     assert (cfg.rdzv_host, cfg.rdzv_port) == ("127.0.0.1", 29500)
+
+
+@pytest.mark.parametrize("spelling", ["--token-file", "--token_file"])
+def test_token_sources(tmp_path, spelling) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# shared\ndefault-secret\njobA job-a-secret\n")
+    ep = ["--nnodes", "2", "--rdzv-endpoint", "h:1"]
+    cfg = parse_config([*ep, "--rdzv-id", "jobA", spelling, str(tokens), str(script)], {})
+    assert cfg.token == "job-a-secret"
+    cfg = parse_config([*ep, "--rdzv-id", "other", spelling, str(tokens), str(script)], {})
+    assert cfg.token == "default-secret"
+    assert "secret" not in repr(cfg)
+    cfg = parse_config([*ep, str(script)], {"RDZV_TOKEN_FILE": str(tokens)})
+    assert cfg.token == "default-secret"
+    assert parse_config([*ep, str(script)], {"RDZV_TOKEN": "t0"}).token == "t0"
+    assert parse_config([*ep, str(script)], {}).token is None
+    with pytest.raises(ConfigError, match="cannot read the token file"):
+        parse_config([*ep, spelling, str(tmp_path / "missing"), str(script)], {})
+    only_b = tmp_path / "only_b"
+    only_b.write_text("jobB b-secret\n")
+    with pytest.raises(ConfigError, match="no token for job 'jobA'"):
+        parse_config([*ep, "--rdzv-id", "jobA", spelling, str(only_b), str(script)], {})
