@@ -138,3 +138,23 @@ async def test_dropped_connection_is_noticed(service) -> None:
             break
         await asyncio.sleep(0.01)
     assert "j" not in svc.machine.jobs
+
+
+async def test_connection_caps_refuse_the_excess_and_recover() -> None:
+    svc = RendezvousService(max_per_address=2)
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        a, b = await RawAgent.open(port), await RawAgent.open(port)
+        assert isinstance(await a.recv(), Welcome) and isinstance(await b.recv(), Welcome)
+        c = await RawAgent.open(port)
+        assert await asyncio.wait_for(c.reader.read(), timeout=5) == b""  # closed at once
+        a.writer.close()
+        await asyncio.wait_for(a.reader.read(), timeout=5)
+        for _ in range(200):  # the server notices a's close asynchronously
+            if svc._open < 2:
+                break
+            await asyncio.sleep(0.005)
+        d = await RawAgent.open(port)
+        assert isinstance(await d.recv(), Welcome)
+    finally:
+        await svc.close()
