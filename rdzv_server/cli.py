@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from protocol.auth import TokenTable
 
 from .service import RendezvousService
 
@@ -22,13 +26,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all IPv4 interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="require tokens: a file of TOKEN or 'JOB_ID TOKEN' lines (also RDZV_TOKEN_FILE, RDZV_TOKEN)",
+    )
+    p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     return p
 
 
-async def serve(host: str, port: int, *, ready: asyncio.Event | None = None) -> int:
-    service = RendezvousService(http=True)
+def load_tokens(path: str | None, environ: Mapping[str, str]) -> TokenTable | None:
+    """The server's tokens: --token-file, else RDZV_TOKEN_FILE, else RDZV_TOKEN; None: open."""
+    path = path or environ.get("RDZV_TOKEN_FILE") or None
+    if path is None:
+        token = environ.get("RDZV_TOKEN")
+        return TokenTable(default=token) if token else None
+    try:
+        return TokenTable.parse(Path(path).read_text(), origin=f"token file {path!r}")
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
+
+
+async def serve(
+    host: str, port: int, *, tokens: TokenTable | None = None, ready: asyncio.Event | None = None
+) -> int:
+    service = RendezvousService(http=True, tokens=tokens)
     try:
         bound = await service.start(host, port)
     except OSError as exc:
@@ -38,6 +62,8 @@ async def serve(host: str, port: int, *, ready: asyncio.Event | None = None) -> 
     log.info(
         "listening on %s:%d (agents and HTTP on the same port); state is kept in memory only", host, bound
     )
+    if tokens is None:
+        log.warning("no token: any agent that reaches this port may join any job (see --token-file)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,9 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    try:
+        tokens = load_tokens(args.token_file, os.environ)
+    except ValueError as exc:
+        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from .loop import run_loop  # uvloop where installed
 
-    return run_loop(serve(args.host, args.port))
+    return run_loop(serve(args.host, args.port, tokens=tokens))
 
 
 if __name__ == "__main__":
