@@ -451,18 +451,27 @@ class Agent:
 
     async def _reconnect(self, deadline: float) -> None:
         host, port = self.endpoint
-        try:
-            conn = await connect(
-                host,
-                port,
-                deadline=deadline,
-                handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
-                log=self.log,
-                clock=self.clock,
-            )
-        except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
-            self.events.put_nowait(st.ReconnectFailed(str(exc)))
-            return
+        while True:
+            try:
+                conn = await connect(
+                    host,
+                    port,
+                    deadline=deadline,
+                    handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+                    log=self.log,
+                    clock=self.clock,
+                )
+                break
+            except NotARendezvousServer as exc:
+                # A server that is still starting may drop a connection during the hello:
+                # keep trying until the window closes.
+                if self.clock() + 0.2 >= deadline:
+                    self.events.put_nowait(st.ReconnectFailed(str(exc)))
+                    return
+                await asyncio.sleep(0.2)
+            except (RendezvousUnreachable, RendezvousRefused) as exc:
+                self.events.put_nowait(st.ReconnectFailed(str(exc)))
+                return
         old, self.conn = self.conn, conn
         if old is not None:
             await old.close()

@@ -50,7 +50,10 @@ def test_server_killed_and_restarted_without_state_agents_rebuild_the_round(tmp_
         for a in agents:
             a.wait_for_line(r"lost the connection .* workers keep running; reconnecting", timeout=10)
         again = Proc(server_cmd("--host", "127.0.0.1", "--port", str(port)))
-        again.wait_for_line(r"round 0 rebuilt from its 2 agents", timeout=30)
+        try:
+            again.wait_for_line(r"round 0 rebuilt from its 2 agents", timeout=30)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nagents:\n" + "\n---\n".join(a.stderr for a in agents)) from None
         for a in agents:
             a.wait_for_line(r"resumed round 0 \(rebuilt by the server", timeout=30)
         for a in agents:
