@@ -54,9 +54,10 @@ def test_gloo_all_reduce_across_two_hosts(net: Network, tmp_path: Path) -> None:
         net.spawn(
             host.ns,
             agent_cmd(*args, GLOO_DUMP),
-            # Needed: without it gloo binds the address the hostname resolves to (127.0.0.1
-            # here), every rank advertises that to its peers, and the cross-host connect is
-            # refused. torchrun users set it on real multi-homed machines for the same reason.
+            # Needed (tried without): gloo then binds the address the hostname resolves to,
+            # 127.0.0.1 here, advertises it to its peers, and rank 1 fails in init_process_group
+            # with "Connection refused, remote=[127.0.0.1]:…". Naming the veth makes it bind and
+            # advertise the host's own address, as on a real multi-homed machine.
             env={"DUMP_DIR": str(tmp_path), "GLOO_SOCKET_IFNAME": host.ifname},
         )
         for host in net.hosts
