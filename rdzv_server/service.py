@@ -12,6 +12,7 @@ Everything the machine decides comes back as effects; this module only carries t
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
 import time
@@ -186,9 +187,15 @@ class RendezvousService:
             self._http_runner = runner
             self.http_factory = runner.server  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
+        server = await loop.create_server(
             self._make_connection, host=host or None, port=port, backlog=4096, reuse_address=True
         )
+        if not server.sockets or any(sock is None for sock in server.sockets):
+            # uvloop hands the loser of a race for a port a server with no real socket
+            # instead of raising: report it as the port being taken.
+            server.close()
+            raise OSError(errno.EADDRINUSE, f"port {port} is already in use")
+        self._server = server
         return self.port
 
     @property
