@@ -409,21 +409,13 @@ class Rendezvous:
                 conn, "excluded", f"node {msg.node_id} is excluded from job {job.id!r}: {why}", now, out
             )
             return
-        conn.phase = ConnPhase.JOINED
-        conn.job_id, conn.node_id = job.id, msg.node_id
-        member = Member(
-            node_id=msg.node_id,
-            conn=conn.id,
-            addr=msg.addr,
-            nproc=msg.nproc,
-            master_port=msg.master_port,
-            seq=job.next_seq,
-            joined_at=now,
-        )
-        job.next_seq += 1
-        self._ensure_sweep(now, job.settings.heartbeat_timeout)
+        member = self._attach(job, conn, msg, now, MemberState.READY)
         full = len(job.members) >= job.settings.max_nodes
-        finishing = any(m.state is MemberState.SUCCEEDED for m in job.members.values())
+        # Only a running (or resuming) round has succeeded members; skip the scan otherwise,
+        # which matters in a join storm.
+        finishing = job.phase in (JobPhase.RUNNING, JobPhase.RESUMING) and any(
+            m.state is MemberState.SUCCEEDED for m in job.members.values()
+        )
         if msg.spare or full or finishing:
             job.spares[member.node_id] = member
             self._note(job, now, "spare", f"node {member.node_id} ({member.addr}) waits as a spare", out)
@@ -519,21 +511,10 @@ class Rendezvous:
             problem = f"node {j.node_id} holds round {a.round} of {a.group_world_size} nodes, others another"
         if problem is None and a.group_rank in job.resume_slots:
             problem = f"two nodes claim group rank {a.group_rank}"
-        conn.phase = ConnPhase.JOINED
-        conn.job_id, conn.node_id = job.id, j.node_id
-        member = Member(
-            node_id=j.node_id,
-            conn=conn.id,
-            addr=j.addr,
-            nproc=j.nproc,
-            master_port=j.master_port,
-            seq=job.next_seq,
-            joined_at=now,
-            state=MemberState.SUCCEEDED if msg.succeeded else MemberState.RUNNING,
+        member = self._attach(
+            job, conn, j, now, MemberState.SUCCEEDED if msg.succeeded else MemberState.RUNNING
         )
-        job.next_seq += 1
         job.members[member.node_id] = member
-        self._ensure_sweep(now, job.settings.heartbeat_timeout)
         if problem is not None:
             self._abandon_resume(job, f"the agents disagree ({problem})", now, out)
             return
@@ -573,6 +554,24 @@ class Rendezvous:
         job.resume_slots.clear()
         job.resume_expect = None
         self._regather(job, f"the server lost round {job.round} and {why}", now, out)
+
+    def _attach(self, job: Job, conn: Conn, join: Join, now: float, state: MemberState) -> Member:
+        """Bind a connection to its node in a job; the caller decides where the member goes."""
+        conn.phase = ConnPhase.JOINED
+        conn.job_id, conn.node_id = job.id, join.node_id
+        member = Member(
+            node_id=join.node_id,
+            conn=conn.id,
+            addr=join.addr,
+            nproc=join.nproc,
+            master_port=join.master_port,
+            seq=job.next_seq,
+            joined_at=now,
+            state=state,
+        )
+        job.next_seq += 1
+        self._ensure_sweep(now, job.settings.heartbeat_timeout)
+        return member
 
     def _on_rejoin(self, job: Job, member: Member, msg: Join, now: float, out: list[Effect]) -> None:
         if job.settings.mismatch(JobSettings.from_join(msg)) is not None or msg.node_id != member.node_id:
@@ -691,9 +690,12 @@ class Rendezvous:
             return
         s = job.settings
         n = len(job.members)
-        if n < s.min_nodes or any(m.state is not MemberState.READY for m in job.members.values()):
+        if n < s.min_nodes:
             return
+        # The cheap test first: during a last-call window there is no need to scan members.
         if n < s.max_nodes and job.last_call_deadline is not None and now < job.last_call_deadline:
+            return
+        if any(m.state is not MemberState.READY for m in job.members.values()):
             return
         self._complete(job, now, out)
 
@@ -750,12 +752,12 @@ class Rendezvous:
         job.gathering_since = now
         job.last_call_deadline = None  # newcomers already here are in; no need to wait longer
         self.stats.rounds_started += 1
+        in_round = set(job.order)
+        restart = Restart(round=abandoned, reason=reason, restart_count=job.restart_count)
         for m in job.members.values():
-            if m.node_id in job.order:
+            if m.node_id in in_round:
                 m.state = MemberState.WAITING
-                out.append(
-                    Send(m.conn, Restart(round=abandoned, reason=reason, restart_count=job.restart_count))
-                )
+                out.append(Send(m.conn, restart))
         # Newcomers joined while the round ran are ready already; promote spares if room.
         self._promote_spares(job, now, out)
         self._maybe_complete(job, now, out)
