@@ -41,4 +41,7 @@ while step < total:
     time.sleep(step_time)
 with open(os.path.join(out, f"done-{rank}.json"), "w") as f:
     json.dump({"rank": rank, "world": world, "step": step}, f)
+# torch 2.13's gloo can abort at exit when ranks tear down at different times
+# (torchrun hits it too); meet before destroying the group.
+dist.barrier()
 dist.destroy_process_group()

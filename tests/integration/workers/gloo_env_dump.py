@@ -30,4 +30,7 @@ tmp = os.path.join(out, f".node-{rank}.tmp")
 with open(tmp, "w") as f:
     json.dump(env, f)
 os.replace(tmp, os.path.join(out, f"node-{rank}.json"))
+# torch 2.13's gloo can abort at exit when ranks tear down at different times
+# (torchrun hits it too); meet before destroying the group.
+dist.barrier()
 dist.destroy_process_group()
