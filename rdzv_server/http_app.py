@@ -1,32 +1,198 @@
-"""The HTTP side of the server's port: health now, status and metrics later.
+"""The HTTP side of the server's port: health, status API, metrics, dashboard, drain.
 
 Connections arrive already accepted (``service.py`` routes them by their first bytes), so we
 use aiohttp's server protocol without a site of its own.
+
+| route | what |
+|---|---|
+| ``GET /`` | the dashboard: one static page that polls ``/v1/jobs`` |
+| ``GET /healthz`` | liveness, with job and connection counts |
+| ``GET /v1/jobs``, ``GET /v1/jobs/{id}`` | the status API (``status.py``; ``docs/openapi.yaml``) |
+| ``POST /v1/jobs/{id}/nodes/{node}/drain`` | ask a node to leave cleanly (202; 404 names what is missing) |
+| ``GET /metrics`` | Prometheus (``metrics.py``) |
+
+Handlers only read the machine and format it; the one write, drain, goes through the service
+like any other event. Errors under ``/v1/`` are JSON: ``{"error": code, "message": text}``.
+
+Every mutating handler calls ``authorize(request, action)`` first. A server started with
+tokens requires ``Authorization: Bearer TOKEN`` holding the job's token (401 without one, 403
+with a wrong one); reads stay open, as ``/healthz`` and the dashboard must.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from protocol import Drain, ProtocolError
+
+from . import metrics, status
+
 if TYPE_CHECKING:
+    from protocol.auth import TokenTable
+
     from .service import RendezvousService
 
 
 SERVICE: web.AppKey[RendezvousService] = web.AppKey("service")
 
+# Checks that the request may perform ``action`` ("drain"); raises an HTTPException if not.
+Authorizer = Callable[[web.Request, str], Awaitable[None]]
 
-async def make_http_runner(service: RendezvousService) -> web.AppRunner:
-    """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
-    app = web.Application()
+_NO_STORE = {"Cache-Control": "no-store"}
+
+
+async def allow_all(request: web.Request, action: str) -> None:
+    """A server without tokens: anyone who reaches the port may act."""
+
+
+def token_authorizer(tokens: TokenTable) -> Authorizer:
+    """Require the bearer token of the job named in the path."""
+
+    async def authorize(request: web.Request, action: str) -> None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise web.HTTPUnauthorized(
+                text=f"{action} needs the job's token: Authorization: Bearer TOKEN",
+                headers={"WWW-Authenticate": 'Bearer realm="rdzv-server"'},
+            )
+        expected = tokens.for_job(request.match_info.get("job_id", ""))
+        if expected is None or not hmac.compare_digest(expected.encode(), given.strip().encode()):
+            raise web.HTTPForbidden(text=f"{action}: the token is not this job's token")
+
+    return authorize
+
+
+def _error(status_code: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(
+        {"error": code, "message": message}, status=status_code, headers={**_NO_STORE, **(headers or {})}
+    )
+
+
+_ERROR_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
+_ERROR_CODES |= {405: "method_not_allowed", 413: "too_large", 503: "stopped"}
+
+
+STOPPED: web.AppKey[list[bool]] = web.AppKey("stopped")
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """API clients get JSON errors; the dashboard and the rest keep aiohttp's plain ones."""
+    if request.app[STOPPED][0]:
+        # A connection accepted before the service closed (a browser's pre-connected socket,
+        # say) can still deliver a request afterwards: say we are gone, and hang up.
+        resp = _error(503, "stopped", "the rendezvous server has shut down")
+        resp.force_close()
+        return resp
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if not request.path.startswith("/v1/") or exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "www-authenticate")}
+        code = _ERROR_CODES.get(exc.status, "error")
+        return _error(exc.status, code, exc.text or exc.reason, headers)
+
+
+def build_app(service: RendezvousService, *, authorize: Authorizer = allow_all) -> web.Application:
+    app = web.Application(middlewares=[_json_errors])
     app[SERVICE] = service
+    app[STOPPED] = stopped = [False]
+
+    async def mark_stopped(app: web.Application) -> None:
+        stopped[0] = True
+
+    app.on_cleanup.append(mark_stopped)
+    registry = metrics.make_registry(lambda: service.machine, service.clock)
+    dashboard = resources.files(__package__).joinpath("dashboard.html").read_bytes()
+
+    def clocks() -> dict[str, float]:
+        return {"mono_now": service.clock(), "wall_now": time.time()}
+
+    async def index(request: web.Request) -> web.Response:
+        return web.Response(body=dashboard, content_type="text/html", charset="utf-8", headers=_NO_STORE)
 
     async def healthz(request: web.Request) -> web.Response:
         m = service.machine
         return web.json_response({"status": "ok", "jobs": len(m.jobs), "connections": len(m.conns)})
 
+    async def list_jobs(request: web.Request) -> web.Response:
+        return web.json_response(status.jobs_view(service.machine, **clocks()), headers=_NO_STORE)
+
+    async def get_job(request: web.Request) -> web.Response:
+        job_id = request.match_info["job_id"]
+        view = status.find_job(service.machine, job_id, **clocks())
+        if view is None:
+            return _error(404, "not_found", f"no job {job_id!r}")
+        return web.json_response(view, headers=_NO_STORE)
+
+    async def drain(request: web.Request) -> web.Response:
+        await authorize(request, "drain")
+        job_id, node_id = request.match_info["job_id"], request.match_info["node_id"]
+        reason = await _drain_reason(request)
+        if isinstance(reason, web.Response):
+            return reason
+        try:
+            service.drain(job_id, node_id, reason)
+        except KeyError as exc:
+            return _error(404, "not_found", str(exc.args[0]) if exc.args else "not found")
+        return web.json_response(
+            {"status": "draining", "job_id": job_id, "node_id": node_id, "reason": reason},
+            status=202,
+            headers=_NO_STORE,
+        )
+
+    async def metrics_page(request: web.Request) -> web.Response:
+        body, content_type = metrics.render(registry, request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app.router.add_get("/", index)
     app.router.add_get("/healthz", healthz)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/v1/jobs", list_jobs)
+    app.router.add_get("/v1/jobs/{job_id}", get_job)
+    app.router.add_post("/v1/jobs/{job_id}/nodes/{node_id}/drain", drain)
+    return app
+
+
+async def _drain_reason(request: web.Request) -> str | web.Response:
+    """The optional body ``{"reason": "..."}``; a 400 response saying what is wrong with it."""
+    raw = await request.read()
+    if not raw.strip():
+        return ""
+    try:
+        body: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return _error(400, "bad_request", f"the body must be JSON: {exc}")
+    if not isinstance(body, dict):
+        return _error(400, "bad_request", "the body must be a JSON object")
+    unknown = sorted(set(body) - {"reason"})
+    if unknown:
+        return _error(400, "bad_request", f"unknown field(s) in the body: {', '.join(unknown)}")
+    reason = body.get("reason", "")
+    if not isinstance(reason, str):
+        return _error(400, "bad_request", "reason must be a string")
+    try:
+        Drain(reason=reason)  # the agent gets exactly this; refuse here what it would refuse
+    except ProtocolError as exc:
+        return _error(400, "bad_request", str(exc))
+    return reason
+
+
+async def make_http_runner(
+    service: RendezvousService, *, authorize: Authorizer | None = None
+) -> web.AppRunner:
+    """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
+    if authorize is None:
+        authorize = allow_all if service.tokens is None else token_authorizer(service.tokens)
+    runner = web.AppRunner(build_app(service, authorize=authorize), handle_signals=False, access_log=None)
     await runner.setup()
     return runner

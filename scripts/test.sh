@@ -2,6 +2,16 @@
 # The project's test command (README, .ci/run): installs what the tests need, then runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# System parts the tests start for real: Chromium + ChromeDriver (the dashboard test), etcd.
+need=()
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
+command -v etcd >/dev/null || need+=(etcd-server)
+if [ "${#need[@]}" -gt 0 ]; then
+  echo "installing ${need[*]} (Debian packages)" >&2
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2> >(grep -v "^WARNING: Location" >&2)
 .venv/bin/ruff check .

@@ -1,0 +1,116 @@
+"""``GET /metrics``: the machine's state and counters in Prometheus' text format.
+
+A custom collector reads the machine when Prometheus scrapes, so nothing runs between
+scrapes and no second copy of the state can drift from the first: every number comes from
+``Rendezvous`` (its connections, jobs and ``Stats``) at the moment of the scrape, with the
+service's monotonic clock for the heartbeat ages.
+
+Each service has its own registry (tests run several services in one process, and an
+embedded server must not register anything process-wide).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
+
+# Upper bounds for the heartbeat-age distribution: agents beat every second or so by default.
+HEARTBEAT_LAG_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+def _le(bound: float) -> str:
+    return f"{bound:g}"
+
+
+class RendezvousCollector(Collector):
+    """Reads the machine at scrape time."""
+
+    def __init__(self, machine: Callable[[], Rendezvous], clock: Callable[[], float]) -> None:
+        # A getter rather than the machine itself, so a service that replaces its machine
+        # (none does today) is still the one scraped.
+        self._machine = machine
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._machine()
+        now = self._clock()
+        s = m.stats
+
+        yield GaugeMetricFamily("rdzv_connections", "Open agent connections (any phase).", value=len(m.conns))
+        joined = [c for c in m.conns.values() if c.phase is ConnPhase.JOINED and c.job_id in m.jobs]
+        yield GaugeMetricFamily(
+            "rdzv_agents_connected", "Agents connected and joined to a job.", value=len(joined)
+        )
+
+        jobs = GaugeMetricFamily("rdzv_jobs", "Active jobs by phase.", labels=["phase"])
+        for phase in JobPhase:
+            jobs.add_metric([phase.value], sum(1 for j in m.jobs.values() if j.phase is phase))
+        yield jobs
+
+        for name, doc, value in (
+            ("rdzv_jobs_created", "Jobs created.", s.jobs_created),
+            ("rdzv_jobs_finished", "Jobs whose workers all succeeded.", s.jobs_finished),
+            ("rdzv_jobs_failed", "Jobs that failed.", s.jobs_failed),
+            ("rdzv_rounds_started", "Rendezvous rounds started (gathering began).", s.rounds_started),
+            ("rdzv_rounds_completed", "Rendezvous rounds completed (assignments sent).", s.rounds_completed),
+            ("rdzv_restarts", "Restarts charged to jobs' restart budgets.", s.restarts),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+        failures = CounterMetricFamily("rdzv_failures", "Failures by cause.", labels=["cause"])
+        for cause, n in sorted(s.failures.items()):
+            failures.add_metric([cause], n)
+        yield failures
+
+        cumulative, buckets = 0, []
+        for bound, n in zip((*LATENCY_BUCKETS, float("inf")), s.latency_buckets, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if bound == float("inf") else _le(bound), cumulative))
+        yield HistogramMetricFamily(
+            "rdzv_rendezvous_latency_seconds",
+            "Time from the start of gathering to the round's assignments.",
+            buckets=buckets,
+            sum_value=s.latency_sum,
+        )
+
+        lags = sorted(max(0.0, now - c.last_seen) for c in joined)
+        yield GaugeMetricFamily(
+            "rdzv_heartbeat_lag_max_seconds",
+            "The longest time since any joined agent was last heard from.",
+            value=lags[-1] if lags else 0.0,
+        )
+        yield GaugeHistogramMetricFamily(
+            "rdzv_heartbeat_lag_seconds",
+            "Joined agents by the time since they were last heard from, now.",
+            buckets=[
+                *((_le(b), bisect.bisect_right(lags, b)) for b in HEARTBEAT_LAG_BUCKETS),
+                ("+Inf", len(lags)),
+            ],
+            gsum_value=sum(lags),
+        )
+
+
+def make_registry(machine: Callable[[], Rendezvous], clock: Callable[[], float]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RendezvousCollector(machine, clock))
+    ProcessCollector(registry=registry)  # process_* : CPU, memory, open files (Linux only)
+    return registry
+
+
+def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The exposition for an ``Accept`` header: OpenMetrics if asked for, else text 0.0.4."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

@@ -1,0 +1,185 @@
+"""``rdzv-server status`` and ``drain`` as real processes against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from protocol import Assignment, Drain, Restart
+from rdzv_server.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CommandError, base_url
+from rdzv_server.service import RendezvousService
+
+from .test_http import FakeAgent, Watch, running_job
+
+CLI = [sys.executable, "-m", "rdzv_server.cli"]
+
+
+@dataclass
+class Ran:
+    rc: int
+    out: str
+    err: str
+
+
+async def run(*args: str, timeout: float = 30.0) -> Ran:
+    p = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(p.communicate(), timeout)
+    except TimeoutError:
+        p.kill()
+        await p.wait()
+        raise
+    return Ran(p.returncode if p.returncode is not None else -1, out.decode(), err.decode())
+
+
+@pytest.fixture
+async def server():
+    svc = RendezvousService(http=True)
+    port = await svc.start("127.0.0.1", 0)
+    yield svc, f"127.0.0.1:{port}"
+    await svc.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_endpoint_forms() -> None:
+    assert base_url("h:1") == "http://h:1"
+    assert base_url("h") == "http://h:29500"
+    assert base_url("http://10.1.2.3:80/") == "http://10.1.2.3:80"
+    assert base_url("[::1]:5") == "http://[::1]:5"
+    for bad in ("", "h:x", "https://h:1"):
+        with pytest.raises(CommandError):
+            base_url(bad)
+
+
+async def test_status_of_an_empty_server(server) -> None:
+    _, endpoint = server
+    r = await run("status", "--endpoint", endpoint)
+    assert r.rc == EXIT_OK, r.err
+    assert "0 active jobs" in r.out and "no jobs" in r.out
+
+
+async def test_status_lists_jobs_and_shows_one_in_detail(server) -> None:
+    svc, endpoint = server
+    port = int(endpoint.rsplit(":", 1)[1])
+    a, b, c = await running_job(port, ["a", "b", "c"], min_nodes=2, max_nodes=3)
+    c.fail(round=0, rank=4, exitcode=9, message="out of memory")
+    for x in (a, b, c):
+        await x.expect(Restart)
+    for x in (a, b, c):
+        x.rejoin()
+    for x in (a, b, c):
+        await x.expect(Assignment)
+    await c.kill()
+    await Watch(svc).until(lambda: "c" not in svc.machine.jobs["j"].members)
+
+    r = await run("status", "--endpoint", endpoint)
+    assert r.rc == EXIT_OK, r.err
+    header, row = [line for line in r.out.splitlines() if line.startswith(("JOB", "j "))]
+    assert header.split() == ["JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE", "OUTCOME"]
+    assert row.split()[:5] == ["j", "gathering", "2/2:3", "2", "1/3"]
+
+    r = await run("status", "--endpoint", endpoint, "--job", "j")
+    assert r.rc == EXIT_OK, r.err
+    out = r.out
+    assert out.startswith("job j: gathering")
+    assert "restarts 1/3" in out and "entrypoint train.py" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"^[abc] ", line)}
+    assert rows["a"][1] == "waiting" and rows["c"][1] == "LOST"
+    assert "connection closed" in out  # why c is gone
+    cause = "rank 4 (local rank 0) on node c (127.0.0.1) failed with exit code 9"
+    assert f"round 0: {cause}: out of memory" in out
+    assert re.search(r"^  \d\d:\d\d:\d\d  lost +node c connection closed", out, re.M)
+
+
+async def test_status_json_is_the_api(server) -> None:
+    _, endpoint = server
+    port = int(endpoint.rsplit(":", 1)[1])
+    agents = await running_job(port, ["a", "b"])
+    r = await run("status", "--endpoint", endpoint, "--json")
+    assert r.rc == EXIT_OK, r.err
+    doc = json.loads(r.out)
+    assert [j["id"] for j in doc["jobs"]] == ["j"] and doc["server"]["agents"] == 2
+    r = await run("status", "--endpoint", endpoint, "--json", "--job", "j")
+    assert json.loads(r.out)["members"][0]["node_id"] == "a"
+    del agents
+
+
+async def test_status_unknown_job_names_it(server) -> None:
+    _, endpoint = server
+    r = await run("status", "--endpoint", endpoint, "--job", "nope")
+    assert r.rc == EXIT_NOT_FOUND
+    assert r.err.strip() == f"rdzv-server status: error: no job 'nope' on {endpoint}"
+
+
+async def test_unreachable_endpoint_is_a_clear_error() -> None:
+    port = closed_port()
+    for cmd in (["status"], ["drain", "--job", "j", "--node", "a"]):
+        r = await run(*cmd, "--endpoint", f"127.0.0.1:{port}")
+        assert r.rc == EXIT_ERROR, r
+        assert f"cannot reach the rendezvous server at http://127.0.0.1:{port}" in r.err
+        assert "Traceback" not in r.err and r.out == ""
+    r = await run("status", "--endpoint", "nowhere:xyz")
+    assert r.rc == EXIT_USAGE and "bad port" in r.err
+
+
+async def test_drain_sends_the_node_a_drain(server) -> None:
+    svc, endpoint = server
+    port = int(endpoint.rsplit(":", 1)[1])
+    a, b = await running_job(port, ["a", "b"])
+    r = await run("drain", "--endpoint", endpoint, "--job", "j", "--node", "b", "--reason", "new disk")
+    assert r.rc == EXIT_OK, r.err
+    assert r.out.strip() == (
+        "asked node b of job j to drain (new disk): its agent stops its workers and leaves the job"
+    )
+    assert (await b.expect(Drain)).reason == "new disk"
+    assert svc.machine.jobs["j"].history[-1].text == "node b asked to drain: new disk"
+    del a
+
+
+async def test_drain_unknown_job_or_node_names_what_is_missing(server) -> None:
+    _, endpoint = server
+    port = int(endpoint.rsplit(":", 1)[1])
+    agents = await running_job(port, ["a", "b"])
+    r = await run("drain", "--endpoint", endpoint, "--job", "j", "--node", "zz")
+    assert r.rc == EXIT_NOT_FOUND
+    assert r.err.strip() == "rdzv-server drain: error: cannot drain: job 'j' has no node 'zz'"
+    r = await run("drain", "--endpoint", endpoint, "--job", "nope", "--node", "a")
+    assert r.rc == EXIT_NOT_FOUND and "no job 'nope'" in r.err
+    del agents
+
+
+async def test_serving_is_still_the_default_and_answers_status() -> None:
+    """``rdzv-server --host --port`` serves exactly as before: no subcommand, same log line."""
+    p = await asyncio.create_subprocess_exec(
+        *CLI, "--host", "127.0.0.1", "--port", "0", stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        assert p.stderr is not None
+        async with asyncio.timeout(20):
+            while not (m := re.search(rb"listening on 127\.0\.0\.1:(\d+)", await p.stderr.readline())):
+                pass
+        endpoint = f"127.0.0.1:{int(m[1])}"
+        agent = await FakeAgent.connect(int(m[1]), "solo")
+        agent.join("live", min_nodes=1, max_nodes=1)
+        await agent.expect(Assignment)
+        r = await run("status", "--endpoint", endpoint)
+        assert r.rc == EXIT_OK and re.search(r"^live +running +1/1 ", r.out, re.M), r.out
+        await agent.kill()
+    finally:
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(p.wait(), 20) == EXIT_OK
