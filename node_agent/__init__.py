@@ -1,0 +1,22 @@
+"""node-agent: torchrun's command line, and ``launch()`` for programs that start jobs themselves.
+
+The API is imported on first use (PEP 562), so that neither the ``node-agent`` command nor a
+worker running ``python -m node_agent.api`` pays for it (nor imports it twice).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import LaunchConfig, LaunchError, launch, launch_async
+
+__all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

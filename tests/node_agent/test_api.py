@@ -1,0 +1,203 @@
+"""node_agent.launch(): LaunchConfig -> the agent's config, and real standalone runs.
+
+The callables below run in the workers, which import this module by name (so they live at its
+top level); they only read the environment, so a worker starts in a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from node_agent import LaunchConfig, LaunchError, launch, launch_async
+from node_agent.api import WORKER_MODULE, agent_argv, agent_config_for
+from node_agent.config import ConfigError, Std
+
+
+def rank_times_ten() -> int:
+    return int(os.environ["RANK"]) * 10
+
+
+def fail_on_rank_one() -> str:
+    if os.environ["RANK"] == "1":
+        raise ValueError("api boom")
+    return "ok"
+
+
+def describe(prefix: str, *, scale: int = 1) -> tuple[str, int, int]:
+    return prefix, int(os.environ["RANK"]) * scale, int(os.environ["WORLD_SIZE"])
+
+
+def describe_doubled(prefix: str) -> tuple[str, int, int]:
+    return describe(prefix, scale=2)
+
+
+# --- real runs (standalone, this machine) ---------------------------------------------------
+
+
+def test_a_callable_returns_each_ranks_value() -> None:
+    assert launch(LaunchConfig(nproc_per_node=3), rank_times_ten) == {0: 0, 1: 10, 2: 20}
+
+
+def test_arguments_reach_the_callable() -> None:
+    assert launch(LaunchConfig(nproc_per_node=2), describe, "w") == {0: ("w", 0, 2), 1: ("w", 1, 2)}
+
+
+def test_a_script_entrypoint_runs_on_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "Path(sys.argv[1], os.environ['RANK']).write_text(' '.join(sys.argv[2:]))\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    assert launch(LaunchConfig(nproc_per_node=2), str(script), out, "--epochs", 3) == {0: None, 1: None}
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"0": "--epochs 3", "1": "--epochs 3"}
+
+
+def test_an_argv_list_runs_as_a_command(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code = "import os, sys; open(sys.argv[1] + os.environ['RANK'], 'w').close()"
+    assert launch(LaunchConfig(nproc_per_node=2), [sys.executable, "-c", code, str(marker)]) == {
+        0: None,
+        1: None,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ran0", "ran1"]
+
+
+def test_a_failing_callable_raises_launch_error_naming_the_root_cause() -> None:
+    with pytest.raises(LaunchError) as caught:
+        launch(LaunchConfig(nproc_per_node=2), fail_on_rank_one)
+    err = caught.value
+    assert err.rank == 1
+    assert err.exit_code != 0
+    assert err.root_cause is not None and err.root_cause.exitcode == 1
+    headline = str(err).splitlines()[0]
+    assert "fail_on_rank_one failed: rank 1 (local rank 1" in headline
+    assert "exit code 1: ValueError: api boom" in headline
+    assert "Root Cause (first observed failure)" in str(err)  # torch's summary follows
+
+
+def test_a_failing_script_names_rank_and_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
+    with pytest.raises(LaunchError, match=r"rank 0 \(local rank 0 .*exit code 3") as caught:
+        launch(LaunchConfig(nproc_per_node=2), str(script))
+    assert caught.value.rank == 0
+
+
+async def test_launch_async_runs_in_a_running_loop() -> None:
+    result = await launch_async(LaunchConfig(nproc_per_node=2), describe_doubled, "a")
+    assert result == {0: ("a", 0, 2), 1: ("a", 2, 2)}
+
+
+async def test_launch_refuses_a_running_loop() -> None:
+    with pytest.raises(RuntimeError, match=r"running event loop.*launch_async"):
+        launch(LaunchConfig(), rank_times_ten)
+    await asyncio.sleep(0)
+
+
+# --- errors before anything starts ------------------------------------------------------------
+
+
+def test_a_bad_config_raises_the_command_lines_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"--nproc-per-node='0': the number of workers must be >= 1"):
+        launch(LaunchConfig(nproc_per_node=0), rank_times_ten)
+
+
+def test_a_multi_node_job_needs_an_endpoint() -> None:
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        launch(LaunchConfig(min_nodes=2, max_nodes=2), rank_times_ten)
+
+
+def test_a_missing_script_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        launch(LaunchConfig(), str(tmp_path / "nope.py"))
+
+
+def test_a_callable_that_cannot_be_imported_is_refused_before_starting() -> None:
+    with pytest.raises(TypeError, match="importable"):
+        launch(LaunchConfig(), lambda: 1)
+
+    def nested() -> None: ...
+
+    with pytest.raises(TypeError, match="importable"):
+        launch(LaunchConfig(), nested)
+
+
+# --- LaunchConfig -> node-agent's command line ------------------------------------------------
+
+
+def test_every_field_becomes_the_equivalent_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "7")  # the LaunchConfig decides, not PET_*
+    script = tmp_path / "train.py"
+    script.touch()
+    config = LaunchConfig(
+        2,
+        4,
+        3,
+        run_id="job-1",
+        role="trainer",
+        rdzv_endpoint="head:1234",
+        rdzv_configs={"last_call_timeout": 5, "is_host": False},
+        rdzv_timeout=60,
+        max_restarts=2,
+        monitor_interval=0.5,
+        log_dir=tmp_path / "logs",
+        redirects={1: Std.ERR},
+        tee=Std.ALL,
+        local_ranks_filter={2, 0},
+        local_addr="10.0.0.7",
+        signals_to_handle=["SIGTERM", "SIGUSR1"],
+        shutdown_timeout=5,
+        log_line_prefix_template="[${rank}]",
+    )
+    cfg = agent_config_for(config, [str(script), "--lr", "0.1"])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (2, 4, 3)
+    assert (cfg.standalone, cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port, cfg.rdzv_id) == (
+        False,
+        "c10d",
+        "head",
+        1234,
+        "job-1",
+    )
+    assert (cfg.rdzv_conf.join_timeout, cfg.rdzv_conf.last_call_timeout, cfg.rdzv_conf.is_host) == (
+        60,
+        5,
+        False,
+    )
+    assert (cfg.role, cfg.max_restarts, cfg.monitor_interval) == ("trainer", 2, 0.5)
+    assert cfg.log_dir == str(tmp_path / "logs")
+    assert cfg.redirect_for(1) == Std.ERR and cfg.redirect_for(0) == Std.NONE
+    assert cfg.tee_for(2) == Std.ALL
+    assert cfg.local_ranks_filter == {0, 2}
+    assert cfg.local_addr == "10.0.0.7"
+    assert cfg.signals_to_handle == ("SIGTERM", "SIGUSR1")
+    assert cfg.shutdown_timeout == 5
+    assert cfg.log_line_prefix_template == "[${rank}]"
+    assert (cfg.training_script, cfg.training_script_args) == (str(script), ("--lr", "0.1"))
+
+
+def test_an_empty_endpoint_is_a_standalone_run() -> None:
+    argv = agent_argv(LaunchConfig(nproc_per_node=2, run_id="ignored"), ["-m", "pkg.train"])
+    assert "--standalone" in argv and not any(a.startswith("--rdzv-id") for a in argv)
+    cfg = agent_config_for(LaunchConfig(nproc_per_node=2), ["--module", WORKER_MODULE, "p", "r"])
+    assert cfg.standalone and cfg.module and cfg.training_script == WORKER_MODULE
+
+
+def test_a_comma_in_an_rdzv_config_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="cannot carry a ','"):
+        agent_argv(LaunchConfig(rdzv_configs={"join_timeout": "1,2"}), ["x.py"])
+
+
+def test_the_api_is_exported_lazily() -> None:
+    import subprocess
+
+    code = "import sys, node_agent.cli; print('node_agent.api' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # the node-agent command does not pay for the API
