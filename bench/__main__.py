@@ -1,0 +1,637 @@
+"""``python -m bench``: run every case for torchrun and node-agent, write docs/benchmarks.md.
+
+    python -m bench                      # everything, 5 repeats (about 20 minutes on 2 quiet cores)
+    python -m bench --repeat 1 --cases standalone,nnode
+    python -m bench --smoke              # ours only, M=100, 1 repeat, a few fast cases (~20 s)
+
+Trials of the two launchers alternate (torchrun first in even repeats, ours first in odd ones),
+so a change in the machine's load during the run hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import launch_cases as lc
+from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
+from .report import (
+    Row,
+    Target,
+    at_most,
+    failure_notes,
+    markdown_table,
+    plot_scale,
+    ratio,
+    rows_from_json,
+    scale_series,
+    write_json,
+)
+from .scale import scale_trial
+
+LAUNCHERS = ("torchrun", "ours")
+
+
+@dataclass
+class Metric:
+    key: str  # the key in the trial's result dict
+    label: str
+    unit: str = "s"
+    target: Target | None = None
+
+
+@dataclass
+class Variant:
+    """One command (per launcher) whose trials give one or more metrics."""
+
+    case: str
+    name: str
+    run: Callable[[Trial, str], dict[str, float]]
+    metrics: list[Metric]
+    launchers: tuple[str, ...] = LAUNCHERS
+    smoke: bool = False
+    compare_with: str | None = None  # take torchrun's column from this variant (same command for torchrun)
+
+
+def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
+    c1, c2, c3, c4, c5, c6 = (
+        "1. standalone launch",
+        "2. N-node rendezvous",
+        "3. restart after a worker failure",
+        "4. scale-up 1 → 2 nodes",
+        "5. node SIGKILL",
+        "6. agent footprint",
+    )
+    out: dict[str, list[Variant]] = {
+        "standalone": [
+            Variant(
+                c1,
+                "noimport",
+                functools.partial(lc.standalone, script="noimport.py"),
+                [
+                    Metric(
+                        "start", "no-import worker, nproc 2: launch → all workers started", target=ratio(0.1)
+                    ),
+                    Metric("wall", "no-import worker: launch → launcher exited"),
+                ],
+                smoke=True,
+            ),
+            Variant(
+                c1,
+                "gloo",
+                functools.partial(lc.standalone, script="gloo_once.py"),
+                [
+                    Metric("start", "gloo worker, nproc 2: launch → all workers started", target=ratio(0.1)),
+                    Metric(
+                        "ready",
+                        "gloo worker: launch → all did init_process_group + all_reduce",
+                        target=ratio(0.1),
+                    ),
+                    Metric("wall", "gloo worker: launch → launcher exited"),
+                ],
+            ),
+        ],
+        "nnode": [],
+        "restart": [],
+        "scaleup": [
+            Variant(
+                c4,
+                "scaleup",
+                lc.scale_up,
+                [
+                    Metric(
+                        "grow",
+                        "agent 2 launched → WORLD_SIZE=2 workers on both nodes",
+                        target=at_most(2.0, "<= 1 s + 1 s settle"),
+                    ),
+                    Metric("alone", "agent 1 launched alone (1:2, last_call 1 s) → its worker runs"),
+                ],
+            )
+        ],
+        "nodekill": [
+            Variant(
+                c5,
+                "nodekill",
+                lc.node_kill,
+                [
+                    Metric(
+                        "start",
+                        "SIGKILL of node 2 → WORLD_SIZE=1 worker running on node 1",
+                        target=at_most(1.0, "<= 1 s"),
+                    ),
+                    Metric("ready", "SIGKILL → that worker did init_process_group (after its import torch)"),
+                    Metric("collective_error", "SIGKILL → node 1's old worker saw its collective fail"),
+                ],
+            )
+        ],
+        "footprint": [
+            Variant(
+                c6,
+                "footprint",
+                lc.footprint,
+                [
+                    Metric("rss", "agent RSS, supervising 2 idle workers", "MB", ratio(0.2)),
+                    Metric("pss", "agent PSS", "MB"),
+                    Metric("uss", "agent USS", "MB"),
+                    Metric("rss_with_helpers", "agent + its helper processes (watchdog), RSS", "MB"),
+                    Metric("cpu_idle", "agent CPU time per 10 s of idle supervision", "s CPU"),
+                    Metric("cpu_startup", "agent CPU time from launch to steady state", "s CPU"),
+                ],
+            )
+        ],
+        "scale": [],
+    }
+    for n in (2, 4, 8):
+        out["nnode"].append(
+            Variant(
+                c2,
+                f"n{n}",
+                functools.partial(lc.nnode, n=n),
+                [
+                    Metric(
+                        "start",
+                        f"N={n}, agents host the rendezvous: last agent launched → all workers started",
+                        target=ratio(0.1),
+                    ),
+                    Metric("from_first", f"N={n}: first agent launched → all workers started"),
+                ],
+                smoke=n == 2,
+            )
+        )
+    for n in (2, 4, 8):
+        out["nnode"].append(
+            Variant(
+                c2,
+                f"n{n}-server",
+                functools.partial(lc.nnode, n=n, server=True),
+                [
+                    Metric(
+                        "start",
+                        f"N={n}, rdzv-server started first: last agent launched → all workers started",
+                        target=ratio(0.1),
+                    )
+                ],
+                launchers=("ours",),
+                compare_with=f"n{n}",
+            )
+        )
+    for nodes, frac in ((1, 0.2), (2, 0.05)):
+        out["restart"].append(
+            Variant(
+                c3,
+                f"restart{nodes}",
+                functools.partial(lc.restart, nodes=nodes),
+                [
+                    Metric(
+                        "all",
+                        f"{nodes} node(s), rank 0 exits 1: failure → every rank's replacement running",
+                        target=ratio(frac),
+                    ),
+                    Metric("first", f"{nodes} node(s): failure → first replacement running"),
+                ],
+                smoke=nodes == 1,
+            )
+        )
+    for m in scale_ms:
+        big = m >= 10_000
+        out["scale"].append(
+            Variant(
+                f"7. scale: {m:,} simulated agents (ours only)",
+                f"m{m}",
+                lambda t, _l, m=m: scale_trial(t, m),
+                [
+                    Metric(
+                        "storm",
+                        "cold join storm (--nnodes M:M): go → all hold their rank",
+                        target=at_most(3.0, "< 3 s") if big else None,
+                    ),
+                    Metric("storm_connected", "storm: go → every socket connected (client side)"),
+                    Metric("storm_cpu", "server CPU time during the storm", "s CPU"),
+                    Metric("storm_clients_cpu", "the simulated agents' CPU time during the storm", "s CPU"),
+                    Metric("storm_elastic", "join storm into an elastic job (1:M, forms at M)"),
+                    Metric(
+                        "rerdzv",
+                        "1 % close their sockets → all survivors hold the next round",
+                        target=at_most(0.5, "< 0.5 s") if big else None,
+                    ),
+                    Metric(
+                        "rss",
+                        "server RSS with M agents joined",
+                        "MB",
+                        at_most(150, "< 150 MB") if big else None,
+                    ),
+                    Metric(
+                        "hb_cpu_pct",
+                        "server CPU, all M heartbeating at 1 Hz (5 s window)",
+                        "%",
+                        at_most(20, "< 20 % of a core") if big else None,
+                    ),
+                    Metric("hb_per_s", "heartbeats per second received during that window", "msg/s"),
+                ],
+                launchers=("ours",),
+                smoke=m == min(scale_ms),
+            )
+        )
+    return out
+
+
+ALL_CASES = ("standalone", "nnode", "restart", "scaleup", "nodekill", "footprint", "scale")
+
+
+def run_variant(
+    v: Variant, repeat: int, root: Path, launchers: tuple[str, ...], log: Callable[[str], None]
+) -> dict[str, dict[str, Any]]:
+    """{launcher: {"values": {metric: [..]}, "failures": [..], "leftovers": n}}"""
+    res: dict[str, dict[str, Any]] = {
+        who: {"values": {m.key: [] for m in v.metrics}, "failures": [], "leftovers": 0}
+        for who in v.launchers
+        if who in launchers
+    }
+    order = [w for w in v.launchers if w in launchers]
+    for rep in range(repeat):
+        for who in order if rep % 2 == 0 else order[::-1]:
+            trial = Trial(root / f"{v.name}-{who}-{rep}")
+            t0 = time.monotonic()
+            try:
+                with trial:
+                    values = v.run(trial, who)
+            except TrialFailed as exc:
+                res[who]["failures"].append(str(exc))
+                log(f"  {v.name} {who} #{rep}: FAILED: {str(exc).splitlines()[0]}")
+                continue
+            except Exception as exc:  # a bench bug: keep going, but say so loudly
+                res[who]["failures"].append(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                log(f"  {v.name} {who} #{rep}: ERROR {type(exc).__name__}: {exc}")
+                continue
+            finally:
+                res[who]["leftovers"] += len(trial.leftovers)
+            for m in v.metrics:
+                if m.key in values:
+                    res[who]["values"][m.key].append(values[m.key])
+            shown = ", ".join(f"{m.key}={values[m.key]:.3f}" for m in v.metrics if m.key in values)
+            log(f"  {v.name} {who} #{rep}: {shown} ({time.monotonic() - t0:.1f} s)")
+    return res
+
+
+def compile_sources() -> None:
+    """Byte-compile our packages once, as an installed package (and torch's site-packages) is.
+
+    This environment sets PYTHONDONTWRITEBYTECODE=1, so without this step every agent would
+    compile some 7,000 lines of source at every start (about 0.1 s) while torchrun reads
+    ready .pyc files. ``compileall`` writes the caches whatever that variable says.
+    """
+    import compileall
+
+    for pkg in ("protocol", "rdzv_server", "node_agent", "bench"):
+        compileall.compile_dir(str(ROOT / pkg), quiet=1)
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        pass
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "numpy": version("numpy"),
+        "uvloop": version("uvloop"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--repeat", type=int, default=5, help="trials per case and launcher (default 5)")
+    p.add_argument(
+        "--cases", default=",".join(ALL_CASES), help=f"comma-separated subset of {','.join(ALL_CASES)}"
+    )
+    p.add_argument(
+        "--scale-m", default="100,1000,10000", help="M values for the scale case (default 100,1000,10000)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="ours only, M=100, 1 repeat, the fast cases; writes to a temp dir",
+    )
+    p.add_argument("--no-torchrun", action="store_true", help="measure node-agent only")
+    p.add_argument(
+        "--out", type=Path, help="the Markdown report (default docs/benchmarks.md; smoke: a temp dir)"
+    )
+    p.add_argument("--json", type=Path, help="also write every value as JSON here")
+    p.add_argument(
+        "--plot", type=Path, help="the scale plot (default docs/rendezvous_scale.png; smoke: none)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the trials' folders (logs, events)")
+    p.add_argument("--render", type=Path, metavar="JSON", help="only rewrite the report from a --json file")
+    args = p.parse_args(argv)
+    if args.render is not None:
+        return rerender(
+            args.render,
+            args.out or ROOT / "docs" / "benchmarks.md",
+            args.plot or ROOT / "docs" / "rendezvous_scale.png",
+        )
+
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(ALL_CASES))
+    if unknown:
+        p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(ALL_CASES)}")
+    scale_ms = [int(x) for x in args.scale_m.split(",") if x.strip()]
+    repeat = args.repeat
+    launchers: tuple[str, ...] = LAUNCHERS
+    if args.smoke:
+        repeat, launchers, scale_ms = 1, ("ours",), [100]
+    if args.no_torchrun:
+        launchers = ("ours",)
+    if repeat < 1:
+        p.error("--repeat must be >= 1")
+    root = Path(tempfile.mkdtemp(prefix="bench-"))
+    trials = root / "trials"
+    out_md = args.out or (root / "benchmarks.md" if args.smoke else ROOT / "docs" / "benchmarks.md")
+    plot = args.plot if args.plot else (None if args.smoke else ROOT / "docs" / "rendezvous_scale.png")
+    if plot is not None and "scale" in cases:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("the scale plot needs matplotlib: pip install -e '.[bench]' (or pass --smoke)")
+
+    hard = raise_nofile_limit()
+    compile_sources()
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    specs = variants(scale_ms)
+    started = time.time()
+    load_before = load_average()
+    meta: dict[str, Any] = {
+        "command": "python -m bench "
+        + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "repeat": repeat,
+        "launchers": list(launchers),
+        "open_file_limit": hard,
+        **machine_info(),
+        "load_before": load_before,
+    }
+    log(
+        f"bench: cases {','.join(cases)}, repeat {repeat}, launchers {','.join(launchers)}; "
+        f"trials in {trials}"
+    )
+    rows: list[Row] = []
+    raw: dict[str, Any] = {}
+    medians_by_variant: dict[str, dict[str, list[float]]] = {}
+    leftovers = 0
+    for case in cases:
+        for v in specs[case]:
+            if args.smoke and not v.smoke:
+                continue
+            log(f"{v.case} / {v.name}")
+            res = run_variant(v, repeat, trials, launchers, log)
+            raw[v.name] = res
+            if "torchrun" in res:
+                medians_by_variant[v.name] = res["torchrun"]["values"]
+            leftovers += sum(r["leftovers"] for r in res.values())
+            for m in v.metrics:
+                row = Row(v.case, m.label, m.unit, m.target)
+                if "ours" in res:
+                    row.ours = res["ours"]["values"][m.key]
+                    if res["ours"]["failures"]:
+                        row.failures["ours"] = res["ours"]["failures"]
+                if "torchrun" in res:
+                    row.torchrun = res["torchrun"]["values"][m.key]
+                    if res["torchrun"]["failures"]:
+                        row.failures["torchrun"] = res["torchrun"]["failures"]
+                elif v.compare_with is not None and v.compare_with in medians_by_variant:
+                    row.torchrun = medians_by_variant[v.compare_with].get(m.key, [])
+                elif "torchrun" not in v.launchers:
+                    row.torchrun = None
+                if not any((row.ours, row.torchrun, row.failures)):
+                    continue
+                rows.append(row)
+            if case == "scaleup" and "torchrun" in launchers:
+                log("  torchrun scale-up with its defaults (TCPStore shared), once, bounded at 80 s")
+                trial = Trial(trials / "scaleup-torchrun-default")
+                with trial:
+                    raw["scaleup_default"] = lc.scale_up_default_failure(trial, bound=80.0)
+                leftovers += len(trial.leftovers)
+                log(f"  -> {raw['scaleup_default']}")
+
+    meta["load_after"] = load_average()
+    meta["duration_s"] = round(time.time() - started, 1)
+    meta["leftover_processes"] = leftovers
+    plotted = plot is not None and "scale" in cases
+    if plotted:
+        assert plot is not None
+        series: dict[str, dict[int, list[float]]] = {
+            "cold join storm (M:M)": {},
+            "join storm, elastic job (1:M)": {},
+            "re-rendezvous after 1 % drop": {},
+        }
+        for m in scale_ms:
+            ours = raw.get(f"m{m}", {}).get("ours", {}).get("values", {})
+            series["cold join storm (M:M)"][m] = ours.get("storm", [])
+            series["join storm, elastic job (1:M)"][m] = ours.get("storm_elastic", [])
+            series["re-rendezvous after 1 % drop"][m] = ours.get("rerdzv", [])
+        plot_scale(
+            plot, series, f"rdzv-server on {meta['cpus']} cores, {repeat} trial(s) per M, {meta['date'][:10]}"
+        )
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(render(meta, rows, raw, plot if plotted else None, out_md))
+    if args.json:
+        write_json(args.json, meta, rows, {"scaleup_default": raw.get("scaleup_default")})
+    log(f"bench: wrote {out_md} in {meta['duration_s']} s; leftover processes: {leftovers}")
+    if not args.keep:
+        shutil.rmtree(trials, ignore_errors=True)
+        if not any(root.iterdir()):
+            root.rmdir()
+    else:
+        log(f"bench: trial folders kept in {trials}")
+    failed = sum(len(r.failures.get(w, [])) for r in rows for w in r.failures)
+    return 1 if leftovers else 0 if not failed or not args.smoke else 1
+
+
+def write_outputs(
+    meta: dict[str, Any], rows: list[Row], raw: dict[str, Any], out_md: Path, plot: Path | None
+) -> None:
+    series = scale_series(rows)
+    if plot is not None and any(series.values()):
+        title = f"rdzv-server on {meta['cpus']} cores, {meta['repeat']} trial(s) per M, {meta['date'][:10]}"
+        plot_scale(plot, series, title)
+    else:
+        plot = None
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    out_md.write_text(render(meta, rows, raw, plot, out_md))
+
+
+def rerender(path: Path, out_md: Path, plot: Path | None) -> int:
+    """Write the report and plot again from a run's ``--json`` file, without measuring."""
+    data = json.loads(path.read_text())
+    rows = rows_from_json(data)
+    raw = {"scaleup_default": data["scaleup_default"]} if data.get("scaleup_default") else {}
+    write_outputs(data["meta"], rows, raw, out_md, plot)
+    print(f"bench: wrote {out_md} from {path}", file=sys.stderr)
+    return 0
+
+
+def _git_rev() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def render(
+    meta: dict[str, Any], rows: list[Row], raw: dict[str, Any], plot: Path | None, out_md: Path
+) -> str:
+    la, lb = meta["load_before"], meta["load_after"]
+    lines = [
+        "# Benchmarks: node-agent / rdzv-server against torchrun",
+        "",
+        "Generated by `python -m bench` (do not edit by hand; rerun it). "
+        f"This run: `{meta['command']}` on {meta['date']}, commit {_git_rev() or '?'}, "
+        f"{meta['duration_s']} s.",
+        "",
+        f"- Machine: {meta['cpus']} CPUs ({meta['cpu_model']}), {meta['memory']}, Linux {meta['kernel']}; "
+        f"Python {meta['python']}, torch {meta['torch']}, numpy {meta['numpy']}, uvloop {meta['uvloop']}.",
+        f"- Load average (1/5/15 min) before the run: {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}; "
+        f"after: {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f}.",
+        f"- {meta['repeat']} trial(s) per case and launcher, alternating which launcher goes first. "
+        f"Processes left behind after cleanup: {meta['leftover_processes']}.",
+        "",
+        "## Results",
+        "",
+        "Cells are min / **median** / max; the ratio and the targets use medians. A ratio of 0.05 reads "
+        '"ours takes 1/20 of torchrun\'s time".',
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    if "scaleup_default" in raw:
+        lines += [
+            "torchrun scale-up with its defaults (`--nnodes 1:2 --rdzv-conf last_call_timeout=1`, TCPStore "
+            f"shared, run once, bounded at 80 s): {raw['scaleup_default']}. The case-4 row above uses "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` for torchrun.",
+            "",
+        ]
+    notes = failure_notes(rows)
+    if notes:
+        lines += ["Failed trials (first line of each; `--keep` keeps their logs):", "", *notes, ""]
+    if plot is not None:
+        rel = os.path.relpath(plot, out_md.parent)
+        lines += [f"![rendezvous time against M]({rel})", ""]
+    lines += [METHOD, ""]
+    return "\n".join(lines)
+
+
+METHOD = """## How it is measured
+
+As in the torchrun baseline (`shared/reference/torchrun-measured.md`), in one run, on the same
+worker scripts (`bench/workers/`):
+
+- Each worker's first statement is `T0 = time.time()`; it appends JSON events (`start`, `ready`,
+  `fail`, `collective_error`) to one events file, each line a single `O_APPEND` write. The driver
+  stamps `time.time()` just before each `Popen` and polls events and exits every 20 ms. Everything
+  runs on one host, so all stamps share one clock. "Running" means the worker's `start` event.
+- Both launchers are the console scripts of the same venv: `.venv/bin/torchrun` and
+  `.venv/bin/node-agent`. All addresses are 127.0.0.1 (`--local-addr 127.0.0.1`,
+  `GLOO_SOCKET_IFNAME=lo`).
+- Every process is bounded by a timeout. Every process a trial starts carries a random
+  `BENCH_TAG` in its environment; cleanup SIGTERMs the process groups it started, SIGKILLs them
+  after 5 s, then kills by pid anything in `/proc` still carrying the tag (torchrun's workers run
+  in sessions of their own and outlive their agent).
+
+Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend c10d
+--rdzv-endpoint 127.0.0.1:PORT --rdzv-id job --local-addr 127.0.0.1`, PORT a free port):
+
+1. `L --standalone --nproc-per-node 2 noimport.py` and `… gloo_once.py` (import torch,
+   `init_process_group("gloo")`, one all_reduce).
+2. N copies of `L --nnodes N --nproc-per-node 1 C10D noimport.py`, launched back to back; timed
+   from the last launch. Ours is measured two ways: the same command, where the first agent finds
+   nothing listening on the loopback endpoint and hosts the rendezvous itself, as torchrun's first
+   agent hosts the c10d store (the fair equivalent, and the ratio the target uses); and with an
+   `rdzv-server` started before the clock starts (compared with the same torchrun figures).
+3. `L --standalone --nproc-per-node 2 --max-restarts 1 fail_once.py`, and twice `L --nnodes 2
+   --nproc-per-node 1 C10D --max-restarts 1 fail_once.py`. Rank 0 exits 1 one second after it
+   starts (a marker file, not `TORCHELASTIC_RESTART_COUNT`, tells a replacement); timed from its
+   `fail` event to the `start` of every rank's replacement.
+4. `L --nnodes 1:2 --nproc-per-node 1 C10D --rdzv-conf last_call_timeout=1 idle.py`: agent 1
+   alone; 2 s after its worker runs, agent 2; timed from agent 2's launch to a WORLD_SIZE=2 worker
+   on both nodes. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set for both launchers (node-agent
+   ignores it); torchrun's default is run once as well.
+5. `L --nnodes 1:2 --nproc-per-node 1 C10D --max-restarts 3 --rdzv-conf is_host=true|false,…
+   gloo_loop.py` (an all_reduce every 0.5 s). torchrun: `last_call_timeout=1,keep_alive_interval=1,
+   keep_alive_max_attempt=2` as in the baseline; ours: `last_call_timeout=1` and its heartbeat
+   defaults (1 s, dead after 5 s). Once both workers are ready, 2 s later, agent 2 and its worker
+   are SIGKILLed at the same instant (the node is gone); timed to node 1's WORLD_SIZE=1 worker.
+6. `L --standalone --nproc-per-node 2 idle.py`; 2 s after both workers run, the agent's RSS, PSS
+   and USS (`/proc/PID/status`, `smaps_rollup`) and its CPU time over 10 s (`/proc/PID/stat`).
+7. Ours alone: one `rdzv-server --port 0` process and `python -m bench.simagents` processes (1
+   for M=100, 2 for 1,000, 4 for 10,000): light asyncio clients on real loopback sockets, each
+   MAGIC + Hello, Join on Welcome, then a heartbeat per second (spread over 50 slots). The cold
+   storm is a job `min=max=M`; the driver stamps the time and tells every client process to go;
+   timed to the last Assignment. Server CPU and RSS come from `/proc` of the server's pid. Then
+   5 s of heartbeats (server CPU / wall time); then everyone disconnects and joins an elastic job
+   (`min=1, max=M, last_call_timeout=30`, so the first round forms when all M are in: with a
+   zero last call the first joiner would form a round alone); then the agents numbered 99 mod 100
+   close their sockets, the survivors get Restart, join again, and the time to the last
+   Assignment of the next round is the re-rendezvous. The bench raises its open-file limit to
+   the hard limit (inherited by the server and the clients).
+
+- The bench byte-compiles `protocol/`, `rdzv_server/`, `node_agent/` and `bench/` before it
+  starts: this environment sets `PYTHONDONTWRITEBYTECODE=1`, and torch's site-packages comes
+  compiled from its wheel, so without it every node-agent start would also compile our sources
+  (about 0.1 s), a cost an installed package does not have.
+- `python -m bench --json FILE` keeps every value; `python -m bench --render FILE` rewrites this
+  page and the plot from it without measuring. To see where the server spends its time, attach
+  `py-spy record --pid <rdzv-server pid> --format raw -o out.txt` during case 7 (`--keep` keeps
+  the trial folders with every process's log).
+
+Limits of the method: the machine has 2 cores; the workers, the launchers and (in case 7) the
+simulated agents share them with the server, as they would share a node. numpy is installed in
+this venv (matplotlib needs it); the baseline had none, so torch imports it here, which adds a
+little to every `import torch`, torchrun's agent included."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""``python -m bench --smoke`` runs, and measures something: the bench must not rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (case, a words of the metric label) the smoke run must report with positive numbers
+EXPECTED = [
+    ("1. standalone launch", "launch → all workers started"),
+    ("2. N-node rendezvous", "N=2, agents host the rendezvous"),
+    ("3. restart after a worker failure", "failure → every rank's replacement running"),
+    ("7. scale: 100 simulated agents (ours only)", "cold join storm"),
+    ("7. scale: 100 simulated agents (ours only)", "1 % close their sockets"),
+    ("7. scale: 100 simulated agents (ours only)", "server RSS"),
+    ("7. scale: 100 simulated agents (ours only)", "heartbeats per second"),
+]
+
+
+def test_smoke_run_reports_every_case_with_positive_numbers(tmp_path: Path) -> None:
+    md, js = tmp_path / "bench.md", tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out", str(md), "--json", str(js)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(js.read_text())
+    assert data["meta"]["leftover_processes"] == 0
+    rows = data["rows"]
+    for case, words in EXPECTED:
+        found = [r for r in rows if r["case"] == case and words in r["label"]]
+        assert found, f"no row for {case} / {words!r}: {[(r['case'], r['label']) for r in rows]}"
+        row = found[0]
+        assert not row["failures"], row["failures"]
+        assert row["ours"] and all(v > 0 for v in row["ours"]), row
+        assert row["torchrun"] in ([], None)  # smoke runs no torchrun
+    storm = next(r for r in rows if "cold join storm" in r["label"])
+    assert storm["median_ours"] < 10.0  # 100 agents on loopback: well under a second normally
+    hb = next(r for r in rows if "heartbeats per second" in r["label"])
+    assert 50 <= hb["median_ours"] <= 150  # 100 agents at 1 Hz
+    text = md.read_text()
+    assert "| 1. standalone launch |" in text and "cold join storm" in text
