@@ -19,7 +19,8 @@ Where we differ from torchrun on purpose:
 * A single-node run (``--nnodes`` 1 or 1:1) without ``--rdzv-endpoint`` and ``--rdzv-backend``
   acts as ``--standalone``. torchrun 2.13 does the same, but only while ``--master-port`` is
   unset; here ``--master-port`` never selects a backend (it only means something to ``static``).
-* ``static``, ``etcd`` and ``etcd-v2`` are refused for now, with a message saying so.
+* ``etcd`` and ``etcd-v2`` both speak etcd's v3 API (torch's speak v2, which etcd 3.4 turns
+  off by default and later releases removed); see ``node_agent/etcd_rdzv.py``.
 * torchrun flags we cannot honour yet (``--logs-specs``, ``--numa-binding``) are errors, not
   silently ignored.
 """
@@ -59,8 +60,9 @@ __all__ = ["build_parser", "parse_config"]
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_BACKENDS = ("c10d", "static")
-PLANNED_BACKENDS = ("etcd", "etcd-v2")  # torch's other backends; another issue adds them
+SUPPORTED_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")  # both etcd names use etcd's v3 API
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+DEFAULT_ETCD_PORT = 2379
 # torch's registered event handlers: "null" and "dynamic_rendezvous" discard events, "console"
 # prints them to stderr; any other name fails in torchrun at the first event.
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
@@ -218,7 +220,12 @@ _FLAGS: tuple[_Flag, ...] = (
         help="static rendezvous only (torchrun: 127.0.0.1)",
     ),
     _f("master_port", *_both("--master-port"), default=None, help="static rendezvous only (torchrun: 29500)"),
-    _f("local_addr", *_both("--local-addr"), default=None, help="this node's address (default: its FQDN)"),
+    _f(
+        "local_addr",
+        *_both("--local-addr"),
+        default=None,
+        help="the address other nodes reach this node at (default: the interface routing to the rendezvous)",
+    ),
     _f("logs_specs", *_both("--logs-specs"), default=None, env=False, help="not supported yet"),
     _f("numa_binding", *_both("--numa-binding"), default=None, env=False, help="not supported yet"),
     _f(
@@ -404,6 +411,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
 
     standalone, backend, endpoint, rdzv_id = _resolve_rendezvous(inputs, max_nodes)
     rdzv_host, rdzv_port = _parse_endpoint(endpoint, inputs.get("rdzv_endpoint"), max_nodes)
+    if backend in ETCD_BACKENDS and ":" not in endpoint.rsplit("]", 1)[-1]:
+        rdzv_port = DEFAULT_ETCD_PORT  # etcd's client port, as torch's etcd backends default to
     conf = inputs.get("rdzv_conf")
     rdzv_conf = RdzvConf.parse(conf.value or "", origin=conf.what(_BY_DEST["rdzv_conf"]))
 
@@ -552,15 +561,9 @@ def _resolve_rendezvous(inputs: _Inputs, max_nodes: int) -> tuple[bool, str, str
 
     backend = "c10d" if backend_given.value is None else backend_given.value
     what = backend_given.what(_BY_DEST["rdzv_backend"])
-    if backend in PLANNED_BACKENDS:
-        raise ConfigError(
-            f"{what}={backend} is not yet supported by node-agent; use c10d (node-agent's "
-            "rendezvous server, the default) with --rdzv-endpoint HOST:PORT"
-        )
     if backend not in SUPPORTED_BACKENDS:
         raise ConfigError(
-            f"{what}={backend!r} is not a rendezvous backend: use c10d "
-            f"({', '.join(PLANNED_BACKENDS)} are not yet supported)"
+            f"{what}={backend!r} is not a rendezvous backend: use one of {', '.join(SUPPORTED_BACKENDS)}"
         )
     endpoint = (endpoint_given.value or "").strip()
     if not endpoint and max_nodes > 1 and backend_given.origin is None:

@@ -438,6 +438,9 @@ class AgentConfig:
         """Whether this agent must run the rendezvous itself rather than reach a server.
 
         True for --standalone, a port-0 endpoint (a free port nobody else could know), or
-        ``is_host=true``; ``is_host`` unset leaves any auto-detection to the runner.
+        ``is_host=true``; ``is_host`` unset leaves any auto-detection to the runner. Never
+        with etcd, which keeps the rendezvous itself.
         """
+        if self.rdzv_backend in ("etcd", "etcd-v2"):
+            return False
         return self.standalone or self.rdzv_port == 0 or self.rdzv_conf.is_host is True

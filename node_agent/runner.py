@@ -220,14 +220,7 @@ class Agent:
             self.conn = StaticConnection(cfg)  # type: ignore[assignment]
         try:
             if self.conn is None:
-                self.conn = await connect(
-                    host,
-                    port,
-                    deadline=start + cfg.rdzv_conf.join_timeout,
-                    handshake_timeout=min(cfg.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
-                    log=self.log,
-                    clock=self.clock,
-                )
+                self.conn = await self._open(start + cfg.rdzv_conf.join_timeout)
         except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
             self.log(str(exc), "error")
             return st.EXIT_RDZV
@@ -449,18 +442,26 @@ class Agent:
 
     # -- background tasks ------------------------------------------------------------------
 
-    async def _reconnect(self, deadline: float) -> None:
+    async def _open(self, deadline: float) -> Connection:
+        """A connection to the job's rendezvous: our server's, or the one kept in etcd."""
+        if self.config.rdzv_backend in ("etcd", "etcd-v2"):
+            from .etcd_rdzv import EtcdConnection
+
+            return await EtcdConnection.open(self.config, deadline=deadline, log=self.log, clock=self.clock)  # type: ignore[return-value]
         host, port = self.endpoint
+        return await connect(
+            host,
+            port,
+            deadline=deadline,
+            handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+            log=self.log,
+            clock=self.clock,
+        )
+
+    async def _reconnect(self, deadline: float) -> None:
         while True:
             try:
-                conn = await connect(
-                    host,
-                    port,
-                    deadline=deadline,
-                    handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
-                    log=self.log,
-                    clock=self.clock,
-                )
+                conn = await self._open(deadline)
                 break
             except NotARendezvousServer as exc:
                 # A server that is still starting may drop a connection during the hello:

@@ -285,8 +285,11 @@ class Job:
 class Rendezvous:
     """Every job on one server. Feed it events; carry out what it returns."""
 
-    def __init__(self, tokens: TokenTable | None = None) -> None:
+    def __init__(self, tokens: TokenTable | None = None, *, expire_silent: bool = True) -> None:
         self.tokens = tokens  # None: no authentication (the server says so at start)
+        # False when something else tells us who is alive (etcd leases): heartbeats are
+        # then not delivered, and silence means nothing.
+        self.expire_silent = expire_silent
         self.conns: dict[int, Conn] = {}
         self.jobs: dict[str, Job] = {}
         self.stats = Stats()
@@ -912,6 +915,8 @@ class Rendezvous:
         self._next_sweep = None if shortest is None else now + max(shortest / 4, 0.05)
 
     def _ensure_sweep(self, now: float, timeout: float) -> None:
+        if not self.expire_silent:
+            return
         due = now + max(timeout / 4, 0.05)
         if self._next_sweep is None or due < self._next_sweep:
             self._next_sweep = due

@@ -5,20 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from .procs import WORKERS, Proc, agent_cmd, pid_alive, read_env_dumps, start_server
+from .conftest import Rendezvous
+from .procs import WORKERS, Proc, agent_cmd, pid_alive, read_env_dumps
 
 DUMP = str(WORKERS / "dump_env.py")
-
-
-@pytest.fixture
-def server():
-    srv, port = start_server()
-    yield port
-    srv.signal(15)
-    assert srv.wait(timeout=15) == 0
-    srv.kill()
 
 
 def test_standalone_runs_three_workers_with_distinct_ranks(tmp_path: Path) -> None:
@@ -38,17 +28,8 @@ def test_standalone_runs_three_workers_with_distinct_ranks(tmp_path: Path) -> No
     assert not any(pid_alive(int(e["_pid"])) for e in envs)
 
 
-def test_two_agents_on_one_server_share_one_world(tmp_path: Path, server: int) -> None:
-    args = (
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{server}",
-        "--rdzv-id",
-        "e2e",
-    )
+def test_two_agents_on_one_rendezvous_share_one_world(tmp_path: Path, rdzv: Rendezvous) -> None:
+    args = ("--nnodes", "2", "--nproc-per-node", "2", *rdzv.args, "--rdzv-id", f"e2e-{rdzv.backend}")
     agents = [Proc(agent_cmd(*args, DUMP), env={"DUMP_DIR": str(tmp_path)}) for _ in range(2)]
     try:
         for a in agents:
@@ -63,20 +44,11 @@ def test_two_agents_on_one_server_share_one_world(tmp_path: Path, server: int) -
     for e in envs:
         assert int(e["RANK"]) == int(e["GROUP_RANK"]) * 2 + int(e["LOCAL_RANK"])
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
-    assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {"e2e"}
+    assert {e["TORCHELASTIC_RUN_ID"] for e in envs} == {f"e2e-{rdzv.backend}"}
 
 
-def test_real_gloo_all_reduce_and_ddp_over_two_agents(tmp_path: Path, server: int) -> None:
-    args = (
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{server}",
-        "--rdzv-id",
-        "gloo",
-    )
+def test_real_gloo_all_reduce_and_ddp_over_two_agents(tmp_path: Path, rdzv: Rendezvous) -> None:
+    args = ("--nnodes", "2", "--nproc-per-node", "2", *rdzv.args, "--rdzv-id", f"gloo-{rdzv.backend}")
     script = str(WORKERS / "gloo_check.py")
     agents = [Proc(agent_cmd(*args, script), env={"DUMP_DIR": str(tmp_path)}) for _ in range(2)]
     try:

@@ -633,10 +633,12 @@ ERRORS = [
     # backends
     (["--rdzv-backend", "static", "--nnodes", "1:2"], {}, "--rdzv-backend=static needs a fixed node count"),
     (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank=2 must be below"),
-    (["--rdzv-backend", "etcd"], {}, "etcd is not yet supported by node-agent"),
-    (["--rdzv-backend", "etcd-v2"], {}, "etcd-v2 is not yet supported by node-agent"),
-    ([], {"PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND=etcd is not yet supported"),
-    (["--rdzv-backend", "zookeeper"], {}, "'zookeeper' is not a rendezvous backend"),
+    (
+        ["--rdzv-backend", "zookeeper"],
+        {},
+        "'zookeeper' is not a rendezvous backend: use one of c10d, static, etcd",
+    ),
+    ([], {"PET_RDZV_BACKEND": "etc"}, "PET_RDZV_BACKEND='etc' is not a rendezvous backend"),
     (["--nnodes", "2"], {}, "a multi-node run needs --rdzv-endpoint"),
     (["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1"], {}, "--rdzv-backend static"),
     (["--rdzv-id", "", *ENDPOINT], {}, "--rdzv-id is empty"),
@@ -949,3 +951,15 @@ def test_token_sources(tmp_path, spelling) -> None:
     only_b.write_text("jobB b-secret\n")
     with pytest.raises(ConfigError, match="no token for job 'jobA'"):
         parse_config([*ep, "--rdzv-id", "jobA", spelling, str(only_b), str(script)], {})
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_etcd_backends_default_to_etcds_client_port_and_never_host(tmp_path, backend: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    base = ["--rdzv-backend", backend, "--nnodes", "1:4", "--rdzv-conf", "is_host=1"]
+    cfg = parse_config([*base, "--rdzv-endpoint", "etcd.example", str(script)], {})
+    assert (cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port) == (backend, "etcd.example", 2379)
+    assert not cfg.hosts_rendezvous  # etcd keeps the rendezvous; no agent serves it
+    cfg = parse_config([*base, "--rdzv-endpoint", "[::1]:23790", str(script)], {})
+    assert (cfg.rdzv_host, cfg.rdzv_port) == ("::1", 23790)

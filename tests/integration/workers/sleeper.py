@@ -1,5 +1,6 @@
 """Writes "<rank> <world_size> <pid> <restart>" to $DUMP_DIR/started.txt, traps SIGTERM into
-$DUMP_DIR/sigterm-<pid>, and sleeps until killed (or $SLEEP_EXIT seconds pass)."""
+$DUMP_DIR/sigterm-<pid>, and sleeps until killed, $SLEEP_EXIT seconds pass, or the file
+$EXIT_WHEN_FILE appears (then it exits 0)."""
 
 import os
 import signal
@@ -27,5 +28,6 @@ with open(os.path.join(out, "started.txt"), "a") as f:
     f.write(line)
 print(f"started {line.strip()}", flush=True)
 deadline = time.monotonic() + float(os.environ.get("SLEEP_EXIT", "120"))
-while time.monotonic() < deadline:
+stop_file = os.environ.get("EXIT_WHEN_FILE")
+while time.monotonic() < deadline and not (stop_file and os.path.exists(stop_file)):
     time.sleep(0.05)
