@@ -275,6 +275,31 @@ _FLAGS: tuple[_Flag, ...] = (
         help="file with the rendezvous token (TOKEN, or 'JOB_ID TOKEN' lines); also RDZV_TOKEN_FILE "
         "or RDZV_TOKEN",
     ),
+    _f(
+        "tls_ca",
+        *_both("--tls-ca"),
+        default=None,
+        env=False,
+        metavar="FILE",
+        help="reach the rendezvous server over TLS, trusting this PEM CA; its certificate must name "
+        "the --rdzv-endpoint host; also RDZV_TLS_CA",
+    ),
+    _f(
+        "tls_cert",
+        *_both("--tls-cert"),
+        default=None,
+        env=False,
+        metavar="FILE",
+        help="client certificate for a server with --tls-client-ca (needs --tls-key); also RDZV_TLS_CERT",
+    ),
+    _f(
+        "tls_key",
+        *_both("--tls-key"),
+        default=None,
+        env=False,
+        metavar="FILE",
+        help="the client certificate's unencrypted PEM key; also RDZV_TLS_KEY",
+    ),
 )
 _BY_DEST = {flag.dest: flag for flag in _FLAGS}
 
@@ -459,6 +484,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
     for dest in ("logs_specs", "numa_binding"):
         _refuse_unsupported(inputs, dest)
 
+    hosts = standalone or rdzv_port == 0  # the agent's own rendezvous is plain TCP
+    tls_ca, tls_cert, tls_key = _tls(inputs, environ, backend=backend, hosts=hosts, is_host=rdzv_conf.is_host)
     config = AgentConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -500,6 +527,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         pass_local_rank=_choice(inputs, "pass_local_rank", PASS_LOCAL_RANK_STYLES, optional=True),
         health_check=inputs.get("health_check").value or None,
         token=_token(inputs.get("token_file").value, environ, rdzv_id),
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
         training_script=training_script,
         training_script_args=tuple(namespace.training_script_args),
     )
@@ -771,6 +801,48 @@ def _token(path: str | None, environ: Mapping[str, str], rdzv_id: str) -> str | 
     if token is None:
         raise ConfigError(f"token file {path!r} has no token for job {rdzv_id!r}")
     return token
+
+
+_TLS_VARS = {"tls_ca": "RDZV_TLS_CA", "tls_cert": "RDZV_TLS_CERT", "tls_key": "RDZV_TLS_KEY"}
+
+
+def _tls(
+    inputs: _Inputs, environ: Mapping[str, str], *, backend: str, hosts: bool, is_host: bool | None
+) -> tuple[str | None, str | None, str | None]:
+    """--tls-ca/--tls-cert/--tls-key, else RDZV_TLS_*: checked now by loading them once."""
+    given: dict[str, tuple[str, str]] = {}  # dest -> (path, where it came from)
+    for dest, var in _TLS_VARS.items():
+        value = inputs.get(dest).value
+        if value:
+            given[dest] = (value, _BY_DEST[dest].display)
+        elif environ.get(var):
+            given[dest] = (environ[var], var)
+    if not given:
+        return None, None, None
+    origins = " and ".join(origin for _, origin in given.values())
+    if "tls_ca" not in given:
+        raise ConfigError(f"{origins}: a client certificate needs --tls-ca (the CA of the server)")
+    if ("tls_cert" in given) != ("tls_key" in given):
+        raise ConfigError(f"{origins}: --tls-cert and --tls-key go together; give both or neither")
+    if backend != "c10d" or hosts:
+        why = f"--rdzv-backend={backend}" if backend != "c10d" else "this agent hosts its own rendezvous"
+        logger.warning("%s: ignored (%s; TLS applies to a rdzv-server only)", origins, why)
+        return None, None, None
+    if is_host is True:
+        # Its peers would need TLS to reach it; silently plain would be worse than refusing.
+        raise ConfigError(
+            f"{origins} with is_host=true: the rendezvous an agent hosts is plain TCP; run "
+            "`rdzv-server --tls-cert ... --tls-key ...` and point every agent at it"
+        )
+    from protocol.tls import TLSConfigError, client_context
+
+    ca = given["tls_ca"][0]
+    cert, key = (given[dest][0] if dest in given else None for dest in ("tls_cert", "tls_key"))
+    try:
+        client_context(ca, cert, key)
+    except TLSConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    return ca, cert, key
 
 
 def _filters(text: str) -> tuple[str, ...]:

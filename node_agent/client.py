@@ -4,6 +4,11 @@ Connecting retries with capped exponential backoff and jitter until a deadline, 
 it waits for once per distinct problem (not once per attempt). After the TCP connect the
 server has ``handshake_timeout`` to answer our hello with its magic and a welcome; a listener
 that answers anything else (or nothing) is named as not being a rendezvous server.
+
+With a TLS context the handshake follows the TCP connect (so refused connections are still
+retried, but a certificate that does not verify fails at once) and the server's certificate
+must name the endpoint host we dialled. TLS on one side only shows up as the peer closing the
+connection without a word; the messages then say which flag is probably missing.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -26,6 +32,7 @@ from protocol import (
     Welcome,
     encode,
 )
+from protocol.tls import verify_failure
 
 SOFTWARE = "node-agent/0.1"
 READ_CHUNK = 1 << 16
@@ -41,6 +48,13 @@ class NotARendezvousServer(Exception):
 
 class RendezvousRefused(Exception):
     """The server answered the hello with an error (e.g. no common protocol version)."""
+
+
+class TLSFailed(RendezvousRefused):
+    """TLS cannot work with this server: its certificate does not verify, or a handshake alert."""
+
+
+_TLS_ALERT = b"\x15\x03"  # a TLS alert record: what some TLS servers send a plain client
 
 
 class Connection:
@@ -87,8 +101,12 @@ async def connect(
     handshake_timeout: float,
     log: Callable[[str], None],
     clock: Callable[[], float] = time.monotonic,
+    tls: ssl.SSLContext | None = None,
 ) -> Connection:
-    """Connect and exchange hellos, retrying refused or unreachable endpoints until deadline."""
+    """Connect and exchange hellos, retrying refused or unreachable endpoints until deadline.
+
+    With ``tls``, the handshake verifies the server's certificate against ``host``.
+    """
     delay = 0.05
     last_problem = ""
     while True:
@@ -111,6 +129,8 @@ async def connect(
     sock = writer.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is not None:
+        await _start_tls(writer, tls, host, port, handshake_timeout)
     conn = Connection(reader, writer, version=0)
     try:
         writer.write(MAGIC + encode(Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE)))
@@ -123,13 +143,24 @@ async def connect(
         ) from None
     except _Garbage as exc:
         await conn.close()
+        if tls is None and exc.sample.startswith(_TLS_ALERT):
+            raise NotARendezvousServer(
+                f"{host}:{port} answered our hello with a TLS alert: it speaks TLS; give --tls-ca FILE"
+            ) from None
         raise NotARendezvousServer(
             f"{host}:{port} does not speak the rendezvous protocol (it answered {exc.sample!r})"
         ) from None
-    except ConnectionError:
+    except (ConnectionError, ssl.SSLError):
         await conn.close()
+        if tls is None:
+            # A TLS server cannot answer a plain hello in TLS: all we see is the close.
+            raise NotARendezvousServer(
+                f"{host}:{port} closed the connection during the hello: it is not a rendezvous server, "
+                "or one that uses TLS (then give --tls-ca FILE, the CA of its certificate)"
+            ) from None
         raise NotARendezvousServer(
-            f"{host}:{port} closed the connection during the hello: not a rendezvous server?"
+            f"{host}:{port} closed the TLS connection during the hello: it is not a rendezvous "
+            "server, or it did not accept our client certificate (--tls-cert)"
         ) from None
     if isinstance(first, Error):
         await conn.close()
@@ -140,6 +171,35 @@ async def connect(
     conn.version = first.version
     conn.challenge = first.challenge
     return conn
+
+
+async def _start_tls(
+    writer: asyncio.StreamWriter, tls: ssl.SSLContext, host: str, port: int, timeout: float
+) -> None:
+    """The TLS handshake on a connected stream; each failure named for the user."""
+    try:
+        await asyncio.wait_for(writer.start_tls(tls, server_hostname=host), timeout=timeout)
+        return
+    except ssl.SSLCertVerificationError as exc:
+        problem: Exception = TLSFailed(
+            f"cannot verify the rendezvous server at {host}:{port}: {verify_failure(exc)} (check "
+            f"--tls-ca; the server's certificate must be signed by it and name {host!r})"
+        )
+    except (ConnectionError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
+        # What a plain server does with a ClientHello: it closes the connection.
+        problem = NotARendezvousServer(
+            f"{host}:{port} closed the connection during the TLS handshake: it does not speak TLS "
+            "(a rdzv-server without --tls-cert? then drop --tls-ca)"
+        )
+    except ssl.SSLError as exc:
+        problem = TLSFailed(f"the TLS handshake with {host}:{port} failed: {exc.reason or exc}")
+    except asyncio.TimeoutError:
+        problem = NotARendezvousServer(
+            f"{host}:{port} accepted the connection but did not complete a TLS handshake within {timeout:g} s"
+        )
+    # No wait_closed(): a stream whose handshake failed never reports being closed.
+    writer.transport.abort()
+    raise problem from None
 
 
 class _Garbage(Exception):

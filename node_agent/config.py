@@ -375,6 +375,11 @@ class AgentConfig:
     health_check: str | None = None
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
     token: str | None = field(default=None, repr=False)
+    # TLS to the rendezvous server (--tls-ca, else RDZV_TLS_CA; None: plain TCP), and an
+    # optional client certificate. Paths, checked by parse_config; the runner loads them.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         # Cheap invariants only: parse_config has already given the user a precise message;
@@ -407,6 +412,10 @@ class AgentConfig:
             )
         if self.module and self.no_python and not self.run_path:
             raise ConfigError("--module and --no-python cannot be used together")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ConfigError("tls_cert needs tls_ca: a client certificate is only sent over TLS")
 
     def redirect_for(self, local_rank: int) -> Std:
         """Streams of this worker to write to a file instead of the console (``--redirects``).

@@ -15,6 +15,7 @@ import random
 import secrets
 import signal
 import socket
+import ssl
 import string
 import sys
 import time
@@ -157,6 +158,7 @@ class Agent:
         self._exit: st.Exit | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self.endpoint = ("", 0)
+        self.tls: ssl.SSLContext | None = None  # to a rdzv-server; what we host is plain TCP
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -164,6 +166,14 @@ class Agent:
         cfg = self.config
         service = None
         host, port = cfg.rdzv_host, cfg.rdzv_port
+        if cfg.tls_ca is not None and not cfg.hosts_rendezvous:
+            from protocol.tls import TLSConfigError, client_context
+
+            try:
+                self.tls = client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+            except TLSConfigError as exc:
+                self.log(str(exc), "error")
+                return st.EXIT_RDZV
         if cfg.hosts_rendezvous:
             from rdzv_server.service import RendezvousService
 
@@ -173,7 +183,12 @@ class Agent:
             except OSError as exc:
                 self.log(f"cannot host the rendezvous on {host}:{port}: {exc.strerror or exc}", "error")
                 return st.EXIT_RDZV
-        elif cfg.rdzv_backend == "c10d" and cfg.rdzv_conf.is_host is None and is_this_machine(host):
+        elif (
+            cfg.rdzv_backend == "c10d"
+            and cfg.rdzv_conf.is_host is None
+            and self.tls is None  # with TLS we wait for a rdzv-server: we could only host plain TCP
+            and is_this_machine(host)
+        ):
             service = await self._host_if_nobody_does(host, port)
         try:
             code = await self._run_connected(host, port)
@@ -456,6 +471,7 @@ class Agent:
             handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
             log=self.log,
             clock=self.clock,
+            tls=self.tls,
         )
 
     async def _reconnect(self, deadline: float) -> None:

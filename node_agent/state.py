@@ -27,6 +27,7 @@ from protocol import (
     Drain,
     Error,
     Failure,
+    GoingAway,
     JobDone,
     JobFailed,
     Leave,
@@ -295,6 +296,13 @@ class AgentMachine:
         if isinstance(msg, Drain):
             why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
             return self._drain(why)
+        if isinstance(msg, GoingAway):
+            # The server closes the connection next; we reconnect as after any lost connection.
+            why = f" ({msg.reason})" if msg.reason else ""
+            keep = "workers keep running; " if self.phase in (Phase.STARTING, Phase.RUNNING) else ""
+            return [Log("warning", f"the rendezvous server is going away{why}; {keep}will reconnect")]
+        if isinstance(msg, Error) and not msg.fatal:
+            return [Log("warning", f"rendezvous server: {msg.message} ({msg.code})")]
         if isinstance(msg, Error):
             return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
         raise UnexpectedEvent(f"{msg.TYPE} from the server in phase {self.phase.value}")

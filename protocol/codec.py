@@ -229,9 +229,14 @@ class FrameDecoder:
         try:
             return self._feed(data)
         except ProtocolError as exc:
+            # Keep the error but not what it was raised through: the inner frames hold the
+            # whole buffer and whatever msgpack decoded (up to a frame's worth, and more as
+            # objects), and through ``self._error`` they would live on in a reference cycle
+            # until a full garbage collection; a flood of bad frames grew memory that way.
+            exc.__context__ = None
             self._error = exc
             self._buf = bytearray()
-            raise
+            raise exc.with_traceback(None) from None
 
     def _feed(self, data: bytes) -> list[Message]:
         buf = self._buf

@@ -48,6 +48,7 @@ __all__ = [
     "Assignment",
     "Error",
     "Failure",
+    "GoingAway",
     "Heartbeat",
     "Hello",
     "JobDone",
@@ -443,6 +444,18 @@ class Drain(_Schema):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GoingAway(_Schema):
+    """The server is shutting down: keep the workers running, reconnect and resume.
+
+    Added within protocol version 1: an agent that does not know it fails to decode it,
+    which it treats as a lost connection, and so it does the same thing.
+    """
+
+    TYPE: ClassVar[str] = "going_away"
+    reason: str = field(default="", metadata=_TEXT)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class JobDone(_Schema):
     """The job is over and every node succeeded."""
 
@@ -480,6 +493,7 @@ Message: TypeAlias = (
     | JobFailed
     | JobDone
     | Drain
+    | GoingAway
     | Error
 )
 
@@ -488,7 +502,7 @@ CLIENT_MESSAGES: dict[str, type[Message]] = {
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error, Resumed)
+    for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error, Resumed, GoingAway)
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
 

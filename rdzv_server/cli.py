@@ -1,7 +1,8 @@
 """``rdzv-server``: the long-lived rendezvous daemon, and two commands for its operators.
 
-``rdzv-server [--host H] [--port P]`` serves (agents and HTTP on one port). The subcommands
-talk to a running server over its HTTP API:
+``rdzv-server [--host H] [--port P]`` serves (agents and HTTP on one port; with ``--tls-cert``
+and ``--tls-key``, TLS only, and the subcommands need ``--tls-ca``). The subcommands talk to a
+running server over its HTTP API:
 
 - ``rdzv-server status --endpoint H:P [--job ID] [--json]``: its jobs, or one job's members and
   recent history, as tables (or the API's JSON).
@@ -18,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from protocol.auth import TokenTable
+
+    from .journal import StateLog
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # could not serve; the endpoint is unreachable or did not answer as we expect
@@ -57,6 +61,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="require tokens: a file of TOKEN or 'JOB_ID TOKEN' lines (also RDZV_TOKEN_FILE, RDZV_TOKEN)",
     )
     p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="FILE",
+        help="speak only TLS (agents and HTTPS on the same port) with this PEM certificate chain",
+    )
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's unencrypted PEM key")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="FILE",
+        help="also require every peer (agents and HTTPS) to present a certificate signed by this CA",
+    )
+    p.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="close a connection that has not said hello by then (default 10)",
+    )
+    p.add_argument(
+        "--auth-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="close a connection that said hello but has not joined its job by then (default 90)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="log every change of job state to DIR and restore it on start (default: memory only)",
+    )
+    p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -71,6 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument(
             "--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)"
         )
+        # Own dests: the server's --tls-cert (above) is a different certificate.
+        c.add_argument(
+            "--tls-ca",
+            dest="client_tls_ca",
+            metavar="FILE",
+            help="use HTTPS and verify the server against this CA (also RDZV_TLS_CA)",
+        )
+        c.add_argument(
+            "--tls-cert",
+            dest="client_tls_cert",
+            metavar="FILE",
+            help="client certificate, for a server with --tls-client-ca (also RDZV_TLS_CERT)",
+        )
+        c.add_argument("--tls-key", dest="client_tls_key", metavar="FILE", help="its key (also RDZV_TLS_KEY)")
         return c
 
     st = client("status", "show a running server's jobs, or one job in detail")
@@ -92,6 +143,40 @@ def build_parser() -> argparse.ArgumentParser:
 # --- serve --------------------------------------------------------------------------------
 
 
+def load_server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
+    """The listening port's TLS context from --tls-cert/--tls-key/--tls-client-ca; None: plain.
+
+    No environment variables here: RDZV_TLS_CERT is an agent's client certificate.
+    """
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (the server's own certificate)")
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if key is None else ("--tls-key", "--tls-cert")
+        raise ValueError(f"{given} needs {missing}: give both or neither")
+    from protocol.tls import server_context
+
+    return server_context(cert, key, client_ca)  # TLSConfigError (a ValueError) names the file
+
+
+def client_tls(args: argparse.Namespace, environ: Mapping[str, str]) -> ssl.SSLContext | None:
+    """status/drain: --tls-ca (else RDZV_TLS_CA) means HTTPS; a client certificate is optional."""
+    ca = args.client_tls_ca or environ.get("RDZV_TLS_CA") or None
+    cert = args.client_tls_cert or environ.get("RDZV_TLS_CERT") or None
+    key = args.client_tls_key or environ.get("RDZV_TLS_KEY") or None
+    if ca is None:
+        if cert is not None or key is not None:
+            raise CommandError("--tls-cert/--tls-key need --tls-ca (the CA of the server)", EXIT_USAGE)
+        return None
+    from protocol.tls import TLSConfigError, client_context
+
+    try:
+        return client_context(ca, cert, key)
+    except TLSConfigError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+
+
 def load_tokens(path: str | None, environ: Mapping[str, str]) -> TokenTable | None:
     """The server's tokens: --token-file, else RDZV_TOKEN_FILE, else RDZV_TOKEN; None: open."""
     from protocol.auth import TokenTable
@@ -106,39 +191,102 @@ def load_tokens(path: str | None, environ: Mapping[str, str]) -> TokenTable | No
         raise ValueError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
 
 
-async def serve(host: str, port: int, *, tokens: TokenTable | None = None, ready: Any = None) -> int:
+async def serve(
+    host: str,
+    port: int,
+    *,
+    tokens: TokenTable | None = None,
+    ready: Any = None,
+    hello_timeout: float | None = None,
+    auth_timeout: float | None = None,
+    tls: ssl.SSLContext | None = None,
+    state_dir: str | None = None,
+) -> int:
     import asyncio
     import signal
 
     from .service import RendezvousService
 
-    service = RendezvousService(http=True, tokens=tokens)
+    service = RendezvousService(http=True, tokens=tokens, tls=tls)
+    if hello_timeout is not None:
+        service.hello_timeout = hello_timeout
+    if auth_timeout is not None:
+        service.auth_timeout = auth_timeout
+    state_log = open_state_dir(state_dir, tokens) if state_dir is not None else None
+    if state_dir is not None and state_log is None:
+        return EXIT_ERROR
+    if state_log is not None:
+        service.use_state_log(state_log)
     try:
         bound = await service.start(host, port)
     except OSError as exc:
         logging.getLogger("rdzv_server").error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        if state_log is not None:
+            state_log.close()
         return EXIT_ERROR
     log = logging.getLogger("rdzv_server")
-    log.info(
-        "listening on %s:%d (agents and HTTP on the same port); state is kept in memory only", host, bound
-    )
+    where = "kept in memory only" if state_log is None else f"logged to {state_dir}"
+    log.info("listening on %s:%d (agents and HTTP on the same port); state is %s", host, bound, where)
+    if state_log is None:
+        log.warning("no --state-dir: if this server dies, it rebuilds jobs from their agents at best")
+    else:
+        service.arm_timer()
     if tokens is None:
         log.warning("no token: any agent that reaches this port may join any job (see --token-file)")
+    if tls is None:
+        log.info("TLS off: agents' frames and HTTP travel in plain text (see --tls-cert)")
+    else:
+        clients = "required" if tls.verify_mode != ssl.CERT_NONE else "not asked for"
+        log.info("TLS on: agents and HTTPS on this port, TLS only; client certificates %s", clients)
     stop = asyncio.Event()
+    why: list[str] = []  # the signal's name, or why the state log failed
+
+    def stop_for(reason: str) -> None:
+        why.append(reason)
+        stop.set()
+
+    service.on_fatal = lambda text: stop_for("fatal: " + text)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_for, f"received {sig.name}")
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
-        log.info("shutting down")
+        if not why[0].startswith("fatal: "):
+            await service.go_away(why[0])
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await service.close()
+        if state_log is not None:
+            state_log.close()
     log.info("stopped")
-    return EXIT_OK
+    return EXIT_ERROR if why and why[0].startswith("fatal: ") else EXIT_OK
+
+
+def open_state_dir(state_dir: str, tokens: TokenTable | None) -> StateLog | None:
+    """Restore the machine from --state-dir, saying what was found; None (logged) if unusable."""
+    from .journal import StateLog, StateLogError
+    from .state import Log
+
+    log = logging.getLogger("rdzv_server")
+    try:
+        state_log, found, effects = StateLog.open(Path(state_dir), tokens=tokens)
+    except (StateLogError, OSError) as exc:
+        log.error("cannot use --state-dir %s: %s", state_dir, exc)
+        return None
+    log.info(
+        "state dir %s: snapshot at record %d, %d record(s) replayed, %d active job(s)",
+        state_dir,
+        found.snapshot_seq,
+        found.replayed,
+        found.jobs,
+    )
+    for eff in effects:
+        if isinstance(eff, Log):
+            log.info("%s", eff.text)
+    return state_log
 
 
 # --- talking to a running server ----------------------------------------------------------
@@ -152,20 +300,26 @@ class CommandError(Exception):
         self.code = code
 
 
-def base_url(endpoint: str) -> str:
-    """``host:port``, ``[v6]:port``, ``host`` or ``http://host:port`` -> ``http://host:port``."""
+def base_url(endpoint: str, *, tls: bool = False) -> str:
+    """``host:port``, ``[v6]:port``, ``host`` or ``http://host:port`` -> ``http://host:port``.
+
+    With ``tls`` the scheme is https (and ``https://host:port`` is accepted).
+    """
+    scheme = "https" if tls else "http"
     text = endpoint.strip()
     if "://" not in text:
-        text = "http://" + text
+        text = f"{scheme}://{text}"
     parts = urllib.parse.urlsplit(text)
-    if parts.scheme != "http" or not parts.hostname:
+    if parts.scheme == "https" and not tls:
+        raise CommandError(f"--endpoint {endpoint!r} is https: give --tls-ca (the server's CA)", EXIT_USAGE)
+    if parts.scheme != scheme or not parts.hostname:
         raise CommandError(f"--endpoint must be host:port, got {endpoint!r}", EXIT_USAGE)
     try:
         port = parts.port or DEFAULT_PORT
     except ValueError:
         raise CommandError(f"--endpoint has a bad port: {endpoint!r}", EXIT_USAGE) from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def call(
@@ -175,9 +329,10 @@ def call(
     timeout: float,
     body: dict[str, Any] | None = None,
     token: str | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int, Any]:
     """One request; (status, decoded JSON). Unreachable or not our API -> CommandError."""
-    url = base_url(endpoint) + path
+    url = base_url(endpoint, tls=tls is not None) + path
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Accept": "application/json"})
     if token:
@@ -185,17 +340,16 @@ def call(
     if data is not None:
         req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=tls) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
     except urllib.error.URLError as exc:
-        reason = getattr(exc.reason, "strerror", None) or exc.reason
+        reason = _tls_reason(exc.reason, tls) or getattr(exc.reason, "strerror", None) or exc.reason
         raise CommandError(f"cannot reach the rendezvous server at {url}: {reason}") from None
     except (OSError, ValueError) as exc:  # timeouts, resets, a peer that is not HTTP
-        raise CommandError(
-            f"cannot reach the rendezvous server at {url}: {exc or type(exc).__name__}"
-        ) from None
+        reason = _tls_reason(exc, tls) or exc or type(exc).__name__
+        raise CommandError(f"cannot reach the rendezvous server at {url}: {reason}") from None
     try:
         return status, json.loads(raw)
     except ValueError:
@@ -203,6 +357,20 @@ def call(
             f"{url} answered HTTP {status} with something that is not the status API's JSON; "
             "is this a rdzv-server?"
         ) from None
+
+
+def _tls_reason(exc: object, tls: ssl.SSLContext | None) -> str | None:
+    """What a failed request says about TLS on one side only; None: nothing TLS about it."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        why = exc.verify_message or exc.reason
+        return f"{why} (check --tls-ca; the certificate must name the --endpoint host)"
+    if isinstance(exc, ssl.SSLError | ConnectionError):
+        # The other side hung up without an HTTP answer: the usual sign of TLS on one end only.
+        text = str(getattr(exc, "reason", None) or exc or type(exc).__name__)
+        if tls is None:
+            return f"{text} (if the server uses TLS, give --tls-ca)"
+        return f"{text} (does the server use TLS, and does it want a client certificate?)"
+    return None
 
 
 def _message(doc: Any, fallback: str) -> str:
@@ -214,7 +382,7 @@ def _message(doc: Any, fallback: str) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     quoted = urllib.parse.quote(args.job, safe="") if args.job is not None else None
     path = "/v1/jobs" if quoted is None else f"/v1/jobs/{quoted}"
-    status, doc = call(args.endpoint, "GET", path, args.timeout)
+    status, doc = call(args.endpoint, "GET", path, args.timeout, tls=client_tls(args, os.environ))
     if status == 404:
         raise CommandError(f"{_message(doc, f'no job {args.job!r}')} on {args.endpoint}", EXIT_NOT_FOUND)
     if status != 200:
@@ -237,9 +405,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
         raise CommandError(str(exc), EXIT_USAGE) from None
     token = None if tokens is None else tokens.for_job(args.job)
     path = f"/v1/jobs/{job}/nodes/{node}/drain"
-    status, doc = call(args.endpoint, "POST", path, args.timeout, body, token)
+    status, doc = call(args.endpoint, "POST", path, args.timeout, body, token, client_tls(args, os.environ))
     if status in (401, 403):
-        raise CommandError(f"cannot drain: {_message(doc, 'not allowed')} (see --token-file)")
+        no_cert = isinstance(doc, dict) and doc.get("error") == "client_certificate_required"
+        hint = "" if no_cert else " (see --token-file)"  # the message already names the TLS flags
+        raise CommandError(f"cannot drain: {_message(doc, 'not allowed')}{hint}")
     if status == 404:
         raise CommandError(f"cannot drain: {_message(doc, 'not found')}", EXIT_NOT_FOUND)
     if status != 202:
@@ -403,9 +573,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    for flag, value in (("--hello-timeout", args.hello_timeout), ("--auth-timeout", args.auth_timeout)):
+        if value is not None and not 0 < value <= 3600:
+            print(f"rdzv-server: error: {flag} must be in (0, 3600] seconds, got {value}", file=sys.stderr)
+            return EXIT_USAGE
+    try:
+        tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except ValueError as exc:
+        print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from .loop import run_loop  # uvloop where installed
 
-    return run_loop(serve(args.host, args.port, tokens=tokens))
+    limits = {"hello_timeout": args.hello_timeout, "auth_timeout": args.auth_timeout}
+    return run_loop(serve(args.host, args.port, tokens=tokens, tls=tls, state_dir=args.state_dir, **limits))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from protocol import Drain, ProtocolError
 
@@ -46,6 +48,28 @@ SERVICE: web.AppKey[RendezvousService] = web.AppKey("service")
 Authorizer = Callable[[web.Request, str], Awaitable[None]]
 
 _NO_STORE = {"Cache-Control": "no-store"}
+
+
+class _PeerMistakes(logging.Filter):
+    """aiohttp logs most malformed requests as an ERROR with a traceback. They are the peer's
+    mistake, not ours, and anyone who reaches the port could fill the log with them: keep one
+    WARNING line each. Errors in our own handlers keep their tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = (
+                "bad HTTP request from %s: %s",
+                (peer, " ".join(exc.message.split())[:200]),
+            )
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_http_log = logging.getLogger("rdzv_server.http")
+_http_log.addFilter(_PeerMistakes())
 
 
 async def allow_all(request: web.Request, action: str) -> None:
@@ -193,6 +217,8 @@ async def make_http_runner(
     """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
     if authorize is None:
         authorize = allow_all if service.tokens is None else token_authorizer(service.tokens)
-    runner = web.AppRunner(build_app(service, authorize=authorize), handle_signals=False, access_log=None)
+    runner = web.AppRunner(
+        build_app(service, authorize=authorize), handle_signals=False, access_log=None, logger=_http_log
+    )
     await runner.setup()
     return runner

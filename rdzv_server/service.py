@@ -5,6 +5,8 @@ an agent speaking framed msgpack (handled here, as an ``asyncio.Protocol``: no s
 per connection, which keeps 10,000 agents cheap); an HTTP request line means a person or a
 monitoring system, and the connection is handed, bytes and all, to aiohttp's server protocol.
 aiohttp is imported only when HTTP is enabled, so an agent's embedded server starts fast.
+With an ``ssl.SSLContext`` the port speaks only TLS, and the same routing runs on the
+decrypted bytes once the handshake is done (see ``protocol/tls.py``).
 
 Everything the machine decides comes back as effects; this module only carries them out.
 """
@@ -13,17 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import secrets
+import ssl
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocol import (
     CLIENT_MESSAGES,
     MAGIC,
     MAX_FRAME_SIZE,
+    Error,
     FrameDecoder,
+    Hello,
+    Join,
     ProtocolError,
+    Resume,
     classify_preface,
     encode,
     error_message,
@@ -32,9 +41,15 @@ from protocol.auth import TokenTable
 
 from .state import Close, Connected, Disconnected, Effect, Log, Received, Rendezvous, Send, Tick
 
+if TYPE_CHECKING:
+    from .journal import StateLog
+
 logger = logging.getLogger("rdzv_server")
 
 HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
+# ... and one that said hello but has not joined (proved its token) by then. Longer: an agent
+# runs its --health-check (up to 60 s, node_agent.runner.HEALTH_CHECK_TIMEOUT) before joining.
+AUTH_TIMEOUT = 90.0
 PREFACE_LIMIT = 64  # bytes we look at before deciding what a connection speaks
 WRITE_BUFFER_LIMIT = 4 << 20  # a peer that reads slower than this much backlog is dropped
 MAX_CONNECTIONS = 60_000  # open sockets in all (each agent holds one)
@@ -62,13 +77,18 @@ class _Connection(asyncio.Protocol):
             transport.close()
             self.transport = None
             return
-        self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT, self._hello_expired)
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            self.service.hello_timeout, self._hello_expired
+        )
 
     def data_received(self, data: bytes) -> None:
         if self._decoder is None:
             self._buf += data
             kind = classify_preface(bytes(self._buf[:PREFACE_LIMIT]))
             if kind == "more" and len(self._buf) < PREFACE_LIMIT:
+                return
+            if kind in ("rdzv", "http") and self.service._lacks_client_cert(self):
+                self._refuse_without_cert(kind)
                 return
             if kind == "rdzv":
                 self._decoder = FrameDecoder(
@@ -79,6 +99,11 @@ class _Connection(asyncio.Protocol):
             elif kind == "http" and self.service.http_factory is not None:
                 self._cancel_hello_timer()
                 self.service._hand_to_http(self, bytes(self._buf))
+                return
+            elif kind == "tls":
+                # A TLS client on a plain port; it will see the connection close mid-handshake.
+                logger.warning("closing %s: it speaks TLS, but this server has no --tls-cert", self.peer)
+                self._close_now()
                 return
             else:
                 logger.warning("closing %s: it speaks neither our protocol nor HTTP", self.peer)
@@ -93,11 +118,17 @@ class _Connection(asyncio.Protocol):
             self._close_now()
             return
         for msg in messages:
-            if self._hello_timer is not None:
-                self._cancel_hello_timer()
             self.service._dispatch(Received(self.conn_id, msg))
             if self.transport is None or self.transport.is_closing():
                 return
+            # The machine refuses (and closes) a bad hello or join; one it kept moves the timer
+            # on: after the hello, the join must come within auth_timeout; after it, no limit.
+            if self._hello_timer is not None and isinstance(msg, Hello | Join | Resume):
+                self._cancel_hello_timer()
+                if isinstance(msg, Hello):
+                    self._hello_timer = asyncio.get_running_loop().call_later(
+                        self.service.auth_timeout, self._auth_expired
+                    )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_hello_timer()
@@ -120,7 +151,7 @@ class _Connection(asyncio.Protocol):
         if t is None or t.is_closing():
             return
         t.write(frame)
-        if t.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+        if t.get_write_buffer_size() > self.service.write_buffer_limit:
             logger.warning("closing %s: it does not read what we send", self.peer)
             self._close_now()
 
@@ -132,9 +163,30 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def _refuse_without_cert(self, kind: str) -> None:
+        """Tell a peer that sent no client certificate so, in its own protocol, and close."""
+        self._cancel_hello_timer()
+        logger.warning("closing %s: no client certificate (this server has --tls-client-ca)", self.peer)
+        text = (
+            "this server requires a client certificate signed by its --tls-client-ca: "
+            "give --tls-cert and --tls-key"
+        )
+        if kind == "rdzv":
+            self.write(MAGIC + encode(Error(code="auth_failed", message=text, fatal=True)))
+        else:  # the error shape of the HTTP API, written by hand: aiohttp never sees this peer
+            body = json.dumps({"error": "client_certificate_required", "message": text}).encode()
+            head = f"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            self.write(head.encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        self.close()  # after the write is flushed
+
     def _hello_expired(self) -> None:
         self._hello_timer = None
-        logger.warning("closing %s: no hello within %g s", self.peer, HELLO_TIMEOUT)
+        logger.warning("closing %s: no hello within %g s", self.peer, self.service.hello_timeout)
+        self._close_now()
+
+    def _auth_expired(self) -> None:
+        self._hello_timer = None
+        logger.warning("closing %s: no join within %g s of its hello", self.peer, self.service.auth_timeout)
         self._close_now()
 
     def _cancel_hello_timer(self) -> None:
@@ -155,9 +207,17 @@ class RendezvousService:
         tokens: TokenTable | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_per_address: int = MAX_PER_ADDRESS,
+        hello_timeout: float = HELLO_TIMEOUT,
+        auth_timeout: float = AUTH_TIMEOUT,
+        write_buffer_limit: int = WRITE_BUFFER_LIMIT,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls  # None: plain TCP; else the port speaks only TLS
         self.max_connections = max_connections
         self.max_per_address = max_per_address
+        self.hello_timeout = hello_timeout
+        self.auth_timeout = auth_timeout
+        self.write_buffer_limit = write_buffer_limit
         self._open = 0
         self._per_host: dict[str, int] = {}
         self.machine = Rendezvous(tokens)
@@ -175,6 +235,30 @@ class RendezvousService:
         self._closed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._durable_init(None)
+
+    def _durable_init(self, state_log: StateLog | None) -> None:
+        # With a state log, the effects of the events handled in one turn of the loop wait
+        # until their records are fsync'd together (journal.py, "Order").
+        self.state_log = state_log
+        self._pending: list[Effect] = []
+        self._flush_soon = False
+        self._inflight: asyncio.Future[None] | None = None  # the fsync of the batch being committed
+        self._gone = False  # told the agents we are going away: the machine takes no more events
+        self.on_fatal: Callable[[str], None] | None = None  # the state log cannot be written
+        if state_log is not None:
+            self.machine = state_log.machine
+            self.clock = state_log.clock
+            # Restored members hold the old process's connection ids (AWAY): never reuse one.
+            self._next_id = max(self.machine.conns, default=0)
+
+    def use_state_log(self, state_log: StateLog) -> None:
+        """Serve the machine restored from ``state_log`` and log every change to it (before start)."""
+        self._durable_init(state_log)
+
+    def arm_timer(self) -> None:
+        """Deliver the restored machine's next deadline (its resume window) even if nobody calls."""
+        self._schedule()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -188,7 +272,14 @@ class RendezvousService:
             self.http_factory = runner.server  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            self._make_connection, host=host or None, port=port, backlog=4096, reuse_address=True
+            self._make_connection,
+            host=host or None,
+            port=port,
+            backlog=4096,
+            reuse_address=True,
+            ssl=self.tls,
+            # A handshake happens before connection_made, so before the hello timer starts.
+            ssl_handshake_timeout=self.hello_timeout if self.tls is not None else None,
         )
         if not server.sockets or any(sock is None for sock in server.sockets):
             # uvloop hands the loser of a race for a port a server with no real socket
@@ -234,6 +325,12 @@ class RendezvousService:
         self._per_host[host] = self._per_host.get(host, 0) + 1
         return True
 
+    def _lacks_client_cert(self, conn: _Connection) -> bool:
+        """With --tls-client-ca the handshake lets a certificate-less peer in; we refuse it."""
+        if self.tls is None or self.tls.verify_mode == ssl.CERT_NONE or conn.transport is None:
+            return False
+        return not conn.transport.get_extra_info("peercert")
+
     def _release(self, conn: _Connection) -> None:
         if not conn.admitted:
             return
@@ -278,15 +375,133 @@ class RendezvousService:
 
     def drain(self, job_id: str, node_id: str, reason: str = "") -> None:
         """Ask one node to leave its job cleanly; KeyError names what does not exist."""
-        self._apply(self.machine.drain(job_id, node_id, reason, self.clock()))
+        now = self.clock()
+        effects = self.machine.drain(job_id, node_id, reason, now)
+        if self.state_log is not None:
+            self.state_log.append({"k": "drain", "job": job_id, "node": node_id, "why": reason}, now)
+        self._carry_out(effects)
         self._schedule()
+
+    async def go_away(self, reason: str, grace: float = 5.0) -> None:
+        """SIGTERM's policy: stop taking connections and joins, flush, tell the agents, close.
+
+        Agents keep their workers and reconnect (to the next server process on this port);
+        with a state dir that server resumes their rounds. Each step is logged once.
+        """
+        if self._server is not None:
+            self._server.close()
+        logger.info("draining (%s): no new connections or joins", reason)
+        now = self.clock()
+        effects = self.machine.going_away(reason, now)
+        told = sum(1 for e in effects if isinstance(e, Send))
+        if self.state_log is not None:
+            self.state_log.append({"k": "going_away", "why": reason}, now)
+            await self._commit_all()
+            logger.info(
+                "state log flushed: record %d in %s (%d fsyncs by this process, %.2f s)",
+                self.state_log.seq,
+                self.state_log.dir,
+                self.state_log.syncs,
+                self.state_log.sync_seconds,
+            )
+        self._gone = True  # what follows (connections closing) is not a change of job state
+        self._apply(effects)
+        logger.info("told %d agent connection(s) the server is going away; closing them", told)
+        for c in list(self._conns.values()):
+            c.close()  # after the buffered GoingAway is written
+        if self._conns:
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace)
+            except asyncio.TimeoutError:
+                logger.warning("%d agent connection(s) still open after %g s", len(self._conns), grace)
 
     # -- the machine -----------------------------------------------------------------------
 
     def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> None:
-        effects = self.machine.handle(event, self.clock())
-        self._apply(effects)
+        if self._gone:
+            return
+        if (
+            isinstance(event, Received)
+            and self.state_log is not None
+            and event.conn not in self.machine.conns
+        ):
+            return  # the machine closed it; the Close waits for the batch's fsync
+        now = self.clock()
+        effects = self.machine.handle(event, now)
+        if self.state_log is not None:
+            self.state_log.record(event, effects, now)
+        self._carry_out(effects)
         self._schedule()
+
+    def _carry_out(self, effects: list[Effect]) -> None:
+        """Now, or with a state log once the batch's records are durable."""
+        if self.state_log is None:
+            self._apply(effects)
+            return
+        self._pending.extend(effects)
+        if not self._flush_soon and (self._pending or self.state_log.pending):
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Commit the batch: write its records, fsync them (in a thread), then carry out its
+        effects in order. One batch is committed at a time; the next gathers meanwhile."""
+        self._flush_soon = False
+        log = self.state_log
+        if log is None or self._inflight is not None or self._gone:
+            return  # the fsync in flight flushes again when it is done
+        try:
+            urgent = log.write()
+        except OSError as exc:
+            self._log_failed(exc)
+            return
+        effects, self._pending = self._pending, []
+        if not urgent:
+            self._apply(effects)
+            return
+        fut = asyncio.get_running_loop().run_in_executor(None, log.fsync_written)
+        self._inflight = fut
+        fut.add_done_callback(lambda f: self._committed(f, effects))
+
+    def _committed(self, fut: asyncio.Future[None], effects: list[Effect]) -> None:
+        self._inflight = None
+        exc = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or exc is not None:
+            self._log_failed(exc if isinstance(exc, OSError) else OSError(str(exc or "cancelled")))
+            return
+        self._apply(effects)
+        assert self.state_log is not None
+        try:
+            self.state_log.maybe_compact()
+        except OSError as exc:
+            self._log_failed(exc)
+            return
+        if self._pending or self.state_log.pending:
+            self._flush()
+
+    async def _commit_all(self) -> None:
+        """Until every record so far is durable and its effects carried out (for shutdown)."""
+        while self._inflight is not None:
+            await asyncio.wait({self._inflight})
+            await asyncio.sleep(0)  # let its done-callback carry out its batch
+        if self.state_log is not None and not self._gone:
+            try:
+                self.state_log.sync()
+            except OSError as exc:
+                self._log_failed(exc)
+                return
+            effects, self._pending = self._pending, []
+            self._apply(effects)
+
+    def _log_failed(self, exc: OSError) -> None:
+        # Nothing may be acknowledged that is not durable: stop serving.
+        assert self.state_log is not None
+        why = f"cannot write the state log in {self.state_log.dir}: {exc.strerror or exc}"
+        logger.error("%s; stopping", why)
+        self._pending.clear()
+        self._gone = True
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _apply(self, effects: list[Effect]) -> None:
         for eff in effects:

@@ -44,6 +44,7 @@ from protocol import (
     Drain,
     Error,
     Failure,
+    GoingAway,
     Heartbeat,
     Hello,
     JobDone,
@@ -127,6 +128,9 @@ class ConnPhase(enum.Enum):
     HELLO = "hello"
     READY = "ready"
     JOINED = "joined"
+    # A connection of the server's previous process, restored from its state log: its
+    # member waits (see ``recover``) for the agent to come back on a new connection.
+    AWAY = "away"
 
 
 class JobPhase(enum.Enum):
@@ -142,6 +146,9 @@ class MemberState(enum.Enum):
     READY = "ready"  # joined, waiting for the round to complete
     RUNNING = "running"  # holds the current round's assignment
     SUCCEEDED = "succeeded"  # its workers finished; waiting at the exit barrier
+
+
+_MEMBER_PHASES = (ConnPhase.JOINED, ConnPhase.AWAY)  # connections that stand for a member
 
 
 class LocalError(Exception):
@@ -296,6 +303,9 @@ class Rendezvous:
         # Jobs that ended and were forgotten, newest last, for the status API.
         self.finished_jobs: deque[Job] = deque(maxlen=FINISHED_JOBS_KEPT)
         self._next_sweep: float | None = None
+        # After a restart from the state log: when members still AWAY are treated as lost.
+        self.resume_deadline: float | None = None
+        self.draining = False  # the server is going away: no joins
 
     # -- public API ------------------------------------------------------------------------
 
@@ -322,7 +332,58 @@ class Rendezvous:
         deadlines = [j.last_call_deadline for j in self.jobs.values() if j.last_call_deadline is not None]
         if self._next_sweep is not None:
             deadlines.append(self._next_sweep)
+        if self.resume_deadline is not None:
+            deadlines.append(self.resume_deadline)
         return min(deadlines) if deadlines else None
+
+    def recover(self, now: float) -> list[Effect]:
+        """The state was replayed from the log of a previous process whose sockets are gone.
+
+        Joined nodes become AWAY: their members keep their places (the round goes on) for a
+        resume window, in which each agent reconnects and sends ``Resume`` (or ``Join`` if it
+        was between rounds). A node not back in time is lost, as if its connection had
+        dropped. A job that was itself being rebuilt from its agents is forgotten: the
+        agents' Resumes rebuild it again.
+        """
+        out: list[Effect] = []
+        self.draining = False
+        self._next_sweep = None  # nothing to sweep until agents are back
+        for job in [j for j in self.jobs.values() if j.phase is JobPhase.RESUMING]:
+            self._note(job, now, "forgotten", "was being rebuilt when the server stopped; rebuilt anew", out)
+            del self.jobs[job.id]
+        window = 0.0
+        away: Counter[str] = Counter()
+        for conn in list(self.conns.values()):
+            job = self.jobs.get(conn.job_id or "")
+            known = job is not None and conn.node_id is not None
+            if conn.phase in (ConnPhase.JOINED, ConnPhase.AWAY) and known and job is not None:
+                conn.phase = ConnPhase.AWAY
+                away[job.id] += 1
+                window = max(window, RESUME_WINDOW, 2 * job.settings.heartbeat_timeout)
+            else:
+                del self.conns[conn.id]
+        self.resume_deadline = now + window if away else None
+        for job_id, n in away.items():
+            self._note(
+                self.jobs[job_id],
+                now,
+                "recovered",
+                f"restored from the state log in phase {self.jobs[job_id].phase.value}, round "
+                f"{self.jobs[job_id].round}; waiting up to {window:g} s for {n} node(s) to resume",
+                out,
+            )
+        return out
+
+    def going_away(self, reason: str, now: float) -> list[Effect]:
+        """The server is shutting down: refuse joins, and tell every agent to reconnect later."""
+        self.draining = True
+        msg = GoingAway(reason=reason)
+        out: list[Effect] = [
+            Send(c.id, msg) for c in self.conns.values() if c.phase in (ConnPhase.READY, ConnPhase.JOINED)
+        ]
+        for job in self.jobs.values():
+            self._note(job, now, "server", f"server going away ({reason}); its agents will reconnect", out)
+        return out
 
     # -- messages --------------------------------------------------------------------------
 
@@ -347,6 +408,11 @@ class Rendezvous:
         if isinstance(msg, Heartbeat):
             return
         if conn.phase is ConnPhase.READY:
+            if self.draining and isinstance(msg, Join | Resume):
+                # Not the agent's fault: it reconnects to the next server process.
+                text = "the server is shutting down; reconnect and join again"
+                out.append(Send(conn.id, Error(code="server_draining", message=text, fatal=False)))
+                return
             if isinstance(msg, Join | Resume):
                 problem = self._authenticate(conn, msg.join if isinstance(msg, Resume) else msg)
                 if problem is not None:
@@ -400,6 +466,8 @@ class Rendezvous:
             problem = job.settings.mismatch(settings)
             if problem is not None:
                 self._refuse(conn, "job_mismatch", f"job {job.id!r} disagrees on {problem}", now, out)
+                return
+            if self._join_known(job, conn, msg, now, out):
                 return
         if msg.node_id in job.members or msg.node_id in job.spares:
             self._refuse(
@@ -490,6 +558,9 @@ class Rendezvous:
         if job.phase is JobPhase.RESUMING:
             self._resume_into_rebuild(job, conn, msg, settings, now, out)
             return
+        if self._away_member(job, j.node_id) is not None:
+            self._resume_known(job, conn, msg, settings, now, out)
+            return
         # We know the job, but not this node in its current round (it was dropped when its
         # connection broke): it must stop its workers and join again.
         if job.settings.mismatch(settings) is not None:
@@ -503,6 +574,98 @@ class Rendezvous:
             return
         why = f"the server dropped node {j.node_id} from job {job.id!r} while it was away; join again"
         out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+
+    def _away_member(self, job: Job, node_id: str) -> Member | None:
+        """The node's member, if the server restarted and the node has not come back yet."""
+        member = job.members.get(node_id) or job.spares.get(node_id)
+        if member is None:
+            return None
+        old = self.conns.get(member.conn)
+        return member if old is not None and old.phase is ConnPhase.AWAY else None
+
+    def _rebind(self, job: Job, member: Member, conn: Conn, now: float) -> None:
+        """Give an AWAY member the agent's new connection."""
+        self.conns.pop(member.conn, None)
+        conn.phase = ConnPhase.JOINED
+        conn.job_id, conn.node_id = job.id, member.node_id
+        member.conn = conn.id
+        self._ensure_sweep(now, job.settings.heartbeat_timeout)
+
+    def _resume_known(
+        self, job: Job, conn: Conn, msg: Resume, settings: JobSettings, now: float, out: list[Effect]
+    ) -> None:
+        """A node of a job restored from the state log comes back holding a round."""
+        j, a = msg.join, msg.assignment
+        member = self._away_member(job, j.node_id)
+        assert member is not None
+        problem = job.settings.mismatch(settings)
+        if problem is not None:
+            self._refuse(conn, "job_mismatch", f"job {job.id!r} disagrees on {problem}", now, out)
+            return
+        in_round = job.phase in (JobPhase.RUNNING, JobPhase.FINISHED) and a.round == job.round
+        holds = (
+            in_round
+            and a.group_rank < len(job.order)
+            and job.order[a.group_rank] == member.node_id
+            and member.state in (MemberState.RUNNING, MemberState.SUCCEEDED)
+        )
+        if holds:
+            self._rebind(job, member, conn, now)
+            if msg.succeeded and member.state is MemberState.RUNNING and job.phase is JobPhase.RUNNING:
+                member.state = MemberState.SUCCEEDED
+            self._note(
+                job, now, "resumed", f"node {member.node_id} resumed round {job.round}; nothing restarts", out
+            )
+            out.append(Send(conn.id, Resumed(job_id=job.id, round=job.round, rebuilt=False)))
+            if job.phase is JobPhase.FINISHED:
+                out.append(Send(conn.id, JobDone()))
+            else:
+                self._maybe_finish(job, now, out)
+            return
+        if job.phase is JobPhase.FAILED:
+            self._rebind(job, member, conn, now)
+            root = job.failures[-1] if job.failures else None
+            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root)))
+            return
+        if member.state is MemberState.WAITING:
+            # The round moved on (its Restart may never have reached the node): restart.
+            self._rebind(job, member, conn, now)
+            why = f"round {a.round} was stopped while the server restarted"
+            out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+            return
+        # The node holds a round we do not (a bug, or a log from elsewhere): it is lost,
+        # and joins again as a newcomer.
+        self._drop(member.conn, f"came back holding round {a.round}, not ours", now, out, close=False)
+        why = f"the server has no record of node {j.node_id} in round {a.round}; join again"
+        out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+
+    def _join_known(self, job: Job, conn: Conn, msg: Join, now: float, out: list[Effect]) -> bool:
+        """A node of a job restored from the state log comes back between rounds: True if taken.
+
+        A node that was joining (or waiting as a spare) takes its place again. One the log
+        says holds a round but that sends Join did not get its assignment: it is lost and
+        joins as a newcomer.
+        """
+        member = self._away_member(job, msg.node_id)
+        if member is None:
+            return False
+        if member.node_id in job.spares:
+            self._rebind(job, member, conn, now)
+            member.addr, member.master_port = msg.addr, msg.master_port
+            out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
+            return True
+        if member.state in (MemberState.WAITING, MemberState.READY):
+            self._rebind(job, member, conn, now)
+            member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
+            member.state = MemberState.READY
+            self._note(job, now, "resumed", f"node {member.node_id} rejoined after the server restarted", out)
+            self._maybe_complete(job, now, out)
+            if member.state is MemberState.READY:
+                out.append(Send(conn.id, self._waiting(job, "")))
+            return True
+        self._drop(member.conn, "came back without its round", now, out, close=False)
+        self._on_join(conn, msg, now, out)  # the job may have ended or been forgotten meanwhile
+        return True
 
     def _resume_into_rebuild(
         self, job: Job, conn: Conn, msg: Resume, settings: JobSettings, now: float, out: list[Effect]
@@ -817,7 +980,7 @@ class Rendezvous:
             return
         if close:
             out.append(Close(conn_id, reason))
-        if conn.phase is not ConnPhase.JOINED or conn.job_id is None or conn.node_id is None:
+        if conn.phase not in _MEMBER_PHASES or conn.job_id is None or conn.node_id is None:
             return
         job = self.jobs.get(conn.job_id)
         if job is None:
@@ -901,6 +1064,10 @@ class Rendezvous:
                     self._maybe_complete(job, now, out)
         if self._next_sweep is not None and now >= self._next_sweep:
             self._sweep(now, out)
+        if self.resume_deadline is not None and now >= self.resume_deadline:
+            self.resume_deadline = None
+            for conn in [c for c in self.conns.values() if c.phase is ConnPhase.AWAY]:
+                self._drop(conn.id, "did not come back after the server restarted", now, out, close=False)
 
     def _sweep(self, now: float, out: list[Effect]) -> None:
         """Drop nodes whose heartbeats stopped: a frozen machine or a pulled cable."""

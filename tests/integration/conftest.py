@@ -12,9 +12,12 @@ from .etcd import Etcd, agent_args
 from .procs import Proc, start_server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    """One real etcd for the session; each test uses its own rdzv id, so jobs never meet."""
+    """One real etcd per test module; each test uses its own rdzv id, so jobs never meet.
+
+    Not per session: an etcd still running would count as a leaked child process in the
+    later modules that check for those."""
     server = Etcd(tmp_path_factory.mktemp("etcd") / "data")
     server.start()
     try:

@@ -232,6 +232,7 @@ def test_the_tables_cover_every_flag():
         {row[0] for row in VALUE_FLAGS}
         | {row[0] for row in SWITCH_FLAGS}
         | {"logs_specs", "numa_binding", "token_file"}  # token_file: test_token_sources
+        | {"tls_ca", "tls_cert", "tls_key"}  # test_tls_args.py
     )
     assert covered == {flag.dest for flag in _FLAGS}
     spellings = {s for row in VALUE_FLAGS for s in row[1]} | {s for row in SWITCH_FLAGS for s in row[1]}
@@ -242,6 +243,7 @@ def test_the_tables_cover_every_flag():
         "--numa_binding",
         "--token-file",
         "--token_file",
+        *(f"--tls{sep}{name}" for sep in "-_" for name in ("ca", "cert", "key")),
     }
 
 

@@ -225,3 +225,26 @@ def test_first_reason_to_exit_wins_over_the_connection_closing() -> None:
     m.handle(st.ConnectionLost("the server closed the connection"), 5.1)
     (ex,) = m.handle(st.WorkersStopped(), 5.2)
     assert isinstance(ex, st.Exit) and "excluded" in ex.reason
+
+
+def test_server_going_away_keeps_workers_and_the_lost_connection_reconnects() -> None:
+    from protocol import GoingAway, Resumed
+
+    m = running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+    effects = m.handle(st.ServerSent(GoingAway(reason="received SIGTERM")), 2.0)
+    assert kinds(effects) == []
+    assert any("going away (received SIGTERM); workers keep running" in e.text for e in effects)
+    assert kinds(m.handle(st.ConnectionLost("closed"), 2.1)) == [st.Reconnect]
+    assert kinds(m.handle(st.Reconnected(), 3.0)) == [st.SendResume]
+    (note,) = m.handle(st.ServerSent(Resumed(job_id="j", round=0, rebuilt=False)), 3.1)
+    assert isinstance(note, st.Log) and "the server kept it" in note.text
+    assert m.phase is st.Phase.RUNNING
+
+
+def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
+    m = st.AgentMachine(settings(reconnect_timeout=30.0))
+    m.start(0.0)
+    msg = Error(code="server_draining", message="the server is shutting down", fatal=False)
+    (note,) = m.handle(st.ServerSent(msg), 0.1)
+    assert isinstance(note, st.Log) and "server_draining" in note.text
+    assert m.phase is st.Phase.JOINING

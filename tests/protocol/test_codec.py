@@ -33,6 +33,7 @@ from protocol import (
     Failure,
     FrameDecoder,
     FrameTooLarge,
+    GoingAway,
     Heartbeat,
     Hello,
     InvalidField,
@@ -118,6 +119,7 @@ SAMPLES = [
     JOB_FAILED,
     JobDone(),
     Drain(reason="scale down"),
+    GoingAway(reason="SIGTERM"),
     Resumed(job_id="job-7", round=2, rebuilt=True),
     Error(code="invalid_field", message="join.nproc: must be in 1..4096, got 0"),
     Error(code="invalid_field", message="m", field="join.nproc", fatal=False),
@@ -824,3 +826,133 @@ def test_property_one_broken_field_is_named(msg, data):
         assert str(exc).startswith(exc.field)
     else:
         assert isinstance(decoded, type(msg))  # the new value happened to be valid
+
+
+# --- hostile streams: properties the fuzz run relies on ------------------------------------
+
+client_messages = st.one_of(
+    st.builds(Hello, versions=st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=16), software=texts),
+    joins(),
+    st.just(Heartbeat()),
+    st.builds(WorkersFailed, round=counts, failure=failures),
+    st.builds(WorkersSucceeded, round=counts),
+    st.builds(Leave, reason=texts),
+)
+
+
+def server_side() -> FrameDecoder:
+    return FrameDecoder(allowed=CLIENT_MESSAGES, expect_magic=True)
+
+
+@given(msgs=st.lists(client_messages, max_size=6), cuts=st.lists(st.integers(0, 10**6), max_size=12))
+def test_property_any_split_after_magic_decodes_identically(msgs, cuts):
+    stream = MAGIC + encode_many(msgs)
+    assert feed_all(server_side(), chunked(stream, cuts)) == feed_all(server_side(), [stream]) == msgs
+
+
+@given(msgs=st.lists(client_messages, min_size=1, max_size=6), data=st.data())
+def test_property_a_truncated_stream_yields_its_whole_frames_and_keeps_the_rest(msgs, data):
+    frames = [encode(m) for m in msgs]
+    stream = MAGIC + b"".join(frames)
+    cut = data.draw(st.integers(0, len(stream)))
+    decoder = server_side()
+    got = decoder.feed(stream[:cut])
+    whole = 0
+    end = len(MAGIC)
+    while whole < len(frames) and end + len(frames[whole]) <= cut:
+        end += len(frames[whole])
+        whole += 1
+    assert got == msgs[:whole]
+    assert decoder.buffered == (cut - end if cut >= len(MAGIC) else cut)
+
+
+@st.composite
+def mutated_streams(draw):
+    """A valid client stream with a few random edits: flips, overwrites, inserts, deletes."""
+    stream = bytearray(MAGIC + encode_many(draw(st.lists(client_messages, min_size=1, max_size=4))))
+    for _ in range(draw(st.integers(1, 6))):
+        i = draw(st.integers(0, len(stream)))
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete"]))
+        if op == "insert" or i == len(stream):
+            stream[i:i] = draw(st.binary(min_size=1, max_size=16))
+        elif op == "flip":
+            stream[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            stream[i] = draw(st.integers(0, 255))
+        else:
+            del stream[i : i + draw(st.integers(1, 16))]
+    return bytes(stream)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(stream=mutated_streams(), cuts=st.lists(st.integers(0, 10**5), max_size=8))
+def test_property_mutated_valid_streams_yield_valid_messages_or_a_protocol_error(stream, cuts):
+    decoder = server_side()
+    try:
+        for msg in feed_all(decoder, chunked(stream, cuts)):
+            assert type(msg) in CLIENT_MESSAGES.values()
+            assert decode_payload(encode(msg)[HEADER.size :]) == msg  # it is a real, valid message
+    except ProtocolError as first:
+        # Dead from then on, with the same error, and holding nothing.
+        with pytest.raises(ProtocolError) as again:
+            decoder.feed(packed({"t": "heartbeat"}))
+        assert again.value is first
+        assert decoder.buffered == 0
+
+
+@given(
+    depth=st.integers(1, 50_000),
+    opener=st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xde\x00\x01\xa1k"]),
+    where=st.sampled_from(["top", "field", "failure"]),
+)
+def test_property_nesting_of_any_depth_is_a_protocol_error(depth, opener, where):
+    inner = opener * depth + b"\xc0"
+    if where == "top":
+        payload = inner
+    elif where == "field":
+        payload = b"\x82\xa1t\xa5leave\xa6reason" + inner
+    else:
+        payload = b"\x83\xa1t\xaeworkers_failed\xa5round\x00\xa7failure" + inner
+    decoder = server_side()
+    with pytest.raises(ProtocolError):
+        decoder.feed(MAGIC + frame(payload))
+
+
+@given(
+    data=st.binary(max_size=3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=20),
+    limit=st.sampled_from([1, 64, 1000]),
+)
+def test_property_the_buffer_never_holds_more_than_one_frame(data, cuts, limit):
+    # What a peer can make us hold: one frame of at most the limit, its header, and the magic.
+    decoder = FrameDecoder(max_frame_size=limit, allowed=CLIENT_MESSAGES, expect_magic=True)
+    try:
+        for chunk in chunked(MAGIC + data, cuts):
+            decoder.feed(chunk)
+            assert decoder.buffered <= HEADER.size - 1 + limit or decoder.buffered <= len(MAGIC)
+    except ProtocolError:
+        assert decoder.buffered == 0
+
+
+def test_a_dead_decoder_does_not_keep_its_bad_frame_alive():
+    # Regression (found by tests/integration/test_server_fuzz.py): the kept error held the
+    # traceback of the failed decode, whose frames held the buffer and the decoded objects, in
+    # a cycle through the decoder; until a full collection, every bad frame pinned its size.
+    import gc
+    import tracemalloc
+
+    bad = frame(packed({"t": "leave", "reason": "x" * 600_000}))  # too long: an InvalidField
+    gc.disable()
+    tracemalloc.start()
+    try:
+        for _ in range(20):
+            decoder = FrameDecoder()
+            with pytest.raises(InvalidField) as info:
+                decoder.feed(bad)
+            assert info.value.__context__ is None
+            del decoder, info
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert held < 2 * len(bad), held

@@ -27,6 +27,7 @@ from protocol import (
     Error,
     Failure,
     FrameTooLarge,
+    GoingAway,
     Heartbeat,
     Hello,
     InvalidField,
@@ -107,6 +108,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     JobFailed: {"reason": "max restarts reached", "failure": Failure(**FAILURE)},
     JobDone: {},
     Drain: {"reason": "operator asked"},
+    GoingAway: {"reason": "SIGTERM"},
     Resumed: {"job_id": "job-7", "round": 1, "rebuilt": True},
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
 }
@@ -377,6 +379,14 @@ def test_messages_are_frozen_slotted_and_keyword_only(cls):
 # --- registries --------------------------------------------------------------
 
 
+def test_going_away_is_a_server_message_with_a_bounded_reason():
+    assert GoingAway().reason == ""
+    assert SERVER_MESSAGES["going_away"] is GoingAway
+    assert "going_away" not in CLIENT_MESSAGES
+    assert_invalid(GoingAway, "reason", 7)
+    assert_invalid(GoingAway, "reason", "x" * (MAX_TEXT_LEN + 1))
+
+
 def test_registries():
     assert set(CLIENT_MESSAGES) == {
         "hello",
@@ -396,6 +406,7 @@ def test_registries():
         "job_done",
         "drain",
         "resumed",
+        "going_away",
         "error",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)

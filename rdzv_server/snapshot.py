@@ -1,0 +1,252 @@
+"""The rendezvous machine's state as plain, versioned data (for the state log's snapshots).
+
+``dump(machine)`` gives nested dicts, lists, strings and numbers that msgpack can carry;
+``load(data)`` builds an equal machine from them. Every field is named here on purpose
+(never pickle, never ``asdict``): a change to the machine's state shows up as a change to
+this file, with ``VERSION`` bumped when old snapshots can no longer be read as they are.
+
+What is kept: connections (a member is bound to one; after a restart they become AWAY),
+jobs (settings, members, spares, rank order, round, restart count, exclusions, failures,
+history, deadlines), the recently forgotten jobs and the counters behind /metrics. What is
+not: the heartbeat sweep's next time (sweeping is re-armed when agents come back) and the
+token table (configuration, from the command line).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from protocol import Failure
+from protocol.errors import ProtocolError
+
+from .state import (
+    Conn,
+    ConnPhase,
+    Job,
+    JobEvent,
+    JobPhase,
+    JobSettings,
+    Member,
+    MemberState,
+    Rendezvous,
+    Stats,
+)
+
+FORMAT = "rdzv-server state"
+VERSION = 1
+
+
+class SnapshotError(Exception):
+    """A snapshot that cannot be read: not ours, a version we do not know, or a bad field."""
+
+
+# --- dump ---------------------------------------------------------------------------------
+
+
+def dump(machine: Rendezvous) -> dict[str, Any]:
+    s = machine.stats
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "conns": [_dump_conn(c) for c in machine.conns.values()],
+        "jobs": [_dump_job(j) for j in machine.jobs.values()],
+        "finished_jobs": [_dump_job(j) for j in machine.finished_jobs],
+        "stats": {
+            "jobs_created": s.jobs_created,
+            "jobs_finished": s.jobs_finished,
+            "jobs_failed": s.jobs_failed,
+            "rounds_started": s.rounds_started,
+            "rounds_completed": s.rounds_completed,
+            "restarts": s.restarts,
+            "failures": dict(s.failures),
+            "latency_buckets": list(s.latency_buckets),
+            "latency_sum": s.latency_sum,
+            "latency_count": s.latency_count,
+        },
+        "resume_deadline": machine.resume_deadline,
+        "draining": machine.draining,
+    }
+
+
+def _dump_conn(c: Conn) -> dict[str, Any]:
+    # The challenge is not kept: a restored connection never joins again.
+    return {
+        "id": c.id,
+        "peer": c.peer,
+        "phase": c.phase.value,
+        "last_seen": c.last_seen,
+        "job_id": c.job_id,
+        "node_id": c.node_id,
+    }
+
+
+def _dump_member(m: Member) -> dict[str, Any]:
+    return {
+        "node_id": m.node_id,
+        "conn": m.conn,
+        "addr": m.addr,
+        "nproc": m.nproc,
+        "master_port": m.master_port,
+        "seq": m.seq,
+        "joined_at": m.joined_at,
+        "state": m.state.value,
+        "failures": m.failures,
+    }
+
+
+def _dump_failure(f: Failure) -> dict[str, Any]:
+    return {
+        "node_id": f.node_id,
+        "addr": f.addr,
+        "rank": f.rank,
+        "local_rank": f.local_rank,
+        "exitcode": f.exitcode,
+        "signal": f.signal,
+        "timestamp": f.timestamp,
+        "message": f.message,
+    }
+
+
+def _dump_job(j: Job) -> dict[str, Any]:
+    s = j.settings
+    return {
+        "id": j.id,
+        "settings": {
+            "min_nodes": s.min_nodes,
+            "max_nodes": s.max_nodes,
+            "entrypoint": s.entrypoint,
+            "max_restarts": s.max_restarts,
+            "last_call_timeout": s.last_call_timeout,
+            "heartbeat_timeout": s.heartbeat_timeout,
+            "exclude_after": s.exclude_after,
+        },
+        "phase": j.phase.value,
+        "round": j.round,
+        "restart_count": j.restart_count,
+        "members": [_dump_member(m) for m in j.members.values()],
+        "spares": [_dump_member(m) for m in j.spares.values()],
+        "order": list(j.order),
+        "last_call_deadline": j.last_call_deadline,
+        "failures": [_dump_failure(f) for f in j.failures],
+        "next_seq": j.next_seq,
+        "created_at": j.created_at,
+        "gathering_since": j.gathering_since,
+        "rounds_completed": j.rounds_completed,
+        "outcome": j.outcome,
+        "excluded": [[nid, why] for nid, why in j.excluded.items()],
+        "history": [[e.time, e.kind, e.text] for e in j.history],
+        "resume_expect": None if j.resume_expect is None else list(j.resume_expect),
+        "resume_slots": [[rank, nid] for rank, nid in j.resume_slots.items()],
+    }
+
+
+# --- load ---------------------------------------------------------------------------------
+
+
+def load(data: Any, machine: Rendezvous | None = None) -> Rendezvous:
+    """Fill ``machine`` (a fresh one by default) from ``dump``'s output; SnapshotError if bad."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise SnapshotError("not a rdzv-server state snapshot")
+    if data.get("version") != VERSION:
+        raise SnapshotError(f"snapshot version {data.get('version')!r}; this server reads version {VERSION}")
+    m = machine if machine is not None else Rendezvous()
+    try:
+        m.conns = {c.id: c for c in map(_load_conn, data["conns"])}
+        m.jobs = {j.id: j for j in map(_load_job, data["jobs"])}
+        m.finished_jobs.clear()
+        m.finished_jobs.extend(_load_job(j) for j in data["finished_jobs"])
+        s = data["stats"]
+        m.stats = Stats(
+            jobs_created=_int(s["jobs_created"]),
+            jobs_finished=_int(s["jobs_finished"]),
+            jobs_failed=_int(s["jobs_failed"]),
+            rounds_started=_int(s["rounds_started"]),
+            rounds_completed=_int(s["rounds_completed"]),
+            restarts=_int(s["restarts"]),
+            failures=Counter({str(k): _int(v) for k, v in s["failures"].items()}),
+            latency_buckets=[_int(x) for x in s["latency_buckets"]],
+            latency_sum=float(s["latency_sum"]),
+            latency_count=_int(s["latency_count"]),
+        )
+        m.resume_deadline = _opt_float(data["resume_deadline"])
+        m.draining = bool(data["draining"])
+    except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
+        raise SnapshotError(f"bad snapshot: {type(exc).__name__}: {exc}") from None
+    return m
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"expected an int, got {type(v).__name__}")
+    return v
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _load_conn(d: dict[str, Any]) -> Conn:
+    return Conn(
+        id=_int(d["id"]),
+        peer=str(d["peer"]),
+        phase=ConnPhase(d["phase"]),
+        last_seen=float(d["last_seen"]),
+        job_id=_opt_str(d["job_id"]),
+        node_id=_opt_str(d["node_id"]),
+    )
+
+
+def _load_member(d: dict[str, Any]) -> Member:
+    return Member(
+        node_id=str(d["node_id"]),
+        conn=_int(d["conn"]),
+        addr=str(d["addr"]),
+        nproc=_int(d["nproc"]),
+        master_port=_int(d["master_port"]),
+        seq=_int(d["seq"]),
+        joined_at=float(d["joined_at"]),
+        state=MemberState(d["state"]),
+        failures=_int(d["failures"]),
+    )
+
+
+def _load_job(d: dict[str, Any]) -> Job:
+    s = d["settings"]
+    job = Job(
+        id=str(d["id"]),
+        settings=JobSettings(
+            min_nodes=_int(s["min_nodes"]),
+            max_nodes=_int(s["max_nodes"]),
+            entrypoint=str(s["entrypoint"]),
+            max_restarts=_int(s["max_restarts"]),
+            last_call_timeout=float(s["last_call_timeout"]),
+            heartbeat_timeout=float(s["heartbeat_timeout"]),
+            exclude_after=_int(s["exclude_after"]),
+        ),
+        phase=JobPhase(d["phase"]),
+        round=_int(d["round"]),
+        restart_count=_int(d["restart_count"]),
+        members={m.node_id: m for m in map(_load_member, d["members"])},
+        spares={m.node_id: m for m in map(_load_member, d["spares"])},
+        order=[str(x) for x in d["order"]],
+        last_call_deadline=_opt_float(d["last_call_deadline"]),
+        failures=[Failure(**f) for f in d["failures"]],  # the message's own validation
+        next_seq=_int(d["next_seq"]),
+        created_at=float(d["created_at"]),
+        gathering_since=float(d["gathering_since"]),
+        rounds_completed=_int(d["rounds_completed"]),
+        outcome=str(d["outcome"]),
+        excluded={str(nid): str(why) for nid, why in d["excluded"]},
+        resume_slots={_int(rank): str(nid) for rank, nid in d["resume_slots"]},
+    )
+    job.history.extend(JobEvent(float(t), str(kind), str(text)) for t, kind, text in d["history"])
+    expect = d["resume_expect"]
+    if expect is not None:
+        r, n, world, addr, port = expect
+        job.resume_expect = (_int(r), _int(n), _int(world), str(addr), _int(port))
+    return job

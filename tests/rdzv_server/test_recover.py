@@ -1,0 +1,185 @@
+"""After a restart from the state log: nodes come back into the round the server kept.
+
+``recover`` is what a restarted server does once its state is replayed: the old process's
+connections are gone, so their members wait (AWAY) for their agents' ``Resume``. Pure: a fake
+clock and scripted agents; the harness's connection ids keep growing, as the service's do.
+"""
+
+from __future__ import annotations
+
+from protocol import (
+    Assignment,
+    Error,
+    GoingAway,
+    Heartbeat,
+    JobDone,
+    JobFailed,
+    Join,
+    Restart,
+    Resume,
+    Resumed,
+    Waiting,
+    WorkersFailed,
+    WorkersSucceeded,
+)
+from rdzv_server.state import RESUME_WINDOW, ConnPhase, JobPhase
+
+from .harness import Harness, failure
+
+
+def join_msg(conn: int, node: str, **kw: object) -> Join:
+    fields: dict[str, object] = dict(
+        job_id="job",
+        node_id=node,
+        addr=f"10.0.0.{conn}",
+        nproc=2,
+        min_nodes=2,
+        max_nodes=2,
+        entrypoint="train.py",
+        master_port=20000 + conn,
+        max_restarts=0,
+        last_call_timeout=5.0,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=5.0,
+    )
+    fields.update(kw)
+    return Join(**fields)  # type: ignore[arg-type]
+
+
+def restart_server(h: Harness) -> None:
+    """What StateLog.open does after replay (the replayed state is the harness's own)."""
+    h.inbox.clear()
+    h._apply(h.machine.recover(h.now))
+
+
+def beat(h: Harness, conns: list[int], seconds: float) -> None:
+    """Let time pass while these agents send heartbeats."""
+    end = h.now + seconds
+    while h.now < end:
+        h.advance(min(1.0, end - h.now))
+        for c in conns:
+            h.send(c, Heartbeat())
+
+
+def running(h: Harness, **kw: object) -> dict[str, Assignment]:
+    a, b = h.join(**kw), h.join(**kw)
+    got = {}
+    for c, node in ((a, "node1"), (b, "node2")):
+        x = h.last(c, Assignment)
+        assert x is not None
+        got[node] = x
+    return got
+
+
+def test_a_known_round_resumes_with_nothing_restarted() -> None:
+    h = Harness()
+    held = running(h)
+    restart_server(h)
+    job = h.machine.jobs["job"]
+    assert all(c.phase is ConnPhase.AWAY for c in h.machine.conns.values())
+    assert (
+        job.phase is JobPhase.RUNNING
+        and h.machine.next_deadline() == h.machine.resume_deadline == RESUME_WINDOW
+    )
+    h.advance(3.0)  # agents reconnect with backoff
+    new = {}
+    for node, a in held.items():
+        c = h.connect()
+        h.send(c, Resume(join=join_msg(c, node), assignment=a))
+        r = h.last(c, Resumed)
+        assert r is not None and not r.rebuilt and r.round == 0
+        assert h.last(c, Restart) is None
+        new[node] = c
+    assert job.round == 0 and job.restart_count == 0 and job.order == ["node1", "node2"]
+    assert not any(c.phase is ConnPhase.AWAY for c in h.machine.conns.values())
+    assert [e.kind for e in job.history][-3:] == ["recovered", "resumed", "resumed"]
+    beat(h, list(new.values()), RESUME_WINDOW)  # the window closing drops nobody
+    assert len(job.members) == 2
+    for c in new.values():
+        h.send(c, WorkersSucceeded(round=0))
+    assert all(h.last(c, JobDone) is not None for c in new.values())
+
+
+def test_a_node_at_the_exit_barrier_resumes_as_succeeded() -> None:
+    h = Harness()
+    held = running(h)
+    conns = list(h.machine.conns)
+    h.send(conns[0], WorkersSucceeded(round=0))
+    restart_server(h)
+    c1, c2 = h.connect(), h.connect()
+    h.send(c1, Resume(join=join_msg(c1, "node1"), assignment=held["node1"], succeeded=True))
+    h.send(c2, Resume(join=join_msg(c2, "node2"), assignment=held["node2"]))
+    assert h.last(c1, JobDone) is None
+    h.send(c2, WorkersSucceeded(round=0))
+    assert h.last(c1, JobDone) is not None and h.last(c2, JobDone) is not None
+
+
+def test_a_node_not_back_within_the_window_is_lost() -> None:
+    h = Harness()
+    held = running(h, max_restarts=1)
+    restart_server(h)
+    c = h.connect()
+    h.send(c, Resume(join=join_msg(c, "node1", max_restarts=1), assignment=held["node1"]))
+    assert h.last(c, Resumed) is not None
+    beat(h, [c], RESUME_WINDOW + 0.1)
+    job = h.machine.jobs["job"]
+    rs = h.last(c, Restart)
+    assert rs is not None and "node2" in rs.reason
+    assert job.restart_count == 1 and list(job.members) == ["node1"]
+    assert any("did not come back after the server restarted" in e.text for e in job.history)
+
+
+def test_a_node_that_was_joining_rejoins_its_place() -> None:
+    h = Harness()
+    h.join()  # node1 waits for a second node
+    restart_server(h)
+    c1 = h.connect()
+    h.send(c1, join_msg(c1, "node1"))
+    w = h.last(c1, Waiting)
+    assert w is not None and w.joined == 1
+    job = h.machine.jobs["job"]
+    assert job.next_seq == 1  # the same member, not a new one
+    c2 = h.join()
+    assert h.last(c1, Assignment) is not None and h.last(c2, Assignment) is not None
+
+
+def test_a_node_told_to_restart_before_the_crash_restarts() -> None:
+    h = Harness()
+    held = running(h, max_restarts=3)
+    conns = list(h.machine.conns)
+    h.send(conns[1], WorkersFailed(round=0, failure=failure(rank=2, node="node2")))
+    restart_server(h)  # node1 may never have seen its Restart
+    c1, c2 = h.connect(), h.connect()
+    for c, node in ((c1, "node1"), (c2, "node2")):
+        h.send(c, Resume(join=join_msg(c, node, max_restarts=3), assignment=held[node]))
+        rs = h.last(c, Restart)
+        assert rs is not None and rs.restart_count == 1
+    h.send(c1, join_msg(c1, "node1", max_restarts=3))
+    h.send(c2, join_msg(c2, "node2", max_restarts=3))
+    a = h.last(c1, Assignment)
+    assert a is not None and a.round == 1 and a.restart_count == 1
+
+
+def test_a_node_of_a_failed_job_hears_that_it_failed() -> None:
+    h = Harness()
+    held = running(h)
+    conns = list(h.machine.conns)
+    h.send(conns[1], WorkersFailed(round=0, failure=failure(rank=2, node="node2")))
+    restart_server(h)
+    c = h.connect()
+    h.send(c, Resume(join=join_msg(c, "node1"), assignment=held["node1"]))
+    f = h.last(c, JobFailed)
+    assert f is not None and "max-restarts" in f.reason
+
+
+def test_going_away_tells_agents_and_refuses_joins_without_blame() -> None:
+    h = Harness()
+    a = h.join()
+    ready = h.connect()
+    h._apply(h.machine.going_away("SIGTERM", h.now))
+    assert h.last(a, GoingAway) is not None and h.last(ready, GoingAway) is not None
+    h.join(ready)
+    err = h.last(ready, Error)
+    assert err is not None and err.code == "server_draining" and not err.fatal
+    assert ready not in h.closed
+    assert len(h.machine.jobs["job"].members) == 1
