@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from protocol import Assignment, Drain, Restart
+from protocol.auth import TokenTable
 from rdzv_server.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CommandError, base_url
 from rdzv_server.service import RendezvousService
 
@@ -160,6 +161,26 @@ async def test_drain_unknown_job_or_node_names_what_is_missing(server) -> None:
     r = await run("drain", "--endpoint", endpoint, "--job", "nope", "--node", "a")
     assert r.rc == EXIT_NOT_FOUND and "no job 'nope'" in r.err
     del agents
+
+
+async def test_drain_with_tokens_sends_the_jobs_token_from_the_token_file(tmp_path) -> None:
+    svc = RendezvousService(http=True, tokens=TokenTable(per_job={"j": "j-secret"}))
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        base = ("drain", "--endpoint", f"127.0.0.1:{port}", "--job", "j", "--node", "a")
+        r = await run(*base)
+        assert r.rc == EXIT_ERROR
+        assert "needs the job's token" in r.err and "(see --token-file)" in r.err
+        wrong = tmp_path / "wrong"
+        wrong.write_text("j not-it\n")
+        r = await run(*base, "--token-file", str(wrong))
+        assert r.rc == EXIT_ERROR and "not this job's token" in r.err
+        right = tmp_path / "right"
+        right.write_text("# the job's line wins\nother x\nj j-secret\n")
+        r = await run(*base, "--token-file", str(right))
+        assert r.rc == EXIT_NOT_FOUND and "no job 'j'" in r.err  # authorised; the job is not there
+    finally:
+        await svc.close()
 
 
 async def test_serving_is_still_the_default_and_answers_status() -> None:

@@ -34,6 +34,7 @@ from protocol import (
     WorkersFailed,
     encode,
 )
+from protocol.auth import TokenTable
 from rdzv_server.service import RendezvousService
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
@@ -294,6 +295,31 @@ async def test_drain_reaches_the_node_and_is_recorded(live) -> None:
         "node b asked to drain: disk swap",
         "node a asked to drain: ",
     ]
+
+
+async def test_with_tokens_drain_needs_the_jobs_bearer_token_and_reads_stay_open() -> None:
+    tokens = TokenTable(default="shared", per_job={"j": "j-secret"})
+    svc = RendezvousService(http=True, tokens=tokens)
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            async with http.post("/v1/jobs/j/nodes/a/drain") as r:
+                assert r.status == 401
+                assert r.headers["WWW-Authenticate"].startswith("Bearer")
+                assert "Authorization: Bearer" in (await r.json())["message"]
+            for wrong in ("shared", "nope"):  # another job's token is as wrong as a guess
+                headers = {"Authorization": f"Bearer {wrong}"}
+                async with http.post("/v1/jobs/j/nodes/a/drain", headers=headers) as r:
+                    assert r.status == 403 and "not this job's token" in (await r.json())["message"]
+            headers = {"Authorization": "Bearer j-secret"}
+            async with http.post("/v1/jobs/j/nodes/a/drain", headers=headers) as r:
+                assert r.status == 404  # past the check: there is no such job yet
+            async with http.get("/v1/jobs") as r:
+                assert r.status == 200
+            async with http.get("/v1/jobs/j") as r:
+                assert r.status == 404
+    finally:
+        await svc.close()
 
 
 async def test_drain_unknown_job_or_node_is_a_404_naming_it(live) -> None:
