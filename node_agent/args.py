@@ -31,10 +31,8 @@ import argparse
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +52,7 @@ from .config import (
     parse_float,
     parse_int,
 )
+from .executables import which
 from .nproc import resolve_nproc
 
 __all__ = ["build_parser", "parse_config"]
@@ -69,6 +68,18 @@ EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
 NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 STANDALONE_ENDPOINT = "127.0.0.1:0"
+
+
+def random_uuid4() -> str:
+    """A random (version 4) UUID, as torchrun's standalone run id; without importing ``uuid``,
+    which costs ~9 ms of start-up here (it imports ``platform``)."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40  # version 4
+    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 _SWITCH = "switch"  # store_true; PET_X=<int>, non-zero = on
@@ -304,6 +315,21 @@ _FLAGS: tuple[_Flag, ...] = (
 _BY_DEST = {flag.dest: flag for flag in _FLAGS}
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, sized without ``shutil``, which it would import (~10 ms, with zlib,
+    bz2 and lzma) on every launch just to read the terminal's width."""
+
+    def __init__(self, prog: str) -> None:
+        try:
+            width = int(os.environ["COLUMNS"])
+        except (KeyError, ValueError):
+            try:
+                width = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+            except (AttributeError, ValueError, OSError):
+                width = 80
+        super().__init__(prog, width=max(width - 2, 20))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for torchrun's flags (plus ours); values are kept as strings.
 
@@ -315,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A drop-in for torchrun: starts this node's workers and keeps them in a job.",
         epilog="Every option can also be set as PET_<NAME>, e.g. PET_NPROC_PER_NODE=4; "
         "a command-line flag wins.",
+        formatter_class=_HelpFormatter,
     )
     for flag in _FLAGS:
         shown_default = "" if flag.default in (None, "") else f" (default: {flag.default})"
@@ -587,7 +614,7 @@ def _resolve_rendezvous(inputs: _Inputs, max_nodes: int) -> tuple[bool, str, str
                 "--standalone" if standalone else "single-node run without --rdzv-endpoint",
                 ", ".join(overridden),
             )
-        return True, "c10d", STANDALONE_ENDPOINT, str(uuid.uuid4())
+        return True, "c10d", STANDALONE_ENDPOINT, random_uuid4()
 
     backend = "c10d" if backend_given.value is None else backend_given.value
     what = backend_given.what(_BY_DEST["rdzv_backend"])
@@ -684,7 +711,7 @@ def _python_exec(environ: Mapping[str, str], *, needed: bool) -> str:
     if needed:
         if not python:
             raise ConfigError("PYTHON_EXEC is set but empty: unset it or name a python interpreter")
-        if shutil.which(python, path=environ.get("PATH", os.defpath)) is None:
+        if which(python, path=environ.get("PATH", os.defpath)) is None:
             raise ConfigError(f"PYTHON_EXEC={python!r}: no such executable")
     return python
 
@@ -706,7 +733,7 @@ def _check_entrypoint(
             raise ConfigError("don't use both --no-python and -m/--module: a module needs python to run it")
         return  # the worker's python finds (or reports) the module
     if no_python:
-        if shutil.which(script, path=environ.get("PATH", os.defpath)) is None:
+        if which(script, path=environ.get("PATH", os.defpath)) is None:
             if os.path.exists(script):
                 raise ConfigError(f"--no-python: {script!r} exists but is not an executable file")
             raise ConfigError(f"--no-python: command {script!r} is not an existing path or on PATH")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .config import ConfigError
+from .executables import which
 
 __all__ = ["count_visible_gpus", "cpu_count", "physical_gpu_uuids", "resolve_nproc", "visible_gpu_count"]
 
@@ -95,7 +95,7 @@ def physical_gpu_uuids(proc_dir: Path = NVIDIA_PROC_DIR) -> list[str]:
 
 
 def _nvidia_smi_uuids() -> list[str]:
-    smi = shutil.which("nvidia-smi")
+    smi = which("nvidia-smi")
     if smi is None:
         return []
     import subprocess  # only here: most machines never get this far

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import random
-import secrets
 import signal
 import socket
 import ssl
@@ -132,7 +131,7 @@ async def _something_listens(host: str, port: int) -> bool:
 
 
 def make_node_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
 
 
 class Agent:

@@ -8,16 +8,19 @@ challenge means a recorded proof cannot be replayed on a new connection.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 
 def proof(token: str, challenge: str, job_id: str, node_id: str) -> str:
+    # Imported here: hashlib initialises OpenSSL (~5 ms), which a run without tokens never needs.
+    import hashlib
+    import hmac
+
     msg = "\x00".join((challenge, job_id, node_id)).encode()
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
 def verify(token: str, challenge: str, job_id: str, node_id: str, given: str) -> bool:
+    import hmac
+
     return hmac.compare_digest(proof(token, challenge, job_id, node_id), given)
 
 

@@ -17,7 +17,7 @@ import asyncio
 import errno
 import json
 import logging
-import secrets
+import os
 import ssl
 import time
 from collections.abc import Callable
@@ -350,7 +350,7 @@ class RendezvousService:
         self._conns[conn.conn_id] = conn
         self._idle.clear()
         conn.write(MAGIC)
-        challenge = secrets.token_hex(16) if self.tokens is not None else ""
+        challenge = os.urandom(16).hex() if self.tokens is not None else ""
         self._dispatch(Connected(conn.conn_id, conn.peer, challenge))
 
     def _agent_disconnected(self, conn: _Connection, reason: str) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -965,3 +966,41 @@ def test_etcd_backends_default_to_etcds_client_port_and_never_host(tmp_path, bac
     assert not cfg.hosts_rendezvous  # etcd keeps the rendezvous; no agent serves it
     cfg = parse_config([*base, "--rdzv-endpoint", "[::1]:23790", str(script)], {})
     assert (cfg.rdzv_host, cfg.rdzv_port) == ("::1", 23790)
+
+
+def test_a_launch_imports_nothing_it_does_not_need():
+    # Each of these costs milliseconds of every launch (shutil brings zlib, bz2 and lzma;
+    # uuid brings platform; hashlib initialises OpenSSL); the agent has its own small versions.
+    code = (
+        "import json, sys\n"
+        "import node_agent.args, node_agent.runner, node_agent.logs, rdzv_server.service\n"
+        "node_agent.args.build_parser().format_help()\n"
+        "node_agent.logs.RunLogs(None, 'x')\n"
+        "slow = ('shutil', 'tempfile', 'uuid', 'platform', 'hashlib', 'secrets')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m in slow)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
+def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> None:
+    from node_agent.args import random_uuid4
+    from node_agent.executables import which
+    from node_agent.logs import make_temp_dir
+
+    ids = {random_uuid4() for _ in range(100)}
+    assert len(ids) == 100
+    assert all(uuid.UUID(i).version == 4 and str(uuid.UUID(i)) == i for i in ids)
+    assert which("sh") == shutil.which("sh") and which("sh") is not None
+    assert which("no-such-program-here") is None
+    tool = tmp_path / "bin" / "tool"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    assert which("tool", path=str(tool.parent)) is None  # not executable
+    tool.chmod(0o755)
+    assert which("tool", path=f"/nonexistent:{tool.parent}") == str(tool)
+    assert which(str(tool)) == str(tool)
+    made = make_temp_dir("run_", str(tmp_path))
+    assert os.path.basename(made).startswith("run_") and os.stat(made).st_mode & 0o777 == 0o700
+    assert make_temp_dir("run_", str(tmp_path)) != made
