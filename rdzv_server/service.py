@@ -29,6 +29,7 @@ from protocol import (
     MAX_FRAME_SIZE,
     Error,
     FrameDecoder,
+    Heartbeat,
     Hello,
     Join,
     ProtocolError,
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from .journal import StateLog
 
 logger = logging.getLogger("rdzv_server")
+
+HEARTBEAT_FRAME = encode(Heartbeat())
 
 HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
 # ... and one that said hello but has not joined (proved its token) by then. Longer: an agent
@@ -109,6 +112,8 @@ class _Connection(asyncio.Protocol):
                 logger.warning("closing %s: it speaks neither our protocol nor HTTP", self.peer)
                 self._close_now()
                 return
+        if data == HEARTBEAT_FRAME and not self._decoder.buffered and self.service._heartbeat(self.conn_id):
+            return  # the common case, every second from every agent: no decoding, no dispatch
         try:
             messages = self._decoder.feed(data)
         except ProtocolError as exc:
@@ -416,6 +421,10 @@ class RendezvousService:
                 logger.warning("%d agent connection(s) still open after %g s", len(self._conns), grace)
 
     # -- the machine -----------------------------------------------------------------------
+
+    def _heartbeat(self, conn_id: int) -> bool:
+        """A heartbeat frame, alone in its read: just note the agent is alive."""
+        return not self._gone and self.machine.heartbeat(conn_id, self.clock())
 
     def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> None:
         if self._gone:

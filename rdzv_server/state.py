@@ -280,6 +280,12 @@ class Job:
     # While RESUMING: the round every node must hold, and which node holds each group rank.
     resume_expect: tuple[int, int, int, str, int] | None = None
     resume_slots: dict[int, str] = field(default_factory=dict)
+    # Members (not spares) that are not READY: a round can complete only when this is empty.
+    # Kept by _put_member/_pop_member/_set_state, so that check is O(1) in a join storm.
+    not_ready: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}
 
     def record(self, now: float, kind: str, text: str) -> None:
         self.history.append(JobEvent(now, kind, text))
@@ -287,6 +293,28 @@ class Job:
     @property
     def elastic(self) -> bool:
         return self.settings.min_nodes < self.settings.max_nodes
+
+
+def _put_member(job: Job, m: Member) -> None:
+    job.members[m.node_id] = m
+    if m.state is MemberState.READY:
+        job.not_ready.discard(m.node_id)
+    else:
+        job.not_ready.add(m.node_id)
+
+
+def _pop_member(job: Job, node_id: str) -> Member | None:
+    job.not_ready.discard(node_id)
+    return job.members.pop(node_id, None)
+
+
+def _set_state(job: Job, m: Member, state: MemberState) -> None:
+    m.state = state
+    if job.members.get(m.node_id) is m:
+        if state is MemberState.READY:
+            job.not_ready.discard(m.node_id)
+        else:
+            job.not_ready.add(m.node_id)
 
 
 class Rendezvous:
@@ -326,6 +354,18 @@ class Rendezvous:
         else:
             raise LocalError(f"unknown event {event!r}")
         return out
+
+    def heartbeat(self, conn_id: int, now: float) -> bool:
+        """Received(conn, Heartbeat()) for a connection past its hello, without the event.
+
+        The server's fast path for the one message every agent sends every second; False when
+        the full path must decide (unknown connection, or no hello yet: a protocol error).
+        """
+        conn = self.conns.get(conn_id)
+        if conn is None or conn.phase is ConnPhase.HELLO:
+            return False
+        conn.last_seen = now
+        return True
 
     def next_deadline(self) -> float | None:
         """The earliest time at which a Tick would change something."""
@@ -492,7 +532,7 @@ class Rendezvous:
             self._note(job, now, "spare", f"node {member.node_id} ({member.addr}) waits as a spare", out)
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
             return
-        job.members[member.node_id] = member
+        _put_member(job, member)
         self._note(
             job,
             now,
@@ -612,7 +652,7 @@ class Rendezvous:
         if holds:
             self._rebind(job, member, conn, now)
             if msg.succeeded and member.state is MemberState.RUNNING and job.phase is JobPhase.RUNNING:
-                member.state = MemberState.SUCCEEDED
+                _set_state(job, member, MemberState.SUCCEEDED)
             self._note(
                 job, now, "resumed", f"node {member.node_id} resumed round {job.round}; nothing restarts", out
             )
@@ -657,7 +697,7 @@ class Rendezvous:
         if member.state in (MemberState.WAITING, MemberState.READY):
             self._rebind(job, member, conn, now)
             member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
-            member.state = MemberState.READY
+            _set_state(job, member, MemberState.READY)
             self._note(job, now, "resumed", f"node {member.node_id} rejoined after the server restarted", out)
             self._maybe_complete(job, now, out)
             if member.state is MemberState.READY:
@@ -680,7 +720,7 @@ class Rendezvous:
         member = self._attach(
             job, conn, j, now, MemberState.SUCCEEDED if msg.succeeded else MemberState.RUNNING
         )
-        job.members[member.node_id] = member
+        _put_member(job, member)
         if problem is not None:
             self._abandon_resume(job, f"the agents disagree ({problem})", now, out)
             return
@@ -754,7 +794,7 @@ class Rendezvous:
             self._refuse(self.conns[member.conn], "unexpected_message", what, now, out)
             return
         member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
-        member.state = MemberState.READY
+        _set_state(job, member, MemberState.READY)
         self._maybe_complete(job, now, out)
 
     def _on_failed(self, job: Job, member: Member, msg: WorkersFailed, now: float, out: list[Effect]) -> None:
@@ -810,7 +850,7 @@ class Rendezvous:
         out.append(Send(member.conn, Error(code="excluded", message=text, fatal=True)))
         conn = self.conns.pop(member.conn, None)
         out.append(Close(member.conn, "excluded"))
-        del job.members[member.node_id]
+        _pop_member(job, member.node_id)
         if conn is not None:
             conn.phase = ConnPhase.READY
         self._promote_spares(job, now, out)
@@ -829,11 +869,11 @@ class Rendezvous:
         if msg.round != job.round or member.state is not MemberState.RUNNING:
             return
         if job.phase is JobPhase.RESUMING:
-            member.state = MemberState.SUCCEEDED  # counted once the round is rebuilt
+            _set_state(job, member, MemberState.SUCCEEDED)  # counted once the round is rebuilt
             return
         if job.phase is not JobPhase.RUNNING:
             return
-        member.state = MemberState.SUCCEEDED
+        _set_state(job, member, MemberState.SUCCEEDED)
         self._maybe_finish(job, now, out)
 
     def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
@@ -861,7 +901,7 @@ class Rendezvous:
         # The cheap test first: during a last-call window there is no need to scan members.
         if n < s.max_nodes and job.last_call_deadline is not None and now < job.last_call_deadline:
             return
-        if any(m.state is not MemberState.READY for m in job.members.values()):
+        if job.not_ready:  # kept up to date, so a rejoin storm is not O(N) per join
             return
         self._complete(job, now, out)
 
@@ -882,7 +922,7 @@ class Rendezvous:
         offset = 0
         for group_rank, nid in enumerate(job.order):
             m = job.members[nid]
-            m.state = MemberState.RUNNING
+            _set_state(job, m, MemberState.RUNNING)
             out.append(
                 Send(
                     m.conn,
@@ -922,7 +962,7 @@ class Rendezvous:
         restart = Restart(round=abandoned, reason=reason, restart_count=job.restart_count)
         for m in job.members.values():
             if m.node_id in in_round:
-                m.state = MemberState.WAITING
+                _set_state(job, m, MemberState.WAITING)
                 out.append(Send(m.conn, restart))
         # Newcomers joined while the round ran are ready already; promote spares if room.
         self._promote_spares(job, now, out)
@@ -947,7 +987,7 @@ class Rendezvous:
             nid = next(iter(job.spares))
             m = job.spares.pop(nid)
             m.state = MemberState.READY
-            job.members[nid] = m
+            _put_member(job, m)
             self._note(job, now, "spare", f"spare {nid} takes a place in the job", out)
 
     def _maybe_finish(self, job: Job, now: float, out: list[Effect]) -> None:
@@ -990,7 +1030,7 @@ class Rendezvous:
             self._note(job, now, "left", f"spare {nid} {reason}", out)
             self._forget_if_done(job, now, out)
             return
-        member = job.members.pop(nid, None)
+        member = _pop_member(job, nid)
         if member is None:
             return
         if job.phase in (JobPhase.FINISHED, JobPhase.FAILED):

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import SUPPORTED_VERSIONS, Failure, Hello, Join, Message
-from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
+from rdzv_server.state import (
+    Close,
+    Connected,
+    Disconnected,
+    Effect,
+    MemberState,
+    Received,
+    Rendezvous,
+    Send,
+    Tick,
+)
 
 
 @dataclass
@@ -18,6 +28,10 @@ class Harness:
     _next: int = 0
 
     def _apply(self, effects: list[Effect]) -> None:
+        for job in self.machine.jobs.values():
+            # The machine keeps this set by hand for speed; after every event it must be exact.
+            unready = {nid for nid, m in job.members.items() if m.state is not MemberState.READY}
+            assert job.not_ready == unready, f"job {job.id}: not_ready {job.not_ready} != {unready}"
         for e in effects:
             if isinstance(e, Send):
                 self.inbox.setdefault(e.conn, []).append(e.msg)

@@ -140,6 +140,15 @@ class Watch:
                 self._changed.set()
 
         machine.handle = handle_and_notify  # type: ignore[method-assign]
+        heartbeat = machine.heartbeat  # the server's fast path for heartbeats skips handle()
+
+        def heartbeat_and_notify(conn: int, now: float) -> bool:
+            try:
+                return heartbeat(conn, now)
+            finally:
+                self._changed.set()
+
+        machine.heartbeat = heartbeat_and_notify  # type: ignore[method-assign]
 
     async def until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
         async with asyncio.timeout(timeout):

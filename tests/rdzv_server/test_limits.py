@@ -12,7 +12,18 @@ import socket
 
 import pytest
 
-from protocol import HEADER, MAGIC, Error, Heartbeat, Hello, Waiting, Welcome, encode
+from protocol import (
+    HEADER,
+    MAGIC,
+    SERVER_MESSAGES,
+    Error,
+    FrameDecoder,
+    Heartbeat,
+    Hello,
+    Waiting,
+    Welcome,
+    encode,
+)
 from rdzv_server import cli
 from rdzv_server.service import RendezvousService
 
@@ -129,3 +140,18 @@ async def test_a_malformed_http_request_is_one_warning_not_a_traceback(limited, 
 def test_timeout_flags_are_checked(flag: str, value: str, capsys) -> None:
     assert cli.main([flag, value]) == cli.EXIT_USAGE
     assert flag in capsys.readouterr().err
+
+
+async def test_a_heartbeat_before_the_hello_is_still_a_protocol_error(limited) -> None:
+    # Heartbeats skip decoding on a fast path; that path must not skip the hello rule.
+    _, port = limited
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(MAGIC)
+    await writer.drain()
+    assert await reader.readexactly(len(MAGIC)) == MAGIC
+    writer.write(encode(Heartbeat()))
+    rest = await asyncio.wait_for(reader.read(1 << 16), 5)
+    (reply,) = FrameDecoder(allowed=SERVER_MESSAGES).feed(rest)
+    assert isinstance(reply, Error) and "expected hello first, got heartbeat" in reply.message
+    assert await eof_after(reader) < 3
+    writer.close()
