@@ -62,7 +62,17 @@ MAX_PER_ADDRESS = 20_000  # from one address (benchmarks run 10,000 agents from 
 class _Connection(asyncio.Protocol):
     """One accepted socket, until we know what it speaks, and then an agent connection."""
 
-    __slots__ = ("_buf", "_decoder", "_hello_timer", "admitted", "conn_id", "host", "service", "transport")
+    __slots__ = (
+        "_buf",
+        "_decoder",
+        "_hello_timer",
+        "_magic_due",
+        "admitted",
+        "conn_id",
+        "host",
+        "service",
+        "transport",
+    )
 
     def __init__(self, service: RendezvousService, conn_id: int) -> None:
         self.service = service
@@ -72,6 +82,7 @@ class _Connection(asyncio.Protocol):
         self._decoder: FrameDecoder | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
         self.admitted = False
+        self._magic_due = False  # our MAGIC goes out with the first frame: one write, not two
         self.host = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -155,6 +166,8 @@ class _Connection(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
+        if self._magic_due:
+            frame, self._magic_due = MAGIC + frame, False
         t.write(frame)
         if t.get_write_buffer_size() > self.service.write_buffer_limit:
             logger.warning("closing %s: it does not read what we send", self.peer)
@@ -354,7 +367,7 @@ class RendezvousService:
     def _agent_connected(self, conn: _Connection) -> None:
         self._conns[conn.conn_id] = conn
         self._idle.clear()
-        conn.write(MAGIC)
+        conn._magic_due = True
         challenge = os.urandom(16).hex() if self.tokens is not None else ""
         self._dispatch(Connected(conn.conn_id, conn.peer, challenge))
 
