@@ -526,11 +526,16 @@ class RendezvousService:
             self.on_fatal(why)
 
     def _apply(self, effects: list[Effect]) -> None:
+        # A broadcast (Restart, JobFailed) is one message object sent to every member: encode
+        # it once, not once per node.
+        last_msg, frame = None, b""
         for eff in effects:
             if isinstance(eff, Send):
                 c = self._conns.get(eff.conn)
                 if c is not None:
-                    c.write(encode(eff.msg))
+                    if eff.msg is not last_msg:
+                        last_msg, frame = eff.msg, encode(eff.msg)
+                    c.write(frame)
             elif isinstance(eff, Close):
                 c = self._conns.pop(eff.conn, None)
                 if c is not None:

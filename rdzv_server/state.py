@@ -999,8 +999,9 @@ class Rendezvous:
             job.last_call_deadline = None
             job.outcome = f"all workers succeeded in round {job.round}"
             self.stats.jobs_finished += 1
+            done = JobDone()
             for m in [*job.members.values(), *job.spares.values()]:
-                out.append(Send(m.conn, JobDone()))
+                out.append(Send(m.conn, done))
             self._note(job, now, "finished", f"finished: {job.outcome}", out)
 
     def _fail(self, job: Job, reason: str, failure: Failure | None, now: float, out: list[Effect]) -> None:
@@ -1008,8 +1009,9 @@ class Rendezvous:
         job.last_call_deadline = None
         job.outcome = reason
         self.stats.jobs_failed += 1
+        failed = JobFailed(reason=reason, failure=failure)  # one object: encoded once for all
         for m in [*job.members.values(), *job.spares.values()]:
-            out.append(Send(m.conn, JobFailed(reason=reason, failure=failure)))
+            out.append(Send(m.conn, failed))
         self._note(job, now, "failed", f"failed: {reason}", out, "error")
 
     # -- departures and time ---------------------------------------------------------------
