@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 
-from .procs import Proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .procs import Proc, free_port
 
 
 class Etcd:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +118,13 @@ class Proc:
             self.p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def free_port() -> int:
+    """A loopback port free right now (nothing listens there until someone binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_server(*extra: str) -> tuple[Proc, int]:

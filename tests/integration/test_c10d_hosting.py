@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
-from .procs import WORKERS, Proc, agent_cmd, read_env_dumps
+from .procs import WORKERS, Proc, agent_cmd, free_port, read_env_dumps
 
 SLEEPER = str(WORKERS / "sleeper.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_agents_racing_for_the_port_end_with_one_host(tmp_path: Path) -> None:

@@ -14,8 +14,8 @@ import pytest
 from node_agent.etcd_client import EtcdClient
 from node_agent.etcd_rdzv import DEFAULT_ETCD_PREFIX
 
-from .etcd import Etcd, agent_args, free_port
-from .procs import WORKERS, Proc, agent_cmd
+from .etcd import Etcd, agent_args
+from .procs import WORKERS, Proc, agent_cmd, free_port
 
 SLEEPER = str(WORKERS / "sleeper.py")
 DUMP = str(WORKERS / "dump_env.py")

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
-from .procs import WORKERS, Proc, agent_cmd
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .procs import WORKERS, Proc, agent_cmd, free_port
 
 
 def test_two_static_nodes_run_a_real_gloo_all_reduce(tmp_path: Path) -> None:

@@ -892,16 +892,21 @@ def test_physical_gpus_from_proc(tmp_path):
 # --- start-up cost ----------------------------------------------------------------------------
 
 
-def test_importing_the_front_end_loads_neither_torch_nor_aiohttp():
+def loaded_in_a_fresh_interpreter(setup: str, packages: tuple[str, ...]) -> list[str]:
+    """Which modules of ``packages`` a new Python process holds after running ``setup``."""
     code = (
         "import json, sys\n"
-        "import node_agent.args, node_agent.worker_env, node_agent.nproc, node_agent.config\n"
-        "heavy = ('torch', 'aiohttp', 'numpy')\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n"
+        f"{setup}\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == []
+    return json.loads(out.stdout)
+
+
+def test_importing_the_front_end_loads_neither_torch_nor_aiohttp():
+    setup = "import node_agent.args, node_agent.worker_env, node_agent.nproc, node_agent.config"
+    assert loaded_in_a_fresh_interpreter(setup, ("torch", "aiohttp", "numpy")) == []
 
 
 def test_static_backend_takes_ranks_and_master_from_flags(tmp_path) -> None:
@@ -971,17 +976,14 @@ def test_etcd_backends_default_to_etcds_client_port_and_never_host(tmp_path, bac
 def test_a_launch_imports_nothing_it_does_not_need():
     # Each of these costs milliseconds of every launch (shutil brings zlib, bz2 and lzma;
     # uuid brings platform; hashlib initialises OpenSSL); the agent has its own small versions.
-    code = (
-        "import json, sys\n"
-        "import node_agent.args, node_agent.runner, node_agent.logs, rdzv_server.service\n"
+    setup = (
+        "import os, node_agent.args, node_agent.runner, node_agent.logs, rdzv_server.service\n"
         "node_agent.args.build_parser().format_help()\n"
-        "node_agent.logs.RunLogs(None, 'x')\n"
-        "slow = ('shutil', 'tempfile', 'uuid', 'platform', 'hashlib', 'secrets')\n"
-        "print(json.dumps(sorted(m for m in sys.modules if m in slow)))\n"
+        "run = node_agent.logs.RunLogs(None, 'x')\n"
+        "os.rmdir(run.root); os.rmdir(os.path.dirname(run.root))  # leave no temp dirs behind"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == []
+    slow = ("shutil", "tempfile", "uuid", "platform", "hashlib", "secrets")
+    assert loaded_in_a_fresh_interpreter(setup, slow) == []
 
 
 def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> None:
