@@ -15,6 +15,7 @@ token table (configuration, from the command line).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 from protocol import Failure
@@ -95,19 +96,6 @@ def _dump_member(m: Member) -> dict[str, Any]:
     }
 
 
-def _dump_failure(f: Failure) -> dict[str, Any]:
-    return {
-        "node_id": f.node_id,
-        "addr": f.addr,
-        "rank": f.rank,
-        "local_rank": f.local_rank,
-        "exitcode": f.exitcode,
-        "signal": f.signal,
-        "timestamp": f.timestamp,
-        "message": f.message,
-    }
-
-
 def _dump_job(j: Job) -> dict[str, Any]:
     s = j.settings
     return {
@@ -128,7 +116,7 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "spares": [_dump_member(m) for m in j.spares.values()],
         "order": list(j.order),
         "last_call_deadline": j.last_call_deadline,
-        "failures": [_dump_failure(f) for f in j.failures],
+        "failures": [asdict(f) for f in j.failures],  # Failure(**d) loads it back, validated
         "next_seq": j.next_seq,
         "created_at": j.created_at,
         "gathering_since": j.gathering_since,

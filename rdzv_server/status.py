@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import asdict
 from typing import Any
 
 from .state import SOFTWARE, ConnPhase, Job, JobEvent, JobPhase, Member, Rendezvous
@@ -254,14 +255,7 @@ def _failures(job: Job, history: list[JobEvent]) -> list[dict[str, Any]]:
         out.append(
             {
                 "round": rnd,
-                "node_id": f.node_id,
-                "addr": f.addr,
-                "rank": f.rank,
-                "local_rank": f.local_rank,
-                "exitcode": f.exitcode,
-                "signal": f.signal,
-                "timestamp": f.timestamp,
-                "message": f.message,
+                **asdict(f),
                 "description": text,
             }
         )

@@ -6,6 +6,7 @@ one, must dump (``snapshot.dump``) to the same state. The file tests use a real 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,7 @@ def _log_with_records(tmp_path: Path) -> tuple[Path, list[dict[str, Any]], dict[
     drive(log, h)
     a, _ = h.join(), h.join()
     big = failure(rank=1, node="node1")
-    big = type(big)(**{**snapshot._dump_failure(big), "message": "Traceback ... " * 20})
+    big = dataclasses.replace(big, message="Traceback ... " * 20)
     before = state(log.machine)
     h.send(a, WorkersFailed(round=0, failure=big))
     after = state(log.machine)
