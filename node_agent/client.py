@@ -18,7 +18,8 @@ import random
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from protocol import (
     MAGIC,
@@ -93,6 +94,40 @@ class Connection:
             pass
 
 
+T = TypeVar("T")
+
+
+async def retry_until(
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    retry_on: tuple[type[BaseException], ...],
+    describe: Callable[[BaseException], str],
+    deadline: float,
+    clock: Callable[[], float],
+    waiting: Callable[[str], None],
+    give_up: Callable[[str], Exception],
+) -> T:
+    """Call attempt until it succeeds, with capped, jittered exponential backoff until deadline.
+
+    ``waiting`` hears each distinct problem once (not once per attempt); past the deadline the
+    exception ``give_up`` makes of the last problem is raised.
+    """
+    delay = 0.05
+    last_problem = ""
+    while True:
+        try:
+            return await attempt()
+        except retry_on as exc:
+            problem = describe(exc)
+            if problem != last_problem:
+                waiting(problem)
+                last_problem = problem
+            if clock() + delay > deadline:
+                raise give_up(problem) from None
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 2.0)
+
+
 async def connect(
     host: str,
     port: int,
@@ -107,25 +142,18 @@ async def connect(
 
     With ``tls``, the handshake verifies the server's certificate against ``host``.
     """
-    delay = 0.05
-    last_problem = ""
-    while True:
-        try:
-            remaining = max(0.1, deadline - clock())
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=remaining)
-            break
-        except (OSError, asyncio.TimeoutError) as exc:
-            problem = _describe_os_error(exc)
-            if problem != last_problem:
-                log(f"waiting for the rendezvous server at {host}:{port}: {problem}; retrying")
-                last_problem = problem
-            if clock() + delay > deadline:
-                raise RendezvousUnreachable(
-                    f"no rendezvous server answered at {host}:{port} ({problem}); gave up after the join "
-                    f"timeout. Is `rdzv-server` running there, or did you mean --standalone?"
-                ) from None
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
+    reader, writer = await retry_until(
+        lambda: asyncio.wait_for(asyncio.open_connection(host, port), timeout=max(0.1, deadline - clock())),
+        retry_on=(OSError, asyncio.TimeoutError),
+        describe=_describe_os_error,
+        deadline=deadline,
+        clock=clock,
+        waiting=lambda why: log(f"waiting for the rendezvous server at {host}:{port}: {why}; retrying"),
+        give_up=lambda problem: RendezvousUnreachable(
+            f"no rendezvous server answered at {host}:{port} ({problem}); gave up after the join "
+            f"timeout. Is `rdzv-server` running there, or did you mean --standalone?"
+        ),
+    )
     sock = writer.get_extra_info("socket")
     if sock is not None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

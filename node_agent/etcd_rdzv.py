@@ -36,7 +36,6 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 
@@ -45,7 +44,7 @@ from protocol.codec import decode_payload
 from protocol.errors import ProtocolError
 from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
 
-from .client import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable
+from .client import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, retry_until
 from .config import AgentConfig, ConfigError
 from .etcd_client import (
     EtcdClient,
@@ -247,9 +246,7 @@ class EtcdConnection:
         client = EtcdClient(url, ssl_context=etcd_ssl_context(config))
         ttl = max(MIN_LEASE_TTL, math.ceil(config.rdzv_conf.heartbeat_timeout))
         try:
-            lease = await _retry_until(
-                lambda: client.grant(ttl), url=url, deadline=deadline, log=log, clock=clock
-            )
+            lease = await _grant_lease(client, ttl, url=url, deadline=deadline, log=log, clock=clock)
         except BaseException:
             await client.close()
             raise
@@ -515,31 +512,28 @@ class EtcdConnection:
             self._problem = ""
 
 
-async def _retry_until(
-    attempt: Callable[[], Any],
+async def _grant_lease(
+    client: EtcdClient,
+    ttl: int,
     *,
     url: str,
     deadline: float,
     log: Callable[..., None],
     clock: Callable[[], float],
-) -> Any:
-    """Retry an etcd call with capped, jittered backoff until deadline (the join timeout)."""
-    delay = 0.05
-    last = ""
-    while True:
-        try:
-            return await attempt()
-        except EtcdError as exc:
-            raise NotARendezvousServer(f"{url} does not answer as etcd's v3 API: {exc}") from None
-        except EtcdUnavailable as exc:
-            problem = str(exc)
-            if problem != last:
-                log(f"waiting for etcd at {url}: {problem}; retrying")
-                last = problem
-            if clock() + delay > deadline:
-                raise RendezvousUnreachable(
-                    f"no etcd answered at {url} ({problem}); gave up after the join timeout. "
-                    "Is etcd (3.4 or later, v3 API) running there?"
-                ) from None
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 2.0)
+) -> int:
+    """Our lease, retrying an unreachable etcd until deadline (the join timeout)."""
+    try:
+        return await retry_until(
+            lambda: client.grant(ttl),
+            retry_on=(EtcdUnavailable,),
+            describe=str,
+            deadline=deadline,
+            clock=clock,
+            waiting=lambda problem: log(f"waiting for etcd at {url}: {problem}; retrying"),
+            give_up=lambda problem: RendezvousUnreachable(
+                f"no etcd answered at {url} ({problem}); gave up after the join timeout. "
+                "Is etcd (3.4 or later, v3 API) running there?"
+            ),
+        )
+    except EtcdError as exc:
+        raise NotARendezvousServer(f"{url} does not answer as etcd's v3 API: {exc}") from None
