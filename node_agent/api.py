@@ -48,9 +48,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, field
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
+
+from protocol.records import record
 
 from .config import DEFAULT_SIGNALS, ConfigError
 
@@ -72,7 +74,7 @@ Entrypoint = str | os.PathLike | Sequence[str] | Callable[..., Any]
 StdSetting = int | str | Mapping[int, int]
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class LaunchConfig:
     """What to launch, in torch's ``LaunchConfig`` terms; each field is a node-agent flag.
 

@@ -30,14 +30,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 from protocol.auth import TokenTable
+from protocol.records import record
 
 from .config import (
     DEFAULT_RDZV_PORT,
@@ -87,7 +85,7 @@ _VALUE = "value"  # takes one value
 _OPTIONAL = "optional"  # takes an optional value (--pass-local-rank [dash|underscore])
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Flag:
     dest: str
     names: tuple[str, ...]
@@ -397,7 +395,7 @@ def _bare_optional_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Given:
     value: str | None
     origin: str | None  # "--flag" or "PET_X"; None when the default applies
@@ -572,7 +570,7 @@ def _parse_nnodes(given: _Given) -> tuple[int, int]:
     what = given.what(_BY_DEST["nnodes"])
     bad = ConfigError(f"{what}={given.value!r}: expected N or MIN:MAX with 0 < MIN <= MAX, e.g. 2 or 1:4")
     parts = text.split(":")
-    if len(parts) not in (1, 2) or not all(re.fullmatch(r"\+?\d+", p.strip()) for p in parts):
+    if len(parts) not in (1, 2) or not all(is_count(p.strip().removeprefix("+")) for p in parts):
         raise bad
     low, high = int(parts[0]), int(parts[-1])
     if not 0 < low <= high:
@@ -687,7 +685,7 @@ def _parse_endpoint(endpoint: str, given: _Given, max_nodes: int) -> tuple[str, 
     else:
         host, colon, port_text_ = text.partition(":")
         port_text = port_text_ if colon else None
-    if not host or not re.fullmatch(r"[\w.:-]+", host):
+    if not host or not all(c.isalnum() or c in "_.:-" for c in host):
         raise ConfigError(f"{what}={endpoint!r}: the host must be a hostname, an IPv4 or an IPv6 address")
     if port_text is None:
         return host, DEFAULT_RDZV_PORT
@@ -817,7 +815,8 @@ def _token(path: str | None, environ: Mapping[str, str], rdzv_id: str) -> str | 
     if path is None:
         return environ.get("RDZV_TOKEN") or None
     try:
-        text = Path(path).read_text()
+        with open(path) as f:
+            text = f.read()
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
     try:

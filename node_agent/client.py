@@ -14,7 +14,6 @@ connection without a word; the messages then say which flag is probably missing.
 from __future__ import annotations
 
 import asyncio
-import random
 import socket
 import ssl
 import time
@@ -124,6 +123,8 @@ async def retry_until(
                 last_problem = problem
             if clock() + delay > deadline:
                 raise give_up(problem) from None
+            import random  # here: only a retry needs it, and it costs every launch 2 ms
+
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 2.0)
 

@@ -20,10 +20,12 @@ import logging
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import IntFlag
 from types import MappingProxyType
 from typing import Literal
+
+from protocol.records import record
 
 __all__ = [
     "DEFAULT_RDZV_PORT",
@@ -72,7 +74,7 @@ def _frozen_map(items: Mapping | None = None) -> Mapping:
     return MappingProxyType(dict(items or {}))
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class StdSpec:
     """A ``--redirects``/``--tee`` value: a setting per local rank, with a default for the rest.
 
@@ -181,7 +183,7 @@ def parse_int(text: str, *, what: str) -> int:
         raise ConfigError(f"{what}={text!r} is not an integer") from None
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class RdzvConf:
     """``--rdzv-conf`` for our rendezvous: timeouts in seconds, plus accepted-but-unused keys."""
 
@@ -310,7 +312,7 @@ def _accepted_keys() -> str:
     )
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class AgentConfig:
     """Every torchrun flag, resolved, plus node-agent's own options.
 

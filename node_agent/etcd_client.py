@@ -18,10 +18,11 @@ import json
 import os
 import ssl
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from protocol.records import record
 
 
 class EtcdUnavailable(Exception):
@@ -32,7 +33,7 @@ class EtcdError(Exception):
     """etcd answered with an error (a bad request, a missing lease, …)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class KeyValue:
     key: bytes
     value: bytes
@@ -41,7 +42,7 @@ class KeyValue:
     lease: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WatchEvent:
     kind: str  # "PUT" | "DELETE"
     kv: KeyValue

@@ -35,13 +35,13 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgpack
 
 from protocol import CLIENT_MESSAGES, SUPPORTED_VERSIONS, Error, Heartbeat, Hello, Message, Welcome, encode
 from protocol.codec import decode_payload
 from protocol.errors import ProtocolError
+from protocol.records import record
 from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
 
 from .client import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, retry_until
@@ -73,7 +73,7 @@ class BadLogEntry(Exception):
     """An entry in etcd that this agent cannot read: written by an incompatible version?"""
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Entry:
     """One input event of the replicated machine."""
 
@@ -153,7 +153,7 @@ class Replica:
         return not self.machine.conns and not self.machine.jobs
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class _Closed:
     reason: str
 

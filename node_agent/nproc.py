@@ -14,17 +14,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from .config import ConfigError
 from .executables import which
 
 __all__ = ["count_visible_gpus", "cpu_count", "physical_gpu_uuids", "resolve_nproc", "visible_gpu_count"]
 
-NVIDIA_PROC_DIR = Path("/proc/driver/nvidia/gpus")
+NVIDIA_PROC_DIR = "/proc/driver/nvidia/gpus"
 _NVIDIA_SMI_TIMEOUT = 10.0  # seconds; nvidia-smi can hang on a wedged driver
-_UUID_LINE = re.compile(r"GPU UUID:\s*(\S+)")
-_SMI_GPU_LINE = re.compile(r"^GPU \d+:.*?(?:\(UUID:\s*([^)\s]+)\))?\s*$")
+# Patterns, not compiled at import: most launches give a number and never look for GPUs.
+_UUID_LINE = r"GPU UUID:\s*(\S+)"
+_SMI_GPU_LINE = r"^GPU \d+:.*?(?:\(UUID:\s*([^)\s]+)\))?\s*$"
 
 
 def resolve_nproc(
@@ -80,13 +80,15 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
     return visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical)
 
 
-def physical_gpu_uuids(proc_dir: Path = NVIDIA_PROC_DIR) -> list[str]:
+def physical_gpu_uuids(proc_dir: str | os.PathLike[str] = NVIDIA_PROC_DIR) -> list[str]:
     """One entry per NVIDIA GPU on this machine: its UUID, or "" when the driver does not say."""
-    if proc_dir.is_dir():
+    if os.path.isdir(proc_dir):
+        from pathlib import Path  # here: 5 ms to import, for machines with NVIDIA GPUs only
+
         uuids = []
-        for entry in sorted(proc_dir.iterdir()):
+        for entry in sorted(Path(proc_dir).iterdir()):
             try:
-                match = _UUID_LINE.search((entry / "information").read_text(errors="replace"))
+                match = re.search(_UUID_LINE, (entry / "information").read_text(errors="replace"))
             except OSError:
                 match = None
             uuids.append(match.group(1) if match else "")
@@ -110,7 +112,7 @@ def _nvidia_smi_uuids() -> list[str]:
         return []
     uuids = []
     for line in out.stdout.splitlines():
-        match = _SMI_GPU_LINE.match(line)
+        match = re.match(_SMI_GPU_LINE, line)
         if match:  # "GPU 0: NAME (UUID: GPU-...)"; MIG lines are indented and skipped
             uuids.append(match.group(1) or "")
     return uuids

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass
 
 from protocol import (
     Assignment,
@@ -38,6 +37,7 @@ from protocol import (
     WorkersFailed,
     WorkersSucceeded,
 )
+from protocol.records import record
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
@@ -59,22 +59,22 @@ class Phase(enum.Enum):
 # --- events -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ServerSent:
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WorkersStarted:
     pids: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WorkersStartFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WorkersExited:
     """All workers exited 0 (failure=None), or the first one failed (the others may still run)."""
 
@@ -82,37 +82,37 @@ class WorkersExited:
     local_failures: tuple[Failure, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class WorkersStopped:
     local_failures: tuple[Failure, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ConnectionLost:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class SignalReceived:
     signum: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Reconnected:
     """A new connection to the server is up (hello exchanged)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ReconnectFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class HealthCheckFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Tick:
     pass
 
@@ -135,24 +135,24 @@ Event = (
 # --- effects ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class SendJoin:
     """Join the next round (the I/O layer fills in a fresh free master port)."""
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Send:
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Reconnect:
     """Connect to the server again, trying until ``deadline``; workers keep running."""
 
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class SendResume:
     """Tell the new connection which round we hold (the I/O layer adds our join)."""
 
@@ -160,23 +160,23 @@ class SendResume:
     succeeded: bool
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StartWorkers:
     assignment: Assignment
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StopWorkers:
     signum: int
     grace: float
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ForwardSignal:
     signum: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Exit:
     code: int
     reason: str
@@ -184,7 +184,7 @@ class Exit:
     local_failures: tuple[Failure, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Log:
     level: str
     text: str
@@ -197,7 +197,7 @@ class UnexpectedEvent(Exception):
     """A local bug: the I/O layer delivered an event the machine cannot be in a state for."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class AgentSettings:
     node_id: str
     addr: str  # the address this node reports (MASTER_ADDR when it has group rank 0)
@@ -210,7 +210,7 @@ class AgentSettings:
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
 
 
-@dataclass
+@record
 class AgentMachine:
     settings: AgentSettings
     phase: Phase = Phase.JOINING

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 import os
 import signal
@@ -43,11 +42,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal, TextIO
 
 from node_agent import procutil
 from node_agent.config import Std
+from protocol.records import record
 
 __all__ = [
     "DRAIN_TIMEOUT",
@@ -95,7 +94,7 @@ class WorkerSpawnError(SupervisorError):
         super().__init__(f"cannot start local_rank {local_rank}: {argv0}: {self.strerror}")
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class WorkerSpec:
     """Everything needed to start one worker; ``env`` is its whole environment."""
 
@@ -124,7 +123,7 @@ class WorkerSpec:
             raise ValueError(f"local_rank {self.local_rank}: stderr is redirected but stderr_path is not set")
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class WorkerExit:
     local_rank: int
     rank: int
@@ -140,7 +139,7 @@ class WorkerExit:
         return self.exitcode != 0
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class GroupResult:
     state: Literal["succeeded", "failed"]
     exits: tuple[WorkerExit, ...]  # every worker reaped so far, by local rank
@@ -310,7 +309,7 @@ def _file_tail(path: str) -> str:
         return ""
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class _Route:
     file: str | None  # the log file, if this stream is redirected or tee'd
     console: bool
@@ -330,6 +329,8 @@ def _route(spec: WorkerSpec, stream: Std) -> _Route:
 def _read_error_file(path: str, log: Callable[[str], None]) -> tuple[Mapping[str, Any] | None, str]:
     """torch's @record file: {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}."""
     try:
+        import json  # only a failure reads an error file
+
         with open(path, encoding="utf-8", errors="replace") as f:
             data = json.load(f)
     except FileNotFoundError:

@@ -23,7 +23,8 @@ Not set, as torchrun sets them only for features we do not have: ``TORCHELASTIC_
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from protocol.records import record
 
 from .config import AgentConfig, ConfigError
 
@@ -61,7 +62,7 @@ except Exception as e:
 """
 
 
-@dataclass(frozen=True, kw_only=True)
+@record(frozen=True, kw_only=True)
 class NodeAssignment:
     """What one rendezvous round gives this node."""
 

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields
 from typing import Any, ClassVar, TypeAlias
 
 from protocol.errors import InvalidField, VersionMismatch, describe
+from protocol.records import record
 
 __all__ = [
     "CLIENT_MESSAGES",
@@ -240,7 +241,7 @@ class _Schema:
 # --- nested records ----------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Failure(_Schema):
     """Which worker failed and how; nested inside WorkersFailed and JobFailed."""
 
@@ -259,7 +260,7 @@ class Failure(_Schema):
 # --- client -> server --------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Hello(_Schema):
     """First frame after MAGIC: the protocol versions the client speaks."""
 
@@ -268,7 +269,7 @@ class Hello(_Schema):
     software: str = field(metadata=_SOFTWARE)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Join(_Schema):
     """A node asks to take part in the job's next round."""
 
@@ -296,14 +297,14 @@ class Join(_Schema):
             raise self._invalid("max_nodes", f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Heartbeat(_Schema):
     """The node is alive; carries nothing, the arrival is the message."""
 
     TYPE: ClassVar[str] = "heartbeat"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class WorkersFailed(_Schema):
     """A worker of this node failed during ``round``."""
 
@@ -312,7 +313,7 @@ class WorkersFailed(_Schema):
     failure: Failure = field(metadata=_failure())
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class WorkersSucceeded(_Schema):
     """Every worker of this node exited 0 in ``round``."""
 
@@ -320,7 +321,7 @@ class WorkersSucceeded(_Schema):
     round: int = field(metadata=_COUNT)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Leave(_Schema):
     """The node is going away on purpose (not a failure)."""
 
@@ -331,7 +332,7 @@ class Leave(_Schema):
 # --- server -> client --------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Welcome(_Schema):
     """Reply to Hello: the version both sides will speak."""
 
@@ -343,7 +344,7 @@ class Welcome(_Schema):
     challenge: str = field(default="", metadata=_text(128))
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Waiting(_Schema):
     """The node is joined but the round has not formed yet."""
 
@@ -360,7 +361,7 @@ class Waiting(_Schema):
             raise self._invalid("max_nodes", f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Assignment(_Schema):
     """The round formed: this node's place in it and where to rendezvous."""
 
@@ -391,7 +392,7 @@ class Assignment(_Schema):
 # --- client -> server, after a lost connection ---------------------------------
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Resume(_Schema):
     """After a lost connection, in place of Join: the node's join and the round it holds.
 
@@ -406,7 +407,7 @@ class Resume(_Schema):
     succeeded: bool = field(default=False, metadata=_flag())
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Resumed(_Schema):
     """The server took the node back into ``round``; its workers go on untouched."""
 
@@ -416,7 +417,7 @@ class Resumed(_Schema):
     rebuilt: bool = field(default=False, metadata=_flag())  # the server had lost the round
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Restart(_Schema):
     """Stop the workers; a new round ``round`` is forming."""
 
@@ -426,7 +427,7 @@ class Restart(_Schema):
     restart_count: int = field(metadata=_COUNT)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class JobFailed(_Schema):
     """The job is over and failed; ``failure`` is the first failure, if any."""
 
@@ -435,7 +436,7 @@ class JobFailed(_Schema):
     failure: Failure | None = field(default=None, metadata=_failure(optional=True))
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Drain(_Schema):
     """Leave the job cleanly: stop the workers with SIGTERM (they may checkpoint), then Leave."""
 
@@ -443,7 +444,7 @@ class Drain(_Schema):
     reason: str = field(default="", metadata=_TEXT)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class GoingAway(_Schema):
     """The server is shutting down: keep the workers running, reconnect and resume.
 
@@ -455,14 +456,14 @@ class GoingAway(_Schema):
     reason: str = field(default="", metadata=_TEXT)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class JobDone(_Schema):
     """The job is over and every node succeeded."""
 
     TYPE: ClassVar[str] = "job_done"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@record(frozen=True, kw_only=True, slots=True)
 class Error(_Schema):
     """The peer broke the protocol; ``code`` is a ProtocolError code."""
 

@@ -19,7 +19,6 @@ connects. Keys must not be encrypted: nothing here may stop and prompt for a pas
 from __future__ import annotations
 
 import ssl
-from pathlib import Path
 
 __all__ = ["TLSConfigError", "client_context", "server_context", "verify_failure"]
 
@@ -64,7 +63,8 @@ def verify_failure(exc: ssl.SSLCertVerificationError) -> str:
 
 def _read(path: str, what: str, mark: bytes) -> None:
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as exc:
         raise TLSConfigError(f"cannot read the TLS {what} {path!r}: {exc.strerror or exc}") from None
     if mark not in data:

@@ -52,7 +52,6 @@ import struct
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ import msgpack
 
 from protocol import HEADER, Error, Heartbeat, Hello, ProtocolError, decode_payload, encode
 from protocol.auth import TokenTable
+from protocol.records import record
 
 from . import snapshot
 from .state import (
@@ -101,7 +101,7 @@ def frame(payload: bytes) -> bytes:
     return head + struct.pack("!I", zlib.crc32(payload, zlib.crc32(head))) + payload
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Scan:
     records: list[bytes]
     good_end: int  # offset just past the last good record
@@ -195,7 +195,7 @@ def _unpack(payload: bytes) -> dict[str, Any]:
 # --- the log ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Restored:
     """What ``StateLog.open`` found, for the start-up log line."""
 

@@ -37,7 +37,7 @@ import bisect
 import enum
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from protocol import (
     Assignment,
@@ -63,6 +63,7 @@ from protocol import (
     negotiate_version,
 )
 from protocol.auth import TokenTable, verify
+from protocol.records import record
 
 SOFTWARE = "rdzv-server/0.1"
 
@@ -70,26 +71,26 @@ SOFTWARE = "rdzv-server/0.1"
 # --- events -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Connected:
     conn: int
     peer: str
     challenge: str = ""  # a fresh random nonce, when the server asks for tokens
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Received:
     conn: int
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Disconnected:
     conn: int
     reason: str = "connection closed"
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Tick:
     """Delivered at (or after) :meth:`Rendezvous.next_deadline`."""
 
@@ -100,19 +101,19 @@ Event = Connected | Received | Disconnected | Tick
 # --- effects ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Send:
     conn: int
     msg: Message
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Close:
     conn: int
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class Log:
     level: str  # "info" | "warning" | "error"
     text: str
@@ -155,7 +156,7 @@ class LocalError(Exception):
     """A bug on our side: an event the machine cannot handle in its state."""
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Conn:
     id: int
     peer: str
@@ -166,7 +167,7 @@ class Conn:
     node_id: str | None = None
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Member:
     node_id: str
     conn: int
@@ -179,7 +180,7 @@ class Member:
     failures: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class JobSettings:
     min_nodes: int
     max_nodes: int
@@ -228,7 +229,7 @@ FINISHED_JOBS_KEPT = 50
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class JobEvent:
     """One line of a job's history, for the status API and dashboard."""
 
@@ -237,7 +238,7 @@ class JobEvent:
     text: str
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Stats:
     """Counters since the server started, for /metrics."""
 
@@ -258,7 +259,7 @@ class Stats:
         self.latency_count += 1
 
 
-@dataclass(slots=True)
+@record(slots=True)
 class Job:
     id: str
     settings: JobSettings
