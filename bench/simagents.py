@@ -57,7 +57,7 @@ CONNECT_RETRY = 0.05
 
 
 class SimAgent(asyncio.Protocol):
-    __slots__ = ("closed", "decoder", "index", "pool", "round", "transport", "world_size")
+    __slots__ = ("closed", "decoder", "index", "join_frame", "pool", "round", "transport", "world_size")
 
     def __init__(self, pool: Pool, index: int) -> None:
         self.pool = pool
@@ -67,6 +67,7 @@ class SimAgent(asyncio.Protocol):
         self.round = -1  # the round of the assignment held, -1 for none
         self.world_size = 0
         self.closed = False
+        self.join_frame = b""  # a node's Join is the same every round: encoded once per job
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -141,7 +142,8 @@ class Pool:
     def on_message(self, agent: SimAgent, msg: Message) -> None:
         if isinstance(msg, Welcome):
             self.t_last_welcome = time.time()
-            agent.send(self.join_msg(agent.index))
+            agent.join_frame = self.join_msg(agent.index)
+            agent.send(agent.join_frame)
             self.slots[agent.index % SLOTS].append(agent)
         elif isinstance(msg, Assignment):
             had = agent.round >= self._want_round
@@ -155,7 +157,7 @@ class Pool:
                     self._done.set_result(None)
         elif isinstance(msg, Restart):
             self.restarts += 1
-            agent.send(self.join_msg(agent.index))
+            agent.send(agent.join_frame)
         elif isinstance(msg, Error):
             self.note_error(f"{msg.code}: {msg.message}")
 

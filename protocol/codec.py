@@ -50,7 +50,7 @@ from protocol.errors import (
     UnknownMessageType,
     describe,
 )
-from protocol.messages import MESSAGE_TYPES, Failure, Message, negotiate_version
+from protocol.messages import MESSAGE_TYPES, Failure, Heartbeat, Message, negotiate_version
 
 __all__ = [
     "HEADER",
@@ -124,6 +124,12 @@ def encode(msg: Message) -> bytes:
 def encode_many(msgs: Iterable[Message]) -> bytes:
     """The frames for several messages, concatenated for a single write."""
     return b"".join(encode(msg) for msg in msgs)
+
+
+# Every agent sends one a second, and it has no fields: a frame of exactly these bytes decodes
+# to one shared instance (frozen, so sharing is safe) without msgpack or a constructor.
+_HEARTBEAT = Heartbeat()
+_HEARTBEAT_PAYLOAD = encode(_HEARTBEAT)[HEADER.size :]
 
 
 # --- decoding ----------------------------------------------------------------
@@ -208,6 +214,7 @@ class FrameDecoder:
                     raise ValueError(f"allowed maps {tag!r} to {cls!r}, which is not that message class")
         self._max = max_frame_size
         self._allowed = allowed
+        self._heartbeat_allowed = allowed is None or allowed.get(Heartbeat.TYPE) is Heartbeat
         self._need_magic = expect_magic
         self._buf = bytearray()
         self._error: ProtocolError | None = None
@@ -263,7 +270,11 @@ class FrameDecoder:
             start = pos + size
             if end - start < length:
                 break
-            out.append(decode_payload(buf[start : start + length], allowed=self._allowed))
+            payload = buf[start : start + length]
+            if payload == _HEARTBEAT_PAYLOAD and self._heartbeat_allowed:
+                out.append(_HEARTBEAT)
+            else:
+                out.append(decode_payload(payload, allowed=self._allowed))
             pos = start + length
         if pos:
             del buf[:pos]

@@ -133,6 +133,9 @@ class _Connection(asyncio.Protocol):
             self._close_now()
             return
         for msg in messages:
+            # A heartbeat that came in one read with other frames (a busy server reads late).
+            if type(msg) is Heartbeat and self.service._heartbeat(self.conn_id):
+                continue
             self.service._dispatch(Received(self.conn_id, msg))
             if self.transport is None or self.transport.is_closing():
                 return

@@ -325,7 +325,24 @@ def test_any_failure_inside_msgpack_is_a_malformed_frame(error, monkeypatch):
 
     monkeypatch.setattr(msgpack, "unpackb", unpackb)
     with pytest.raises(MalformedFrame, match=error.__name__):
-        FrameDecoder().feed(encode(Heartbeat()))
+        FrameDecoder().feed(encode(WorkersSucceeded(round=1)))
+
+
+def test_heartbeat_frames_decode_to_one_shared_instance_without_msgpack(monkeypatch):
+    def unpackb(*args, **kwargs):
+        raise AssertionError("a heartbeat frame went through msgpack")
+
+    monkeypatch.setattr(msgpack, "unpackb", unpackb)
+    decoder = FrameDecoder(allowed=CLIENT_MESSAGES, expect_magic=True)
+    first, second = decoder.feed(MAGIC + encode(Heartbeat()) * 2)
+    assert first == Heartbeat() and first is second
+    # The payload alone decides: an equal map spelled differently takes the general path.
+    monkeypatch.undo()
+    str8_key = b"\x81\xd9\x01t\xa9heartbeat"  # {"t": "heartbeat"}, the key as str8, not fixstr
+    assert msgpack.unpackb(str8_key) == {"t": "heartbeat"}
+    assert FrameDecoder().feed(frame(str8_key)) == [Heartbeat()]
+    with pytest.raises(UnknownMessageType):
+        FrameDecoder(allowed=SERVER_MESSAGES).feed(encode(Heartbeat()))
 
 
 def test_unknown_message_type():

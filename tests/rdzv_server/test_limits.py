@@ -142,11 +142,14 @@ def test_timeout_flags_are_checked(flag: str, value: str, capsys) -> None:
     assert flag in capsys.readouterr().err
 
 
-async def test_a_heartbeat_before_the_hello_is_still_a_protocol_error(limited) -> None:
-    # Heartbeats skip decoding on a fast path; that path must not skip the hello rule.
+@pytest.mark.parametrize("behind", ["alone", "hello behind it"])
+async def test_a_heartbeat_before_the_hello_is_still_a_protocol_error(limited, behind: str) -> None:
+    # Heartbeats skip decoding on a fast path, alone in a read or among other frames; neither
+    # path may skip the hello rule.
     _, port = limited
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(MAGIC + encode(Heartbeat()))
+    hello = encode(Hello(versions=(1,), software="t")) if behind != "alone" else b""
+    writer.write(MAGIC + encode(Heartbeat()) + hello)
     assert await asyncio.wait_for(reader.readexactly(len(MAGIC)), 5) == MAGIC
     rest = await asyncio.wait_for(reader.read(1 << 16), 5)
     (reply,) = FrameDecoder(allowed=SERVER_MESSAGES).feed(rest)
