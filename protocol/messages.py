@@ -234,6 +234,18 @@ class _Schema:
     def _check_relations(self) -> None:
         """Checks that span fields; runs after every field passed its own rule."""
 
+    def _copy_with(self, **changes: Any) -> Any:
+        """This message with ``changes``, not validated again.
+
+        For a sender that builds many messages alike (a round's Assignments differ only in
+        two counters) and keeps the changed values in bounds by construction: the first is
+        built, and so checked, by the constructor.
+        """
+        new = object.__new__(type(self))
+        for name, _ in self._CHECKS:
+            object.__setattr__(new, name, changes[name] if name in changes else getattr(self, name))
+        return new
+
     def _invalid(self, name: str, reason: str) -> InvalidField:
         return InvalidField(f"{self._PATH}.{name}", reason)
 

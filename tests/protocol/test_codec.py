@@ -345,6 +345,24 @@ def test_heartbeat_frames_decode_to_one_shared_instance_without_msgpack(monkeypa
         FrameDecoder(allowed=SERVER_MESSAGES).feed(encode(Heartbeat()))
 
 
+def test_a_repeated_join_decodes_once(monkeypatch):
+    decoder = FrameDecoder(allowed=CLIENT_MESSAGES)
+    (first,) = decoder.feed(encode(JOIN))
+
+    def unpackb(*args, **kwargs):
+        raise AssertionError("the same Join went through msgpack again")
+
+    monkeypatch.setattr(msgpack, "unpackb", unpackb)
+    again = decoder.feed(encode(JOIN) + encode(Heartbeat()) + encode(JOIN))
+    assert again == [JOIN, Heartbeat(), JOIN] and again[0] is first and again[2] is first
+    monkeypatch.undo()
+    other = dataclasses.replace(JOIN, nproc=JOIN.nproc + 1)
+    assert decoder.feed(encode(other)) == [other]
+    # An empty payload is not mistaken for a remembered one.
+    with pytest.raises(MalformedFrame):
+        FrameDecoder().feed(frame(b""))
+
+
 def test_unknown_message_type():
     with pytest.raises(UnknownMessageType) as info:
         decode_payload(packed({"t": "teleport", "to": "mars"}))

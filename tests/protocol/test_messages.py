@@ -526,3 +526,24 @@ def test_error_for_a_huge_value_stays_short():
     assert len(str(error)) < 200
     error = assert_invalid(Join, "nproc", 10**5000)
     assert "bits" in str(error)
+
+
+def test_copy_with_equals_the_validated_message() -> None:
+    kw = dict(
+        job_id="j",
+        round=2,
+        group_rank=0,
+        group_world_size=3,
+        rank_offset=0,
+        world_size=12,
+        master_addr="10.0.0.1",
+        master_port=29400,
+        restart_count=1,
+        max_restarts=3,
+    )
+    first = Assignment(**kw)
+    copy_ = first._copy_with(group_rank=2, rank_offset=8)
+    assert copy_ == Assignment(**{**kw, "group_rank": 2, "rank_offset": 8})
+    assert type(copy_) is Assignment and first.group_rank == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy_.round = 3
