@@ -205,9 +205,11 @@ async def serve(
     import asyncio
     import signal
 
+    from .listeners import ACCEPT_QUEUE, kernel_accept_cap, listeners_for
     from .service import RendezvousService
 
-    service = RendezvousService(http=True, tokens=tokens, tls=tls)
+    cap = kernel_accept_cap()
+    service = RendezvousService(http=True, tokens=tokens, tls=tls, listeners=listeners_for(ACCEPT_QUEUE, cap))
     if hello_timeout is not None:
         service.hello_timeout = hello_timeout
     if auth_timeout is not None:
@@ -227,6 +229,12 @@ async def serve(
     log = logging.getLogger("rdzv_server")
     where = "kept in memory only" if state_log is None else f"logged to {state_dir}"
     log.info("listening on %s:%d (agents and HTTP on the same port); state is %s", host, bound, where)
+    if service.listeners > 1:
+        log.info(
+            "accept queue: %d sockets on the port, %d connections each (net.core.somaxconn)",
+            service.listeners,
+            cap,
+        )
     if state_log is None:
         log.warning("no --state-dir: if this server dies, it rebuilds jobs from their agents at best")
     else:

@@ -39,6 +39,7 @@ from protocol import (
 )
 from protocol.auth import TokenTable
 
+from .listeners import check_port_free
 from .state import Close, Connected, Disconnected, Effect, Log, Received, Rendezvous, Send, Tick
 
 if TYPE_CHECKING:
@@ -233,8 +234,13 @@ class RendezvousService:
         auth_timeout: float = AUTH_TIMEOUT,
         write_buffer_limit: int = WRITE_BUFFER_LIMIT,
         tls: ssl.SSLContext | None = None,
+        listeners: int = 1,
     ) -> None:
         self.tls = tls  # None: plain TCP; else the port speaks only TLS
+        # Sockets sharing the port (SO_REUSEPORT), for an accept queue a join storm of
+        # thousands fits in (listeners.py). Embedded servers keep 1: agents racing to host
+        # one must see a plain bind fail.
+        self.listeners = listeners
         self.max_connections = max_connections
         self.max_per_address = max_per_address
         self.hello_timeout = hello_timeout
@@ -249,7 +255,7 @@ class RendezvousService:
         self.http_enabled = http
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
         self._http_runner: object | None = None
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._conns: dict[int, _Connection] = {}
         self._next_id = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -292,13 +298,26 @@ class RendezvousService:
             runner = await make_http_runner(self)
             self._http_runner = runner
             self.http_factory = runner.server  # type: ignore[attr-defined]
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(
+        shared = self.listeners > 1
+        if shared:
+            check_port_free(host, port)  # SO_REUSEPORT alone would let us share a taken port
+        try:
+            for _ in range(self.listeners):
+                self._servers.append(await self._listen(host, port, shared))
+                port = self.port  # the others join the first one's port (port 0 picked it)
+        except BaseException:
+            self._close_listeners()
+            raise
+        return self.port
+
+    async def _listen(self, host: str | None, port: int, shared: bool) -> asyncio.Server:
+        server = await asyncio.get_running_loop().create_server(
             self._make_connection,
             host=host or None,
             port=port,
-            backlog=4096,
+            backlog=65535,  # the kernel caps it at net.core.somaxconn: ask for all it allows
             reuse_address=True,
+            reuse_port=shared or None,
             ssl=self.tls,
             # A handshake happens before connection_made, so before the hello timer starts.
             ssl_handshake_timeout=self.hello_timeout if self.tls is not None else None,
@@ -308,26 +327,28 @@ class RendezvousService:
             # instead of raising: report it as the port being taken.
             server.close()
             raise OSError(errno.EADDRINUSE, f"port {port} is already in use")
-        self._server = server
-        return self.port
+        return server
+
+    def _close_listeners(self) -> None:
+        for server in self._servers:
+            server.close()
 
     @property
     def port(self) -> int:
-        assert self._server is not None and self._server.sockets
-        return self._server.sockets[0].getsockname()[1]
+        assert self._servers and self._servers[0].sockets
+        return self._servers[0].sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         """Stop listening, close every connection and the HTTP side."""
-        if self._server is not None:
-            self._server.close()
+        self._close_listeners()
         for c in list(self._conns.values()):
             c.close()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        servers, self._servers = self._servers, []
+        for server in servers:
+            await server.wait_closed()
         if self._http_runner is not None:
             await self._http_runner.cleanup()  # type: ignore[attr-defined]
             self._http_runner = None
@@ -410,8 +431,7 @@ class RendezvousService:
         Agents keep their workers and reconnect (to the next server process on this port);
         with a state dir that server resumes their rounds. Each step is logged once.
         """
-        if self._server is not None:
-            self._server.close()
+        self._close_listeners()
         logger.info("draining (%s): no new connections or joins", reason)
         now = self.clock()
         effects = self.machine.going_away(reason, now)
