@@ -16,7 +16,7 @@ from protocol import (
     WorkersFailed,
     WorkersSucceeded,
 )
-from rdzv_server.state import Connected, JobPhase, Received
+from rdzv_server.state import JOIN_LINES, JOIN_LOG_WINDOW, Connected, JobPhase, Received
 
 from .harness import Harness, failure
 
@@ -471,3 +471,31 @@ def test_resume_of_a_node_the_server_dropped_means_join_again() -> None:
     _resume(h, b2, held[b], "node2", **kw)
     rs = h.last(b2, Restart)
     assert rs is not None and "join again" in rs.reason
+
+
+def test_a_join_storm_logs_its_first_joins_then_one_summary_before_the_round() -> None:
+    h = Harness()
+    conns = [h.join(min_nodes=100, max_nodes=100, nproc=1) for _ in range(100)]
+    assert len(assignments(h, conns)) == 100
+    single = [line for line in h.logs if " joined (" in line]
+    assert len(single) == JOIN_LINES
+    summary = [i for i, line in enumerate(h.logs) if "more nodes" in line]
+    assert len(summary) == 1
+    assert h.logs[summary[0]] == "job job: 80 more nodes (node21 ... node100) joined; 100 of 100"
+    # The summary comes before the round it completed, and the history still has every join.
+    assert summary[0] < next(i for i, line in enumerate(h.logs) if "round 0" in line)
+    assert sum(e.kind == "joined" for e in h.machine.jobs["job"].history) == 100
+
+
+def test_joins_beyond_the_lines_of_a_second_are_summed_up_when_it_ends() -> None:
+    h = Harness()
+    for _ in range(JOIN_LINES + 10):
+        h.join(min_nodes=1, max_nodes=200, last_call_timeout=30.0)
+    assert sum(" joined (" in line for line in h.logs) == JOIN_LINES
+    assert not any("more nodes" in line for line in h.logs)
+    assert h.machine.next_deadline() == JOIN_LOG_WINDOW  # before the 30 s last call
+    h.advance(JOIN_LOG_WINDOW)
+    assert h.logs[-1] == "job job: 10 more nodes (node21 ... node30) joined; 30 of 1:200"
+    h.advance(0.5)
+    h.join(min_nodes=1, max_nodes=200, last_call_timeout=30.0, node="late")
+    assert h.logs[-1].startswith("job job: node late (") and h.logs[-1].endswith("joined (31 of 1:200)")
