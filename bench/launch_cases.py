@@ -97,6 +97,12 @@ def standalone(trial: Trial, launcher: str, script: str) -> dict[str, float]:
     out = {"start": max(e["t"] for e in _of(evs, "start")) - p.t_launch}
     if gloo:
         out["ready"] = max(e["t"] for e in _of(evs, "ready")) - p.t_launch
+        # The worker's own part, which no launcher can shorten: its import torch, and all of
+        # start -> ready (import, init_process_group, all_reduce), for the slowest rank.
+        started = _by_rank(_of(evs, "start"))
+        for key, ev in (("import", "imported"), ("own", "ready")):
+            done = _by_rank(_of(evs, ev))
+            out[key] = max(done[r] - started[r] for r in done if r in started)
     _require_exit(trial, [p], "standalone")
     assert p.t_exit is not None
     out["wall"] = p.t_exit - p.t_launch

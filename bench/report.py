@@ -170,6 +170,7 @@ SCALE_SERIES = {
     "cold join storm": "cold join storm (M:M)",
     "join storm into an elastic job": "join storm, elastic job (1:M)",
     "1 % close their sockets": "re-rendezvous after 1 % drop",
+    "floor: plain socket.send": "floor: M plain sends (no protocol)",
 }
 
 

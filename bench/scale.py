@@ -10,7 +10,8 @@ One trial, for one M:
 4. everyone disconnects, then a second storm into an elastic job (``min 1, max M``): it
    forms when all M are in;
 5. re-rendezvous: 1 % of the agents close their sockets; the survivors get Restart, join
-   again and get the next round's Assignment; timed from the driver's stamp.
+   again and get the next round's Assignment; timed from the driver's stamp;
+6. with the agents gone, the floor under that: plain sends to M sockets (``send_floor.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import urllib.request
 from typing import Any
 
+from . import send_floor
 from .launch_cases import start_server
 from .procs import Trial, TrialFailed, cpu_seconds, rss_mb, status_kb
 
@@ -135,7 +137,8 @@ def scale_trial(trial: Trial, m: int, procs: int | None = None) -> dict[str, flo
     srv, port = start_server(trial)
     pid = srv.pid
     out: dict[str, float] = {"rss_idle": rss_mb(pid)}
-    clients = Clients(trial, port, m, procs or client_procs(m))
+    procs = procs or client_procs(m)
+    clients = Clients(trial, port, m, procs)
     bound = 30.0 + m / 200  # generous: a bound, not a target
     try:
         # 2. cold join storm, --nnodes M:M
@@ -188,4 +191,6 @@ def scale_trial(trial: Trial, m: int, procs: int | None = None) -> dict[str, flo
         out["rss_peak"] = status_kb(pid, "VmHWM") / 1024
     finally:
         clients.stop()
+    # 6. what the kernel alone costs for one of the re-rendezvous's two rounds of sends
+    out["send_floor"] = send_floor.measure(m, procs)
     return out

@@ -226,6 +226,7 @@ async def serve(
         if state_log is not None:
             state_log.close()
         return EXIT_ERROR
+    tune_gc()
     log = logging.getLogger("rdzv_server")
     where = "kept in memory only" if state_log is None else f"logged to {state_dir}"
     log.info("listening on %s:%d (agents and HTTP on the same port); state is %s", host, bound, where)
@@ -560,6 +561,22 @@ def format_job(job: dict[str, Any]) -> str:
 
 
 # --- main ---------------------------------------------------------------------------------
+
+
+def tune_gc() -> None:
+    """Collect garbage the way a daemon holding many connections needs.
+
+    With 10,000 agents the collector tracks some 400,000 objects; at Python's default
+    thresholds one benchmark trial (two join storms, heartbeats, a re-rendezvous) ran 4 full
+    collections of 50-120 ms and spent 0.5 s in the collector, while it found 1,500 objects of
+    cyclic garbage in all. So: the young generation is collected every 20,000 allocations (not
+    700; the same objects are examined, fewer survive into the middle one), which makes full
+    collections rare, and what start-up made (modules, the HTTP app) is left out of them.
+    """
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,6 +18,7 @@ EXPECTED = [
     ("7. scale: 100 simulated agents (ours only)", "1 % close their sockets"),
     ("7. scale: 100 simulated agents (ours only)", "server RSS"),
     ("7. scale: 100 simulated agents (ours only)", "heartbeats per second"),
+    ("7. scale: 100 simulated agents (ours only)", "floor: plain socket.send"),
 ]
 
 
