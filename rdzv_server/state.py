@@ -226,7 +226,10 @@ def _range(lo: int, hi: int) -> str:
 HISTORY_LEN = 200
 # A job's "joined" lines: one each for the first JOIN_LINES joins in a second, then one line a
 # second for the rest. A 10,000-node join storm logged line by line cost the server 15 % of its
-# CPU, and nobody reads 10,000 lines; the job's history still holds every join.
+# CPU, and nobody reads 10,000 lines; the job's history still holds every join. The summary
+# goes out with the job's next event or the next Tick after its second: the heartbeat sweep
+# ticks every heartbeat_timeout / 4 while nodes are joined. It is no deadline of its own: the
+# etcd backend's agents would race to log a tick for a line nobody prints there.
 JOIN_LINES = 20
 JOIN_LOG_WINDOW = 1.0
 RESUME_WINDOW = 10.0  # how long a rebuilt round waits for every node to come back
@@ -382,7 +385,6 @@ class Rendezvous:
     def next_deadline(self) -> float | None:
         """The earliest time at which a Tick would change something."""
         deadlines = [j.last_call_deadline for j in self.jobs.values() if j.last_call_deadline is not None]
-        deadlines += [j.join_window_end for j in self.jobs.values() if j.joins_unlogged]
         if self._next_sweep is not None:
             deadlines.append(self._next_sweep)
         if self.resume_deadline is not None:
