@@ -94,6 +94,21 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
             ),
             Variant(
                 c1,
+                "floor",
+                lc.python_floor,
+                [
+                    Metric(
+                        "start",
+                        "floor: python imports asyncio, starts 2 no-import workers (no agent): "
+                        "launch → both started",
+                    )
+                ],
+                launchers=("ours",),
+                compare_with="noimport",
+                smoke=True,
+            ),
+            Variant(
+                c1,
                 "gloo",
                 functools.partial(lc.standalone, script="gloo_once.py"),
                 [
@@ -591,7 +606,9 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
 --rdzv-endpoint 127.0.0.1:PORT --rdzv-id job --local-addr 127.0.0.1`, PORT a free port):
 
 1. `L --standalone --nproc-per-node 2 noimport.py` and `… gloo_once.py` (import torch,
-   `init_process_group("gloo")`, one all_reduce). The worker's own rows are its `imported` and
+   `init_process_group("gloo")`, one all_reduce). The floor row is no launcher: `python -c`
+   that imports asyncio and starts the two no-import workers with `subprocess`, the least a
+   launcher in Python with asyncio costs here. The worker's own rows are its `imported` and
    `ready` events less its `start`, for the slowest rank: no launcher can shorten its import.
    The rest of "own" differs: torchrun's agent hosts the workers' TCPStore
    (`TORCHELASTIC_USE_AGENT_STORE=True`), ours leaves it to rank 0, so a rank that finishes its

@@ -109,6 +109,27 @@ def standalone(trial: Trial, launcher: str, script: str) -> dict[str, float]:
     return out
 
 
+# The least a launcher written in Python with asyncio can take here: its interpreter and the
+# asyncio import, then two no-import workers started one after the other (no rendezvous, no
+# supervision). What node-agent adds on top is its own work.
+FLOOR_LAUNCHER = """
+import asyncio, subprocess, sys
+ws = [subprocess.Popen([sys.executable, "-u", sys.argv[1]], env=dict(__import__("os").environ, RANK=str(r)))
+      for r in range(2)]
+sys.exit(max(w.wait() for w in ws))
+"""
+
+
+def python_floor(trial: Trial, launcher: str) -> dict[str, float]:
+    p = trial.launch("floor", [sys.executable, "-c", FLOOR_LAUNCHER, worker("noimport.py")])
+    evs = trial.until_events(
+        "2 workers start", lambda e: e if len(_of(e, "start")) >= 2 else None, LAUNCH_BOUND
+    )
+    out = {"start": max(e["t"] for e in _of(evs, "start")) - p.t_launch}
+    _require_exit(trial, [p], "python floor")
+    return out
+
+
 # --- 2. N-node rendezvous -------------------------------------------------------------------
 
 

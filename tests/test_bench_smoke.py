@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (case, a words of the metric label) the smoke run must report with positive numbers
 EXPECTED = [
     ("1. standalone launch", "launch → all workers started"),
+    ("1. standalone launch", "floor: python imports asyncio"),
     ("2. N-node rendezvous", "N=2, agents host the rendezvous"),
     ("3. restart after a worker failure", "failure → every rank's replacement running"),
     ("7. scale: 100 simulated agents (ours only)", "cold join storm"),
