@@ -172,6 +172,7 @@ def systemd_argv(exec_start: str, env: Mapping[str, str]) -> list[str]:
 
 def systemd_commands() -> Iterator[Command]:
     env = read_env_file(SYSTEMD / "node-agent.env.example")
+    env["STATE_DIRECTORY"] = "/var/lib/rdzv-server"  # what systemd sets for StateDirectory=rdzv-server
     for unit in sorted(SYSTEMD.glob("*.service")):
         for value in read_unit(unit)["Service"]["ExecStart"]:
             yield Command(f"{unit.name} ExecStart", tuple(systemd_argv(value, env)))
@@ -197,6 +198,11 @@ def test_the_server_unit_is_a_hardened_dynamic_user_service() -> None:
     }
     assert {key: service.get(key, [None])[-1] for key in expected} == expected
     assert "@system-service" in service["SystemCallFilter"]
+    # ... and keeps its jobs there: a restart of the server resumes them.
+    server = check_rdzv_server(
+        next(c for c in systemd_commands() if c.source == "rdzv-server.service ExecStart")
+    )
+    assert server.state_dir == "/var/lib/rdzv-server"
 
 
 def test_the_agent_template_takes_its_command_from_the_instances_file(tmp_path: Path) -> None:
@@ -435,6 +441,7 @@ def test_the_server_is_one_pod_behind_a_service_with_its_state_volume(tmp_path: 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     server = next(c for c in kubernetes_commands() if c.program == "rdzv-server")
     port = check_rdzv_server(server).port
+    assert check_rdzv_server(server).state_dir == mount["mountPath"]  # its jobs live on the volume
     (service_port,) = service["spec"]["ports"]
     assert ports[service_port["targetPort"]] == port == service_port["port"] == DEFAULT_RDZV_PORT
     for probe in ("readinessProbe", "livenessProbe"):
