@@ -223,6 +223,24 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
                 smoke=nodes == 1,
             )
         )
+        if nodes == 1:
+            out["restart"].append(
+                Variant(
+                    c3,
+                    "restart-floor",
+                    lc.restart_floor,
+                    [
+                        Metric(
+                            "all",
+                            "floor: a python parent reaps rank 0, stops rank 1, starts both again "
+                            "(no agent): failure → both running",
+                        )
+                    ],
+                    launchers=("ours",),
+                    compare_with="restart1",
+                    smoke=True,
+                )
+            )
     for m in scale_ms:
         big = m >= 10_000
         out["scale"].append(
@@ -622,7 +640,9 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
 3. `L --standalone --nproc-per-node 2 --max-restarts 1 fail_once.py`, and twice `L --nnodes 2
    --nproc-per-node 1 C10D --max-restarts 1 fail_once.py`. Rank 0 exits 1 one second after it
    starts (a marker file, not `TORCHELASTIC_RESTART_COUNT`, tells a replacement); timed from its
-   `fail` event to the `start` of every rank's replacement.
+   `fail` event to the `start` of every rank's replacement. The floor row is no launcher: `python
+   -c` that waits for rank 0, SIGTERMs and reaps rank 1 and starts both again with `subprocess`
+   (vfork), the least a restart of two Python workers costs here.
 4. `L --nnodes 1:2 --nproc-per-node 1 C10D --rdzv-conf last_call_timeout=1 idle.py`: agent 1
    alone; 2 s after its worker runs, agent 2; timed from agent 2's launch to a WORLD_SIZE=2 worker
    on both nodes. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set for both launchers (node-agent

@@ -170,7 +170,32 @@ def restart(trial: Trial, launcher: str, nodes: int) -> dict[str, float]:
         port = free_port()
         argv = [exe(launcher), *c10d(port, str(nodes)), "--max-restarts", "1", worker("fail_once.py")]
         agents = [trial.launch(f"agent{i}", argv) for i in range(nodes)]
-    world = 2
+    return _replacements(trial, agents, world=2)
+
+
+# The least a restart costs here: a plain Python parent that waits for rank 0's exit, stops
+# rank 1 (SIGTERM, reap) and starts both again with subprocess (vfork). No rendezvous, no
+# PDEATHSIG (which makes each spawn a fork), no output pumps.
+RESTART_FLOOR = """
+import os, signal, subprocess, sys
+def start():
+    return [subprocess.Popen([sys.executable, "-u", sys.argv[1]], env=dict(os.environ, RANK=str(r)))
+            for r in range(2)]
+ws = start()
+ws[0].wait()
+ws[1].send_signal(signal.SIGTERM)
+ws[1].wait()
+sys.exit(max(w.wait() for w in start()))
+"""
+
+
+def restart_floor(trial: Trial, launcher: str) -> dict[str, float]:
+    p = trial.launch("floor", [sys.executable, "-c", RESTART_FLOOR, worker("fail_once.py")])
+    return _replacements(trial, [p], world=2)
+
+
+def _replacements(trial: Trial, procs: list[Launched], world: int) -> dict[str, float]:
+    """From rank 0's ``fail`` event to the ``start`` of the first and of every replacement."""
 
     def replaced(evs: Events) -> tuple[float, dict[int, float]] | None:
         fails = _of(evs, "fail")
@@ -181,7 +206,7 @@ def restart(trial: Trial, launcher: str, nodes: int) -> dict[str, float]:
         return (t_fail, new) if len(new) >= world else None
 
     t_fail, new = trial.until("failure, then every rank replaced", lambda: replaced(trial.events()), 120)
-    _require_exit(trial, agents, "restart")
+    _require_exit(trial, procs, "restart")
     return {"first": min(new.values()) - t_fail, "all": max(new.values()) - t_fail}
 
 

@@ -15,6 +15,7 @@ EXPECTED = [
     ("1. standalone launch", "floor: python imports asyncio"),
     ("2. N-node rendezvous", "N=2, agents host the rendezvous"),
     ("3. restart after a worker failure", "failure → every rank's replacement running"),
+    ("3. restart after a worker failure", "floor: a python parent reaps rank 0"),
     ("7. scale: 100 simulated agents (ours only)", "cold join storm"),
     ("7. scale: 100 simulated agents (ours only)", "1 % close their sockets"),
     ("7. scale: 100 simulated agents (ours only)", "server RSS"),
