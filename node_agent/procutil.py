@@ -9,7 +9,7 @@ agent any more: torchrun's workers survive a SIGKILL of their agent.  We close t
   worker the moment the agent's spawning thread dies, however it dies.  It does not reach the
   worker's own children, and it is tied to the *thread* that forked, so the event loop that
   spawns workers must live as long as the agent (the main thread, in practice).
-* A watchdog process (this file run as a script, one per ``WorkerGroup.start()``).  It holds the
+* A watchdog process (this file run as a script, one per worker group, kept across restarts).  It holds the
   read end of a pipe whose only write end is in the agent, learns the workers' process-group
   ids through it, and on EOF -- which the kernel delivers when the agent dies, even by SIGKILL --
   SIGKILLs those groups, grandchildren included.  A clean stop sends ``q`` instead and the

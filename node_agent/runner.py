@@ -432,7 +432,8 @@ class Agent:
             self._wait_task = None
 
         async def stop() -> None:
-            await self.group.stop(grace=grace, sig=signum)
+            # The watchdog stays for the next attempt's workers; the run's last stop ends it.
+            await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
             self.events.put_nowait(st.WorkersStopped())
 
         self._stop_task = self._spawn(stop())

@@ -448,6 +448,12 @@ class _Watchdog:
     def __init__(self, fd: int, proc: subprocess.Popen[bytes]) -> None:
         self._fd: int | None = fd
         self.proc = proc
+        self.guarded: set[int] = set()  # process groups it would kill if we died now
+
+    @property
+    def usable(self) -> bool:
+        """It can guard more groups: we hold its pipe and it has not exited."""
+        return self._fd is not None and self.proc.poll() is None
 
     @property
     def pid(self) -> int:
@@ -484,9 +490,11 @@ class _Watchdog:
             self._close()
 
     def guard(self, pgid: int, log: Callable[[str], None]) -> None:
+        self.guarded.add(pgid)
         self._send(procutil.encode_guard(pgid), log)
 
     def forget(self, pgid: int, log: Callable[[str], None]) -> None:
+        self.guarded.discard(pgid)
         self._send(procutil.encode_forget(pgid), log)
 
     def release(self, log: Callable[[str], None]) -> None:
@@ -548,7 +556,12 @@ async def _wait_pids_dead(pids: Iterable[int], timeout: float) -> list[int]:
 
 class WorkerGroup:
     """A node's workers.  ``start``, then ``wait`` and/or ``stop``; after ``stop`` the group can
-    ``start`` the next attempt's workers (each start gets fresh state and a fresh watchdog).
+    ``start`` the next attempt's workers (each start gets fresh state).
+
+    ``stop(keep_watchdog=True)`` (the agent's stop before a restart) leaves the watchdog running
+    for the next ``start``, guarding nothing once the old groups are gone: a fresh one per
+    attempt was a third Python interpreter starting beside the two new workers, 8 ms of a
+    1-node restart measured on 2 cores.  A plain ``stop()`` (the last) releases it.
 
     ``guard_orphans=False`` turns off PDEATHSIG and the watchdog (for measuring their cost; a
     real agent keeps them on).
@@ -591,16 +604,18 @@ class WorkerGroup:
         if self._started and self._stopped is None:
             if any(not w.exited.done() for w in self._workers):
                 raise RuntimeError("WorkerGroup.start() while the previous workers run; stop() them first")
-            await self.stop(grace=0.0)
+            await self.stop(grace=0.0, keep_watchdog=True)
         self._started = True
         self._workers = []
-        self._watchdog = None
         self._stopped = None
         loop = asyncio.get_running_loop()
         try:
             preexec = None
             if self._guard_orphans:
-                self._watchdog = _Watchdog.start(self._log)
+                if self._watchdog is None or not self._watchdog.usable:
+                    if self._watchdog is not None:
+                        await self._watchdog.wait_closed(REAP_TIMEOUT, self._log)
+                    self._watchdog = _Watchdog.start(self._log)
                 preexec = procutil.pdeathsig_preexec()
             for spec in specs:
                 worker = _Worker(spec, loop)
@@ -636,10 +651,16 @@ class WorkerGroup:
         return self._result()
 
     async def stop(
-        self, *, grace: float, sig: int = signal.SIGTERM, reap_timeout: float = REAP_TIMEOUT
+        self,
+        *,
+        grace: float,
+        sig: int = signal.SIGTERM,
+        reap_timeout: float = REAP_TIMEOUT,
+        keep_watchdog: bool = False,
     ) -> GroupResult:
         """Stop every worker and everything in their process groups (policy: module header).
-        Idempotent; the second call returns the first call's result."""
+        Idempotent; the second call returns the first call's result (and, without
+        ``keep_watchdog``, releases a watchdog the first one kept)."""
         async with self._stop_lock:
             if self._stopped is None:
                 try:
@@ -647,6 +668,8 @@ class WorkerGroup:
                 except asyncio.CancelledError:
                     self._kill_now()
                     raise
+            if not keep_watchdog:
+                await self._end_watchdog(reap_timeout)
             return self._stopped
 
     def send_signal(self, sig: int) -> None:
@@ -774,14 +797,18 @@ class WorkerGroup:
                 w.on_eof(fd)
             if w.transport is not None:
                 w.transport.close()
-        result = self._result()
-        if self._watchdog is not None:
-            if all(w.exited.done() for w in workers):
-                self._watchdog.release(self._log)
-            else:  # a worker in uninterruptible sleep: let the watchdog keep trying when we exit
-                self._watchdog.fire()
-            await self._watchdog.wait_closed(reap_timeout, self._log)
-        return result
+        return self._result()
+
+    async def _end_watchdog(self, reap_timeout: float) -> None:
+        """Let the watchdog go, and reap it (a later ``start`` makes a new one)."""
+        watchdog = self._watchdog
+        if watchdog is None or watchdog.proc.returncode is not None:
+            return
+        if watchdog.guarded:  # a worker in uninterruptible sleep: let it keep trying when we exit
+            watchdog.fire()
+        else:
+            watchdog.release(self._log)
+        await watchdog.wait_closed(reap_timeout, self._log)
 
     async def _kill_leftovers(self, timeout: float) -> None:
         """SIGKILL whatever is still alive in the workers' process groups and wait for it to die."""

@@ -557,12 +557,14 @@ async def test_stderr_tail_is_the_message_without_an_error_file(
 # --- agent death ----------------------------------------------------------------------------------
 
 
-async def test_sigkill_of_the_agent_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("restarted", [False, True], ids=["first-attempt", "after-a-restart"])
+async def test_sigkill_of_the_agent_leaves_no_process(tmp_path: Path, restarted: bool) -> None:
     out_path = tmp_path / "pids.json"
     agent = await asyncio.create_subprocess_exec(
         sys.executable,
         str(WORKERS / "agent_main.py"),
         str(out_path),
+        *(["restarted"] if restarted else []),
         stdout=subprocess.PIPE,
         env={**os.environ, MARK_VAR: MARK},
     )
@@ -573,6 +575,8 @@ async def test_sigkill_of_the_agent_leaves_no_process(tmp_path: Path) -> None:
         pids = json.loads(out_path.read_text())
         everyone = [*pids["workers"], *pids["grandchildren"], pids["watchdog"]]
         assert len(pids["grandchildren"]) == 4 and all(alive(p) for p in everyone)
+        if restarted:  # the second attempt's workers are guarded by the first one's watchdog
+            assert pids["first_watchdog"] == pids["watchdog"]
     finally:
         agent.kill()
         await agent.wait()
@@ -660,3 +664,18 @@ def test_spec_requires_paths_for_redirected_streams() -> None:
         spec(0, ["x"], tee=Std.ERR)
     with pytest.raises(ValueError, match="empty argv"):
         spec(0, [])
+
+
+async def test_a_restart_keeps_the_watchdog_and_the_last_stop_ends_it(make_group: GroupFactory) -> None:
+    group = make_group()
+    await group.start([spec(0, py("block.py"))])
+    watchdog = group._watchdog
+    assert watchdog is not None
+    await group.stop(grace=1.0, keep_watchdog=True)
+    assert watchdog.proc.poll() is None and not watchdog.guarded  # idle, guarding nothing
+    await group.start([spec(0, py("block.py")), spec(1, py("block.py"))])
+    assert group._watchdog is watchdog and watchdog.guarded == set(group.pids.values())
+    await group.stop(grace=1.0)
+    assert watchdog.proc.returncode == 0  # released, not fired: it killed nothing
+    await group.start([spec(0, py("block.py"))])  # a group stopped for good can still start again
+    assert group._watchdog is not watchdog and group._watchdog is not None
