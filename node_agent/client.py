@@ -162,6 +162,10 @@ async def connect(
         await _start_tls(writer, tls, host, port, handshake_timeout)
     conn = Connection(reader, writer, version=0)
     try:
+        if writer.transport.is_closing():
+            # Reset between connect and hello (a server dying, or one still starting): uvloop
+            # raises RuntimeError on the write below, plain asyncio drops it. A closed hello.
+            raise ConnectionResetError("the connection was reset before the hello")
         writer.write(MAGIC + encode(Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE)))
         first = await asyncio.wait_for(_first_message(conn), timeout=handshake_timeout)
     except asyncio.TimeoutError:
