@@ -112,12 +112,13 @@ def standalone(trial: Trial, launcher: str, script: str) -> dict[str, float]:
 # The least a launcher written in Python with asyncio can take here: its interpreter and the
 # asyncio import, then two no-import workers started one after the other (no rendezvous, no
 # supervision). What node-agent adds on top is its own work.
-FLOOR_LAUNCHER = """
-import asyncio, subprocess, sys
-ws = [subprocess.Popen([sys.executable, "-u", sys.argv[1]], env=dict(__import__("os").environ, RANK=str(r)))
-      for r in range(2)]
-sys.exit(max(w.wait() for w in ws))
+_START_TWO = """
+import os, subprocess, sys
+def start():
+    return [subprocess.Popen([sys.executable, "-u", sys.argv[1]], env=dict(os.environ, RANK=str(r)))
+            for r in range(2)]
 """
+FLOOR_LAUNCHER = "import asyncio" + _START_TWO + "sys.exit(max(w.wait() for w in start()))\n"
 
 
 def python_floor(trial: Trial, launcher: str) -> dict[str, float]:
@@ -176,17 +177,16 @@ def restart(trial: Trial, launcher: str, nodes: int) -> dict[str, float]:
 # The least a restart costs here: a plain Python parent that waits for rank 0's exit, stops
 # rank 1 (SIGTERM, reap) and starts both again with subprocess (vfork). No rendezvous, no
 # PDEATHSIG (which makes each spawn a fork), no output pumps.
-RESTART_FLOOR = """
-import os, signal, subprocess, sys
-def start():
-    return [subprocess.Popen([sys.executable, "-u", sys.argv[1]], env=dict(os.environ, RANK=str(r)))
-            for r in range(2)]
-ws = start()
+RESTART_FLOOR = (
+    "import signal"
+    + _START_TWO
+    + """ws = start()
 ws[0].wait()
 ws[1].send_signal(signal.SIGTERM)
 ws[1].wait()
 sys.exit(max(w.wait() for w in start()))
 """
+)
 
 
 def restart_floor(trial: Trial, launcher: str) -> dict[str, float]:

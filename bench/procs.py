@@ -49,6 +49,12 @@ def raise_nofile_limit() -> int:
     return hard
 
 
+def shares(m: int, procs: int) -> list[int]:
+    """``m`` agents (or sockets) over at most ``procs`` processes, as evenly as ceil allows."""
+    per = -(-m // procs)
+    return [min(per, m - i * per) for i in range(procs) if m - i * per > 0]
+
+
 def free_port() -> int:
     import socket
 

@@ -17,7 +17,6 @@ One trial, for one M:
 from __future__ import annotations
 
 import json
-import math
 import os
 import select
 import subprocess
@@ -28,7 +27,7 @@ from typing import Any
 
 from . import send_floor
 from .launch_cases import start_server
-from .procs import Trial, TrialFailed, cpu_seconds, rss_mb, status_kb
+from .procs import Trial, TrialFailed, cpu_seconds, rss_mb, shares, status_kb
 
 HB_WINDOW = 5.0
 
@@ -39,12 +38,8 @@ class Clients:
     def __init__(self, trial: Trial, port: int, m: int, procs: int) -> None:
         self.trial = trial
         self.popens: list[subprocess.Popen[bytes]] = []
-        per = math.ceil(m / procs)
         first = 0
-        for i in range(procs):
-            count = min(per, m - first)
-            if count <= 0:
-                break
+        for i, count in enumerate(shares(m, procs)):
             argv = [sys.executable, "-m", "bench.simagents", "--port", str(port), "--count", str(count)]
             argv += ["--first", str(first)]
             p = trial.launch(f"sim{i}", argv, pipes=True).popen

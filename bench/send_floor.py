@@ -13,7 +13,6 @@ Run as a module, it is one receiver: ``python -m bench.send_floor --port P --cou
 from __future__ import annotations
 
 import argparse
-import math
 import selectors
 import socket
 import subprocess
@@ -22,7 +21,7 @@ import time
 
 from protocol import Restart, encode
 
-from .procs import raise_nofile_limit
+from .procs import raise_nofile_limit, shares
 
 FRAME = encode(Restart(round=1, reason="node sim-000099 (127.0.0.1) connection closed", restart_count=0))
 
@@ -35,8 +34,7 @@ def measure(m: int, procs: int, timeout: float = 60.0) -> float:
     listener.listen(min(m, 4096))
     listener.settimeout(timeout)
     port = listener.getsockname()[1]
-    per = math.ceil(m / procs)
-    counts = [min(per, m - i * per) for i in range(procs) if m - i * per > 0]
+    counts = shares(m, procs)
     receivers = [
         subprocess.Popen(
             [sys.executable, "-m", "bench.send_floor", "--port", str(port), "--count", str(k)],

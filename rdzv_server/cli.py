@@ -205,11 +205,11 @@ async def serve(
     import asyncio
     import signal
 
-    from .listeners import ACCEPT_QUEUE, kernel_accept_cap, listeners_for
+    from .listeners import kernel_accept_cap, listeners_for
     from .service import RendezvousService
 
     cap = kernel_accept_cap()
-    service = RendezvousService(http=True, tokens=tokens, tls=tls, listeners=listeners_for(ACCEPT_QUEUE, cap))
+    service = RendezvousService(http=True, tokens=tokens, tls=tls, listeners=listeners_for(cap=cap))
     if hello_timeout is not None:
         service.hello_timeout = hello_timeout
     if auth_timeout is not None:

@@ -1157,15 +1157,13 @@ class Rendezvous:
             f"node {member.node_id} ({member.addr}, nproc {member.nproc}) joined "
             f"({len(job.members)} of {_range(job.settings.min_nodes, job.settings.max_nodes)})"
         )
-        job.record(now, "joined", text)
         if now >= job.join_window_end:
-            if job.joins_unlogged:
-                self._log_unlogged_joins(job, out)
             job.join_window_end, job.join_lines = now + JOIN_LOG_WINDOW, 0
         if job.join_lines < JOIN_LINES:
             job.join_lines += 1
-            out.append(Log("info", f"job {job.id}: {text}"))
+            self._note(job, now, "joined", text, out)  # the second's earlier summary goes first
             return
+        job.record(now, "joined", text)
         if not job.joins_unlogged:
             job.first_unlogged = member.node_id
         job.joins_unlogged += 1

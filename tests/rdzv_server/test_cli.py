@@ -50,6 +50,23 @@ async def server():
     await svc.close()
 
 
+async def serving_process() -> tuple[asyncio.subprocess.Process, int]:
+    """``rdzv-server --host 127.0.0.1 --port 0`` as a real process, once it logs its port."""
+    p = await asyncio.create_subprocess_exec(
+        *CLI, "--host", "127.0.0.1", "--port", "0", stderr=asyncio.subprocess.PIPE
+    )
+    assert p.stderr is not None
+    try:
+        async with asyncio.timeout(20):
+            while not (m := re.search(rb"listening on 127\.0\.0\.1:(\d+)", await p.stderr.readline())):
+                pass
+    except BaseException:
+        p.kill()
+        await p.wait()
+        raise
+    return p, int(m[1])
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,16 +202,10 @@ async def test_drain_with_tokens_sends_the_jobs_token_from_the_token_file(tmp_pa
 
 async def test_serving_is_still_the_default_and_answers_status() -> None:
     """``rdzv-server --host --port`` serves exactly as before: no subcommand, same log line."""
-    p = await asyncio.create_subprocess_exec(
-        *CLI, "--host", "127.0.0.1", "--port", "0", stderr=asyncio.subprocess.PIPE
-    )
+    p, port = await serving_process()
     try:
-        assert p.stderr is not None
-        async with asyncio.timeout(20):
-            while not (m := re.search(rb"listening on 127\.0\.0\.1:(\d+)", await p.stderr.readline())):
-                pass
-        endpoint = f"127.0.0.1:{int(m[1])}"
-        agent = await FakeAgent.connect(int(m[1]), "solo")
+        endpoint = f"127.0.0.1:{port}"
+        agent = await FakeAgent.connect(port, "solo")
         agent.join("live", min_nodes=1, max_nodes=1)
         await agent.expect(Assignment)
         r = await run("status", "--endpoint", endpoint)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import re
 import signal
 import socket
-import sys
 
 import pytest
 
@@ -21,9 +19,8 @@ from rdzv_server.listeners import (
 )
 from rdzv_server.service import RendezvousService
 
+from .test_cli import CLI, serving_process
 from .test_http import FakeAgent
-
-CLI = [sys.executable, "-m", "rdzv_server.cli"]
 
 
 def listening_sockets(port: int) -> int:
@@ -103,15 +100,8 @@ async def test_shared_listeners_refuse_a_port_a_plain_socket_holds() -> None:
 
 
 async def test_rdzv_server_on_a_taken_port_says_so_and_exits_nonzero() -> None:
-    first = await asyncio.create_subprocess_exec(
-        *CLI, "--host", "127.0.0.1", "--port", "0", stderr=asyncio.subprocess.PIPE
-    )
+    first, port = await serving_process()
     try:
-        assert first.stderr is not None
-        async with asyncio.timeout(20):
-            while not (m := re.search(rb"listening on 127\.0\.0\.1:(\d+)", await first.stderr.readline())):
-                pass
-        port = int(m[1])
         second = await asyncio.create_subprocess_exec(
             *CLI, "--host", "127.0.0.1", "--port", str(port), stderr=asyncio.subprocess.PIPE
         )
