@@ -187,5 +187,5 @@ def scale_trial(trial: Trial, m: int, procs: int | None = None) -> dict[str, flo
     finally:
         clients.stop()
     # 6. what the kernel alone costs for one of the re-rendezvous's two rounds of sends
-    out["send_floor"] = send_floor.measure(m, procs)
+    out["send_floor"] = send_floor.measure(trial, m, procs)
     return out

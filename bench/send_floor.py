@@ -15,19 +15,20 @@ from __future__ import annotations
 import argparse
 import selectors
 import socket
-import subprocess
 import sys
 import time
 
 from protocol import Restart, encode
 
-from .procs import raise_nofile_limit, shares
+from .procs import Trial, raise_nofile_limit, shares
 
 FRAME = encode(Restart(round=1, reason="node sim-000099 (127.0.0.1) connection closed", restart_count=0))
 
 
-def measure(m: int, procs: int, timeout: float = 60.0) -> float:
-    """Seconds for one process to send FRAME once to each of m connected loopback sockets."""
+def measure(trial: Trial, m: int, procs: int, timeout: float = 60.0) -> float:
+    """Seconds for one process to send FRAME once to each of m connected loopback sockets.
+
+    The receivers are the trial's processes (tagged, logged, and cleaned up with it)."""
     raise_nofile_limit()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -36,11 +37,12 @@ def measure(m: int, procs: int, timeout: float = 60.0) -> float:
     port = listener.getsockname()[1]
     counts = shares(m, procs)
     receivers = [
-        subprocess.Popen(
+        trial.launch(
+            f"floor{i}",
             [sys.executable, "-m", "bench.send_floor", "--port", str(port), "--count", str(k)],
-            stdout=subprocess.PIPE,
-        )
-        for k in counts
+            pipes=True,
+        ).popen
+        for i, k in enumerate(counts)
     ]
     conns: list[socket.socket] = []
     try:
