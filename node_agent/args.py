@@ -235,7 +235,13 @@ _FLAGS: tuple[_Flag, ...] = (
         default=None,
         help="the address other nodes reach this node at (default: the interface routing to the rendezvous)",
     ),
-    _f("logs_specs", *_both("--logs-specs"), default=None, env=False, help="not supported yet"),
+    _f(
+        "logs_specs",
+        *_both("--logs-specs"),
+        default=None,
+        env=False,
+        help="only 'default' (torchrun's own log layout, which node-agent writes)",
+    ),
     _f("numa_binding", *_both("--numa-binding"), default=None, env=False, help="not supported yet"),
     _f(
         "signals_to_handle",
@@ -328,6 +334,11 @@ class _HelpFormatter(argparse.HelpFormatter):
         super().__init__(prog, width=max(width - 2, 20))
 
 
+USAGE = """node-agent [OPTIONS] [--] TRAINING_SCRIPT [SCRIPT ARGS ...]
+  one machine:    node-agent --standalone --nproc-per-node 4 train.py --epochs 3
+  several nodes:  node-agent --nnodes 2:8 --nproc-per-node 8 --rdzv-endpoint head:29500 train.py"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser for torchrun's flags (plus ours); values are kept as strings.
 
@@ -336,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="node-agent",
-        description="A drop-in for torchrun: starts this node's workers and keeps them in a job.",
+        usage=USAGE,
+        description="A drop-in for torchrun: starts this node's workers and keeps them in a job. "
+        "Everything after the training script is the script's own arguments, never read by "
+        "node-agent; '--' before the script also ends node-agent's options "
+        "(node-agent --nproc-per-node 2 -- train.py --nnodes 3).",
         epilog="Every option can also be set as PET_<NAME>, e.g. PET_NPROC_PER_NODE=4; "
         "a command-line flag wins.",
         formatter_class=_HelpFormatter,
@@ -355,12 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bare_optional_flags(argv: Sequence[str]) -> list[str]:
-    """Rewrite a bare ``--pass-local-rank`` as ``--pass-local-rank=dash``.
+def _split_script(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split the command line into the launcher's part (up to and including the script) and
+    the script's own arguments, which argparse never sees.
 
-    argparse gives an optional-value flag the next word whatever it is, so
-    ``--pass-local-rank train.py`` would take the script as the style. We walk the agent's
-    part of the command line (up to the script) with the flag table and fill in the value.
+    argparse would otherwise match words after the script against our flags: ``train.py
+    --token hf_x`` fails as an ambiguous prefix of ``--token-file``. We walk the launcher's part
+    with the flag table (a flag that takes a value skips it; ``--`` ends the flags); the first
+    word that is not a flag is the script. A bare ``--pass-local-rank`` becomes
+    ``--pass-local-rank=dash``, since argparse would give that optional-value flag the next word
+    whatever it is. An unknown flag stops the walk and argparse reports it.
     """
     out = list(argv)
     long_names = {name: flag for flag in _FLAGS for name in flag.names if name.startswith("--")}
@@ -368,8 +387,10 @@ def _bare_optional_flags(argv: Sequence[str]) -> list[str]:
     i = 0
     while i < len(out):
         token = out[i]
-        if token == "--" or token == "-" or not token.startswith("-"):
-            break  # the training script starts here; what follows is its own
+        if token == "--":
+            return out[: i + 2], out[i + 2 :]  # the script follows
+        if token == "-" or not token.startswith("-"):
+            return out[: i + 1], out[i + 1 :]
         if token.startswith("--"):
             name, has_value, _ = token.partition("=")
             flag = long_names.get(name)
@@ -392,7 +413,7 @@ def _bare_optional_flags(argv: Sequence[str]) -> list[str]:
             else:
                 out[i] = f"{flag.names[0]}=dash"
         i += 1
-    return out
+    return out, []
 
 
 @record(frozen=True)
@@ -450,7 +471,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
     and argparse's usage message, as torchrun does. Warnings (flags that have no effect with
     the chosen backend, values --standalone overrides) go to this module's logger.
     """
-    namespace = build_parser().parse_args(_bare_optional_flags(argv))
+    launcher_part, script_args = _split_script(argv)
+    namespace = build_parser().parse_args(launcher_part)
     inputs = _Inputs(namespace, environ)
 
     min_nodes, max_nodes = _parse_nnodes(inputs.get("nnodes"))
@@ -481,20 +503,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
             inputs, endpoint, rdzv_host, rdzv_port, master_addr, master_port, min_nodes, max_nodes, node_rank
         )
     else:
-        unused = [f"--{d.replace('_', '-')}" for d in ("master_addr", "master_port") if inputs.given(d)]
-        if unused:
-            logger.warning(
-                "%s only appl%s to --rdzv-backend=static (torchrun ignores %s with c10d too); "
-                "workers get MASTER_ADDR/MASTER_PORT from the rendezvous",
-                " and ".join(unused),
-                "ies" if len(unused) == 1 else "y",
-                "it" if len(unused) == 1 else "them",
-            )
-        if node_rank != 0:
-            logger.warning(
-                "--node-rank=%d only applies to --rdzv-backend=static; the rendezvous assigns node ranks",
-                node_rank,
-            )
+        _warn_unused_static_flags(inputs, backend, standalone, node_rank)
 
     virtual_local_rank = inputs.switch("virtual_local_rank")
     if virtual_local_rank and "CUDA_VISIBLE_DEVICES" in environ:
@@ -538,10 +547,11 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         duplicate_stdout_filters=_filters(inputs.text("duplicate_stdout_filters")),
         duplicate_stderr_filters=_filters(inputs.text("duplicate_stderr_filters")),
         log_line_prefix_template=environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None,
-        logs_specs=None,
+        logs_specs=inputs.get("logs_specs").value,
         log_level=_log_level(environ),
         log_format=_choice(inputs, "log_format", LOG_FORMATS),  # type: ignore[arg-type]
         node_rank=node_rank,
+        node_rank_given=inputs.given("node_rank") and backend == "c10d" and not standalone,
         master_addr=master_addr,
         master_port=master_port,
         local_addr=inputs.get("local_addr").value or None,
@@ -551,12 +561,13 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         virtual_local_rank=virtual_local_rank,
         pass_local_rank=_choice(inputs, "pass_local_rank", PASS_LOCAL_RANK_STYLES, optional=True),
         health_check=inputs.get("health_check").value or None,
+        health_check_port=_health_check_port(environ),
         token=_token(inputs.get("token_file").value, environ, rdzv_id),
         tls_ca=tls_ca,
         tls_cert=tls_cert,
         tls_key=tls_key,
         training_script=training_script,
-        training_script_args=tuple(namespace.training_script_args),
+        training_script_args=(*namespace.training_script_args, *script_args),
     )
     _warn_about_environment(environ)
     return config
@@ -578,19 +589,31 @@ def _parse_nnodes(given: _Given) -> tuple[int, int]:
     return low, high
 
 
+def _implied_static(inputs: _Inputs, max_nodes: int) -> bool:
+    """torchrun's own backend choice when the line names no backend and no endpoint.
+
+    torchrun defaults to ``static``, and runs a standalone rendezvous instead only on one node
+    without ``--master-port``. We keep that wherever the line gives torchrun's static flags
+    (``--node-rank``, ``--master-addr``, ``--master-port``, as flags or ``PET_*``): the classic
+    ``--nnodes 2 --node-rank R --master-addr A --master-port P`` line, Kubeflow's ``PET_*``.
+    A multi-node line without any of them is refused instead (``_resolve_rendezvous``).
+    """
+    if inputs.given("master_port"):
+        return True
+    return max_nodes > 1 and (inputs.given("node_rank") or inputs.given("master_addr"))
+
+
 def _resolve_rendezvous(inputs: _Inputs, max_nodes: int) -> tuple[bool, str, str, str]:
     """Decide standalone, backend, endpoint and id (torchrun's run() rules, adjusted)."""
     backend_given = inputs.get("rdzv_backend")
     endpoint_given = inputs.get("rdzv_endpoint")
     id_given = inputs.get("rdzv_id")
     standalone = inputs.switch("standalone")
+    unnamed = backend_given.origin is None and not (endpoint_given.value or "").strip()
 
-    implicit = (
-        not standalone
-        and max_nodes == 1
-        and backend_given.origin is None
-        and not (endpoint_given.value or "").strip()
-    )
+    if not standalone and unnamed and _implied_static(inputs, max_nodes):
+        return False, "static", "", id_given.value or "none"
+    implicit = not standalone and max_nodes == 1 and unnamed
     if standalone or implicit:
         # As torchrun's --standalone: a private rendezvous on a free local port, and a fresh id
         # so two single-node jobs on one machine never meet.
@@ -622,18 +645,37 @@ def _resolve_rendezvous(inputs: _Inputs, max_nodes: int) -> tuple[bool, str, str
         )
     endpoint = (endpoint_given.value or "").strip()
     if not endpoint and max_nodes > 1 and backend_given.origin is None:
-        # The torchrun command this is likely to be (--master-addr, --node-rank) relies on the
-        # static default; waiting on 127.0.0.1 would just time out after join_timeout.
+        # torchrun would run static with every node rank 0 (none of its flags was given): both
+        # nodes would wait for each other's rank 1 until a timeout.
         raise ConfigError(
             "a multi-node run needs --rdzv-endpoint HOST[:PORT], the address of the rendezvous "
-            "server, or --rdzv-backend static with --master-addr, --master-port and --node-rank "
-            "(torchrun's default)"
+            "server, or torchrun's static flags: --node-rank R --master-addr ADDR --master-port PORT"
         )
     if not id_given.value:
         raise ConfigError(
             f"{id_given.what(_BY_DEST['rdzv_id'])} is empty: give the job a name shared by its nodes"
         )
     return False, backend, endpoint, id_given.value
+
+
+def _warn_unused_static_flags(inputs: _Inputs, backend: str, standalone: bool, node_rank: int) -> None:
+    """Say which of torchrun's static flags this rendezvous does not use (as torchrun warns)."""
+    standalone = standalone and inputs.switch("standalone")  # else torchrun's single-node c10d
+    unused = [_BY_DEST[d].display for d in ("master_addr", "master_port") if inputs.given(d)]
+    if unused:
+        logger.warning(
+            "%s: ignored, as torchrun ignores %s with %s; workers get MASTER_ADDR/MASTER_PORT "
+            "from the rendezvous",
+            " and ".join(unused),
+            "it" if len(unused) == 1 else "them",
+            "--standalone" if standalone else f"--rdzv-backend={backend}",
+        )
+    if inputs.given("node_rank") and (standalone or backend in ETCD_BACKENDS):
+        logger.warning(
+            "--node-rank=%d: ignored with %s (torchrun too); the rendezvous assigns node ranks",
+            node_rank,
+            "--standalone" if standalone else f"--rdzv-backend={backend}",
+        )
 
 
 def _static_master(
@@ -654,8 +696,9 @@ def _static_master(
     """
     if min_nodes != max_nodes:
         raise ConfigError(
-            f"--rdzv-backend=static needs a fixed node count (--nnodes N), not {min_nodes}:{max_nodes}; "
-            "use c10d for an elastic job"
+            "the static rendezvous (--rdzv-backend=static, or torchrun's --node-rank/--master-addr/"
+            f"--master-port without --rdzv-endpoint) needs a fixed node count (--nnodes N), not "
+            f"{min_nodes}:{max_nodes}; give --rdzv-endpoint HOST:PORT for an elastic job"
         )
     if node_rank >= max_nodes:
         raise ConfigError(f"--node-rank={node_rank} must be below --nnodes={max_nodes} (ranks count from 0)")
@@ -917,8 +960,11 @@ def _shutdown_timeout(inputs: _Inputs, environ: Mapping[str, str]) -> float:
     return value
 
 
-def _log_level(environ: Mapping[str, str]) -> str:
-    text = environ.get("LOGLEVEL", "WARNING")
+def _log_level(environ: Mapping[str, str]) -> str | None:
+    """LOGLEVEL, as torchrun applies it to its own lines; None when unset (the agent's INFO)."""
+    text = environ.get("LOGLEVEL")
+    if text is None:
+        return None
     level = text.strip().upper()
     if level == "WARN":
         level = "WARNING"
@@ -927,17 +973,28 @@ def _log_level(environ: Mapping[str, str]) -> str:
     return level
 
 
+def _health_check_port(environ: Mapping[str, str]) -> int | None:
+    text = environ.get("TORCHELASTIC_HEALTH_CHECK_PORT")
+    if text is None or not text.strip():
+        return None
+    port = parse_int(text, what="TORCHELASTIC_HEALTH_CHECK_PORT")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"TORCHELASTIC_HEALTH_CHECK_PORT={text!r}: a port must be in 1..65535")
+    return port
+
+
 def _refuse_unsupported(inputs: _Inputs, dest: str) -> None:
     given = inputs.get(dest)
-    if given.value is None:
-        return
+    if given.value is None or (dest == "logs_specs" and given.value == "default"):
+        return  # "default" names torchrun's own DefaultLogsSpecs: the layout we write
     flag = _BY_DEST[dest]
     if dest == "numa_binding" and given.value not in NUMA_BINDING_MODES:
         raise ConfigError(
             f"{flag.display}={given.value!r} is not valid: use one of {', '.join(NUMA_BINDING_MODES)}"
         )
     reasons = {
-        "logs_specs": "it loads a torch LogsSpecs plugin; node-agent writes torchrun's default log layout",
+        "logs_specs": "it loads a torch LogsSpecs plugin; node-agent writes torchrun's default log "
+        "layout (--logs-specs default)",
         "numa_binding": "node-agent does not bind workers to NUMA nodes; use numactl as the command "
         "with --no-python, or bind inside the script",
     }

@@ -12,8 +12,10 @@ EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .agent_log import for_cli, install
     from .args import parse_config
 
+    install(for_cli(os.environ.get("LOGLEVEL")))  # the command line's warnings are agent lines
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
     except ConfigError as exc:

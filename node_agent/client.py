@@ -14,6 +14,8 @@ connection without a word; the messages then say which flag is probably missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 import ssl
 import time
@@ -167,7 +169,14 @@ async def connect(
             # raises RuntimeError on the write below, plain asyncio drops it. A closed hello.
             raise ConnectionResetError("the connection was reset before the hello")
         writer.write(MAGIC + encode(Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE)))
-        first = await asyncio.wait_for(_first_message(conn), timeout=handshake_timeout)
+        first = await _answer_or_probe(conn, host, port, handshake_timeout, probe=tls is None)
+    except _TCPStoreFound:
+        await conn.close()
+        raise NotARendezvousServer(
+            f"{host}:{port} is a torch TCPStore (torchrun's c10d rendezvous, or a job's MASTER_PORT), "
+            "not a rendezvous server: point --rdzv-endpoint at `rdzv-server` (node-agent's default "
+            "port is 29500), or give --rdzv-backend static with torchrun's --master-addr/--master-port"
+        ) from None
     except asyncio.TimeoutError:
         await conn.close()
         raise NotARendezvousServer(
@@ -233,6 +242,53 @@ async def _start_tls(
     # No wait_closed(): a stream whose handshake failed never reports being closed.
     writer.transport.abort()
     raise problem from None
+
+
+# A rendezvous server answers a hello in milliseconds. A listener silent for this long is
+# asked, on a second connection, whether it is torch's TCPStore (the usual tenant of 29500).
+PROBE_AFTER = 1.0
+# TCPStore's wire: a VALIDATE command (0) with its magic number, then PING (13) with a nonce that
+# a TCPStore echoes back. Anything else than the echo leaves the question open.
+_STORE_VALIDATE = b"\x00" + (0x3C85F7CE).to_bytes(4, "little")
+_STORE_PING = 13
+
+
+class _TCPStoreFound(Exception):
+    pass
+
+
+async def _answer_or_probe(conn: Connection, host: str, port: int, timeout: float, *, probe: bool) -> Message:
+    """The server's first message within ``timeout``; if it is slow and ``probe``, find out
+    whether a torch TCPStore is listening instead (raises _TCPStoreFound)."""
+    answer = asyncio.ensure_future(_first_message(conn))
+    try:
+        if probe and timeout > PROBE_AFTER:
+            done, _ = await asyncio.wait({answer}, timeout=PROBE_AFTER)
+            if not done and await _is_tcpstore(host, port, timeout=min(1.0, timeout - PROBE_AFTER)):
+                raise _TCPStoreFound()
+            return await asyncio.wait_for(asyncio.shield(answer), timeout=max(0.0, timeout - PROBE_AFTER))
+        return await asyncio.wait_for(asyncio.shield(answer), timeout=timeout)
+    finally:
+        if not answer.done():
+            answer.cancel()
+            with contextlib.suppress(BaseException):
+                await answer
+
+
+async def _is_tcpstore(host: str, port: int, *, timeout: float) -> bool:
+    nonce = os.urandom(4)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    try:
+        writer.write(_STORE_VALIDATE + bytes([_STORE_PING]) + nonce)
+        echoed = await asyncio.wait_for(reader.readexactly(4), timeout)
+        return echoed == nonce
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        return False
+    finally:
+        writer.transport.abort()
 
 
 class _Garbage(Exception):

@@ -357,12 +357,14 @@ class AgentConfig:
     duplicate_stdout_filters: tuple[str, ...] = ()
     duplicate_stderr_filters: tuple[str, ...] = ()
     log_line_prefix_template: str | None = None  # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE
-    logs_specs: str | None = None  # only None is supported
-    log_level: str = "WARNING"  # LOGLEVEL, as torchrun
+    logs_specs: str | None = None  # None or "default" (torchrun's own layout, which we write)
+    # LOGLEVEL for the agent's own lines; None (unset): INFO, so the round and worker lines show
+    log_level: str | None = None
     log_format: LogFormat = "text"
 
     # torchrun's static-rendezvous flags: kept as given (None: not given)
     node_rank: int = 0
+    node_rank_given: bool = False  # --node-rank/PET_NODE_RANK was given: c10d orders nodes by it
     master_addr: str | None = None
     master_port: int | None = None
 
@@ -375,6 +377,7 @@ class AgentConfig:
     # node-agent's own
     pass_local_rank: str | None = None  # None | "dash" (--local-rank=N) | "underscore" (--local_rank=N)
     health_check: str | None = None
+    health_check_port: int | None = None  # TORCHELASTIC_HEALTH_CHECK_PORT: serve liveness there
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
     token: str | None = field(default=None, repr=False)
     # TLS to the rendezvous server (--tls-ca, else RDZV_TLS_CA; None: plain TCP), and an

@@ -65,6 +65,13 @@ class Attempt:
     def stderr_path(self, local_rank: int) -> str:
         return os.path.join(self.rank_dir(local_rank), "stderr.log")
 
+    def filtered_stdout_path(self) -> str:
+        """--duplicate-stdout-filters' lines of every rank of the attempt (torchrun's name and place)."""
+        return os.path.join(self.dir, "filtered_stdout.log")
+
+    def filtered_stderr_path(self) -> str:
+        return os.path.join(self.dir, "filtered_stderr.log")
+
     def __repr__(self) -> str:
         return f"Attempt(index={self.index}, dir={self.dir!r})"
 

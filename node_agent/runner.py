@@ -23,8 +23,10 @@ from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message
 from protocol.auth import proof as auth_proof
 
 from . import state as st
+from .agent_log import AgentLog
 from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
 from .config import AgentConfig
+from .events import EventLog
 from .logs import RunLogs
 from .report import failure_summary
 from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, WorkerSpec
@@ -35,26 +37,6 @@ if TYPE_CHECKING:
 
 HANDSHAKE_TIMEOUT_CAP = 10.0
 HEALTH_CHECK_TIMEOUT = 60.0
-
-
-class AgentLog:
-    """The agent's own lines on stderr: ``[node-agent] …``, or JSON objects for log shippers."""
-
-    def __init__(self, stream: TextIO, fmt: str = "text", node: str = "") -> None:
-        self.stream = stream
-        self.fmt = fmt
-        self.node = node
-        self.job = ""
-
-    def __call__(self, text: str, level: str = "info") -> None:
-        if self.fmt == "json":
-            rec = {"ts": time.time(), "level": level, "job": self.job, "node": self.node, "msg": text}
-            import json  # only for --log-format json: 2 ms of every launch otherwise
-
-            line = json.dumps(rec)
-        else:
-            line = f"[node-agent] {text}" if level == "info" else f"[node-agent] {level.upper()}: {text}"
-        print(line, file=self.stream, flush=True)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -141,13 +123,16 @@ class Agent:
         self.config = config
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
-        self.log = AgentLog(self.stderr, config.log_format)
+        self.log = AgentLog(self.stderr, config.log_format, level=config.log_level)
         self.node_id = make_node_id()
         self.log.node = self.node_id
         self.log.job = config.rdzv_id
         self.events: asyncio.Queue[st.Event] = asyncio.Queue()
         self.clock: Callable[[], float] = time.monotonic
         self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log)
+        # A worker's partial line (a progress bar) is ended before the agent's own line; a
+        # lambda, since the launch API replaces the group after construction.
+        self.log.before_line = lambda: self.group.fresh_line()
         self.logs = RunLogs(config.log_dir, config.rdzv_id)
         self.conn: Connection | None = None
         self.addr = ""
@@ -158,6 +143,18 @@ class Agent:
         self._bg: set[asyncio.Task[None]] = set()
         self.endpoint = ("", 0)
         self.tls: ssl.SSLContext | None = None  # to a rdzv-server; what we host is plain TCP
+        self.events_log = EventLog(
+            config.event_log_handler,
+            run_id=config.rdzv_id,
+            role=config.role,
+            backend=config.rdzv_backend,
+            # torchrun names the program it starts: the interpreter, or the --no-python command
+            entrypoint=os.path.basename(config.training_script if config.no_python else config.python_exec),
+            stream=self.stderr,
+        )
+        self._joined_at = 0.0  # when the last join was sent (the rendezvous event's duration)
+        self._phase = "starting"
+        self._assignment: Assignment | None = None
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -189,6 +186,7 @@ class Agent:
             and is_this_machine(host)
         ):
             service = await self._host_if_nobody_does(host, port)
+        health = await self._start_health_server()
         try:
             code = await self._run_connected(host, port)
             if service is not None and not cfg.hosts_rendezvous:
@@ -197,6 +195,26 @@ class Agent:
         finally:
             if service is not None:
                 await service.close()
+            if health is not None:
+                await health.close()
+
+    async def _start_health_server(self) -> Any:
+        port = self.config.health_check_port
+        if port is None:
+            return None
+        from .health_port import HealthServer
+
+        server = HealthServer(port, lambda: self._phase)
+        try:
+            await server.start()
+        except OSError as exc:
+            # torchrun's own server is a stub; a taken port must not stop the job.
+            self.log(
+                f"TORCHELASTIC_HEALTH_CHECK_PORT={port}: cannot serve ({exc.strerror or exc})", "warning"
+            )
+            return None
+        self.log(f"health-check server on port {port} (TORCHELASTIC_HEALTH_CHECK_PORT)")
+        return server
 
     async def _host_if_nobody_does(self, host: str, port: int) -> RendezvousService | None:
         """Like torchrun's c10d backend: the first agent on the endpoint's machine hosts it.
@@ -217,12 +235,14 @@ class Agent:
         return service
 
     async def _linger(self, service: RendezvousService) -> None:
-        """Keep serving until the other nodes are gone, so our early exit does not strand them."""
-        if service.machine.conns:
+        """Keep serving until our job's other nodes are gone, so our early exit does not strand
+        them. Other jobs that found our server are not ours to wait for."""
+        job = self.config.rdzv_id
+        if service.job_nodes(job) - {self.node_id}:
             timeout = self.config.rdzv_conf.close_timeout
-            self.log(f"waiting up to {timeout:g} s for the other nodes to leave the rendezvous we host")
+            self.log(f"waiting up to {timeout:g} s for the job's other nodes to leave the rendezvous we host")
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(service.wait_idle(), timeout)
+                await asyncio.wait_for(service.wait_job_gone(job), timeout)
 
     async def _run_connected(self, host: str, port: int) -> int:
         cfg = self.config
@@ -253,7 +273,7 @@ class Agent:
         )
         notice = omp_threads_notice(cfg, os.environ)
         if notice:
-            print(notice, file=self.stderr, flush=True)
+            self.log(notice, "warning")
         loop = asyncio.get_running_loop()
         watched = {signal.Signals[s] for s in cfg.signals_to_handle} | {signal.SIGUSR1, signal.SIGUSR2}
         for sig in watched:
@@ -302,6 +322,8 @@ class Agent:
             if isinstance(eff, st.Send):
                 self._send(eff.msg)
             elif isinstance(eff, st.SendJoin):
+                self._joined_at = self.clock()
+                self._phase = "rendezvous"
                 problem = await self._health_check()
                 if problem is None:
                     self._send(self._join())
@@ -343,6 +365,8 @@ class Agent:
             heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
             exclude_after=cfg.rdzv_conf.exclude_after,
             proof=self._proof(),
+            # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
+            node_rank=cfg.node_rank if cfg.node_rank_given else -1,
         )
 
     def _proof(self) -> str:
@@ -386,6 +410,13 @@ class Agent:
             restart_count=a.restart_count,
             max_restarts=a.max_restarts,
         )
+        self._assignment = a
+        events = self.events_log
+        if events.enabled:
+            events.restarts = a.restart_count
+            took = (self.clock() - self._joined_at) * 1000
+            events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=took)
+            events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
         attempt = self.logs.new_attempt()
         specs = []
         for local_rank in range(cfg.nproc_per_node):
@@ -410,6 +441,10 @@ class Agent:
                     console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
                     prefix=line_prefix(cfg, local_rank, a.rank_offset + local_rank),
                     error_file=error_file,
+                    duplicate_stdout_filters=cfg.duplicate_stdout_filters,
+                    duplicate_stderr_filters=cfg.duplicate_stderr_filters,
+                    filtered_stdout_path=attempt.filtered_stdout_path(),
+                    filtered_stderr_path=attempt.filtered_stderr_path(),
                 )
             )
         try:
@@ -417,11 +452,35 @@ class Agent:
         except WorkerSpawnError as exc:
             self.events.put_nowait(st.WorkersStartFailed(str(exc)))
             return
+        self._phase = "running"
+        if events.enabled:
+            for local_rank, pid in self.group.pids.items():
+                events.worker("START", pid=pid, **self._event_ranks(a, local_rank))
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
-        self._wait_task = self._spawn(self._wait_workers())
+        self._wait_task = self._spawn(self._wait_workers(a))
 
-    async def _wait_workers(self) -> None:
+    def _event_ranks(self, a: Assignment, local_rank: int) -> dict[str, int]:
+        return {
+            "rank": a.rank_offset + local_rank,
+            "local_rank": local_rank,
+            "group_rank": a.group_rank,
+            "group_world_size": a.group_world_size,
+            "role_world_size": a.world_size,
+        }
+
+    async def _wait_workers(self, a: Assignment) -> None:
         result = await self.group.wait()
+        if self.events_log.enabled:
+            for w in result.exits:
+                state = "FAILED" if w.failed else "SUCCEEDED"
+                raw_error = w.error_message or None if w.failed else None
+                self.events_log.worker(
+                    state,
+                    pid=w.pid,
+                    exit_code=w.exitcode,
+                    raw_error=raw_error,
+                    **self._event_ranks(a, w.local_rank),
+                )
         failures = self._failures(result)
         first = self._failure(result.first_failure) if result.first_failure is not None else None
         self.events.put_nowait(st.WorkersExited(first, failures))
@@ -520,20 +579,35 @@ class Agent:
     def _finish(self) -> int:
         exit_ = self._exit
         assert exit_ is not None
+        self._phase = "exited"
+        if self.events_log.enabled:
+            a = self._assignment
+            # As torchrun's: the agent's own run succeeded when it saw the job to its end,
+            # whatever the workers did; it failed on a rendezvous error or a signal.
+            ran = exit_.code == st.EXIT_OK or exit_.failure is not None or bool(exit_.local_failures)
+            self.events_log.agent(
+                "SUCCEEDED" if ran else "FAILED",
+                group_rank=None if a is None else a.group_rank,
+                group_world_size=None if a is None else a.group_world_size,
+                raw_error=None if ran else exit_.reason,
+            )
         if exit_.code == st.EXIT_OK:
             self.log(exit_.reason if exit_.reason != "all nodes finished" else "done: all nodes finished")
             return exit_.code
         if exit_.failure is not None or exit_.local_failures:
-            print(
-                failure_summary(self.config.entrypoint_name, exit_.failure, exit_.local_failures),
-                file=self.stderr,
-                flush=True,
+            self.log(
+                failure_summary(self.config.entrypoint_name, exit_.failure, exit_.local_failures), "error"
             )
         self.log(exit_.reason, "error")
         return exit_.code
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> int:
+    """The ``node-agent`` command's run: its ``logging`` lines (an embedded server's) are its own."""
     from rdzv_server.loop import run_loop
 
-    return run_loop(Agent(config, **kwargs).run())
+    from .agent_log import install
+
+    agent = Agent(config, **kwargs)
+    install(agent.log)
+    return run_loop(agent.run())

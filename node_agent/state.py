@@ -14,6 +14,18 @@ Restarts loop back to JOINING: a ``Restart`` from the server (another node faile
 or went) stops the workers (STOPPING) and re-joins. Our own worker failure is reported to the
 server, the workers are stopped, and the server's verdict (``Restart`` or ``JobFailed``) decides
 what follows (VERDICT). The server counts the restart budget; the agent never does.
+
+Leaving. A drain (SIGTERM in an elastic job, or the server's ``Drain``) stops the workers with
+SIGTERM and sends ``Leave``; the server answers ``Left(job_continues)``. The exit code follows
+that answer: 0 only when the job goes on without this node, else 1 as torchrun exits on a
+signal. Workers stopped and no answer yet, the agent waits in LEAVING (at most
+``LEAVE_ANSWER_TIMEOUT``); no answer (the connection closed first, or an older server that never
+sends one) counts as "does not go on": a scheduler is told of a failure rather than a success
+that may not be one. SIGTERM in a fixed-size job exits 1 whatever the answer, as torchrun does.
+
+The job ending while this node waits to join (a hot spare beyond --nnodes, or a newcomer that
+was not yet in a round): ``JobDone`` exits ``EXIT_NOT_NEEDED`` (0) and ``JobFailed`` exits 1
+with the job's reason.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from protocol import (
     JobDone,
     JobFailed,
     Leave,
+    Left,
     Message,
     Restart,
     Resumed,
@@ -42,6 +55,16 @@ from protocol.records import record
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
 EXIT_RDZV = 1  # the rendezvous could not be completed
+# The job finished (every node of it succeeded) while this node waited to join, as a hot spare
+# or a late newcomer: it was not needed. 0, because the job this node was started for
+# succeeded and there is nothing left to do: Slurm marks a step FAILED and Kubernetes counts a
+# pod failure (towards the Job's backoffLimit, or failing a JobSet) for any non-zero exit, and
+# an unneeded spare must not turn a successful run into a failed one. The agent says so in a
+# warning, which is where a second run that joined the first by mistake shows up.
+EXIT_NOT_NEEDED = 0
+# After a drain's Leave, how long to wait for the server's Left once the workers are down. The
+# server answers in the same step that handles the Leave, so silence this long means no answer.
+LEAVE_ANSWER_TIMEOUT = 10.0
 
 TERMINATING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
@@ -53,6 +76,7 @@ class Phase(enum.Enum):
     STOPPING = "stopping"
     VERDICT = "awaiting verdict"
     BARRIER = "exit barrier"
+    LEAVING = "leaving"  # drained, workers down: waiting for the server's Left to pick the exit code
     EXITED = "exited"
 
 
@@ -222,6 +246,8 @@ class AgentMachine:
     _last_waiting: tuple[int, int, str] | None = None
     _signalled: int | None = None
     _leaving: bool = False  # we told the server we leave; its closing the connection is expected
+    _awaiting_left: bool = False  # a drain's exit code waits for the server's Left
+    _drain_why: str = ""
     away: bool = False  # the connection broke and we are reconnecting
 
     def start(self, now: float) -> list[Effect]:
@@ -252,7 +278,7 @@ class AgentMachine:
         if isinstance(event, ReconnectFailed):
             return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
-            return self._on_signal(event.signum)
+            return self._on_signal(event.signum, now)
         if isinstance(event, HealthCheckFailed):
             exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.reason}")
             return [Send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
@@ -263,6 +289,10 @@ class AgentMachine:
     # -- server messages -------------------------------------------------------------------
 
     def _on_server(self, msg: Message, now: float) -> list[Effect]:
+        if isinstance(msg, Left):
+            return self._on_left(msg)
+        if self.phase is Phase.LEAVING:
+            return self._while_leaving(msg)
         if isinstance(msg, Waiting):
             return self._on_waiting(msg)
         if isinstance(msg, Assignment):
@@ -284,18 +314,39 @@ class AgentMachine:
         if isinstance(msg, Restart):
             return self._on_restart(msg, now)
         if isinstance(msg, JobFailed):
-            exit_ = Exit(EXIT_FAILED, f"job failed: {msg.reason}", msg.failure, self.local_failures)
+            where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
+            exit_ = Exit(EXIT_FAILED, f"job failed{where}: {msg.reason}", msg.failure, self.local_failures)
+            if self._awaiting_left:
+                # The job's failure is the reason to report, not the pending drain's.
+                self._awaiting_left, self._exit = False, None
             return self._stop_then_exit(exit_)
         if isinstance(msg, JobDone):
             if self.phase is Phase.BARRIER:
                 return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
+            if self.phase is Phase.JOINING:
+                # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
+                spare = self._last_waiting is not None and "spare" in self._last_waiting[2]
+                how = "it waited as a spare" if spare else "it had no place in a round yet"
+                note = Log(
+                    "warning",
+                    f"the job this node waited to join finished without it ({how}; every node of "
+                    "the job succeeded)",
+                )
+                exit_ = Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")
+                return [note, *self._exit_now(exit_)]
+            if self._awaiting_left and self.phase is Phase.STOPPING:
+                self._awaiting_left = False
+                self._exit = Exit(EXIT_OK, "all nodes finished")
+                return []
             raise UnexpectedEvent(f"job_done in phase {self.phase.value}")
         if isinstance(msg, Resumed):
             how = "rebuilt by the server from its agents" if msg.rebuilt else "the server kept it"
             return [Log("info", f"resumed round {msg.round} ({how}); workers were not restarted")]
         if isinstance(msg, Drain):
+            if self._leaving:
+                return []  # already on our way out
             why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
-            return self._drain(why)
+            return self._drain(why, now)
         if isinstance(msg, GoingAway):
             # The server closes the connection next; we reconnect as after any lost connection.
             why = f" ({msg.reason})" if msg.reason else ""
@@ -390,14 +441,29 @@ class AgentMachine:
         if after == "verdict":
             self.phase = Phase.VERDICT
             return []
+        if self._awaiting_left:
+            return self._wait_for_left(now)
         exit_ = self._exit or Exit(EXIT_FAILED, "stopped")
         return self._exit_now(exit_)
 
     # -- the rest --------------------------------------------------------------------------
 
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
+        if self._awaiting_left:
+            # Closed before the answer (or by an older server, which sends none): assume the job
+            # does not go on without us.
+            self._awaiting_left = False
+            self._exit = Exit(
+                EXIT_FAILED,
+                f"drained: {self._drain_why}; the connection to the rendezvous server closed "
+                f"({event.reason}) before it said whether the job goes on without this node",
+            )
         if self._leaving:
-            return [] if self.phase is Phase.STOPPING else self._exit_now(self._exit or Exit(EXIT_OK, "left"))
+            return (
+                []
+                if self.phase is Phase.STOPPING
+                else self._exit_now(self._exit or Exit(EXIT_FAILED, "left"))
+            )
         resumable = (Phase.JOINING, Phase.STARTING, Phase.RUNNING, Phase.BARRIER)
         if self.settings.reconnect_timeout > 0 and self.phase in resumable and self._exit is None:
             self.away = True
@@ -413,7 +479,8 @@ class AgentMachine:
         return self._gone(event.reason)
 
     def _on_reconnected(self) -> list[Effect]:
-        if not self.away:
+        if not self.away or self._leaving:
+            self.away = False
             return []
         self.away = False
         if self.phase is Phase.JOINING:
@@ -438,7 +505,7 @@ class AgentMachine:
             Exit(EXIT_RDZV, f"lost the connection to the rendezvous server: {reason}")
         )
 
-    def _on_signal(self, signum: int) -> list[Effect]:
+    def _on_signal(self, signum: int, now: float) -> list[Effect]:
         if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
             return [ForwardSignal(signum)]
         if signum not in self.settings.handled_signals:
@@ -446,20 +513,81 @@ class AgentMachine:
         name = signal.Signals(signum).name
         if self._signalled is not None:
             # A second signal while we stop: the user insists.
+            if self.phase is Phase.LEAVING:
+                return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
             return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
         self._signalled = signum
         if self.settings.elastic and signum == signal.SIGTERM:
-            return self._drain(f"received {name}")
+            return self._drain(f"received {name}", now)
         exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
         self._leaving = True
         return [*self._stop_then_exit(exit_, signum), Send(Leave(reason=f"agent received {name}"))]
 
-    def _drain(self, why: str) -> list[Effect]:
-        """A clean leave: workers get SIGTERM first (to checkpoint), the others go on without us."""
+    def _drain(self, why: str, now: float) -> list[Effect]:
+        """A clean leave: workers get SIGTERM first (to checkpoint); the server's Left picks the code."""
         self._leaving = True
         note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
-        exit_ = Exit(EXIT_OK, f"drained: {why}; left the job")
-        return [note, *self._stop_then_exit(exit_), Send(Leave(reason=f"drain: {why}"))]
+        leave = Send(Leave(reason=f"drain: {why}"))
+        if self._exit is not None:
+            # Already exiting for another reason (the job failed, the server refused us): keep it.
+            return [note, *self._stop_then_exit(self._exit), leave]
+        if self.away:
+            # Nobody can say whether the job goes on without us: assume it does not.
+            why_not = (
+                f"drained: {why}; the rendezvous server was unreachable, so nobody confirmed that "
+                "the job goes on without this node"
+            )
+            return [note, *self._stop_then_exit(Exit(EXIT_FAILED, why_not))]
+        self._drain_why = why
+        self._awaiting_left = True
+        pending = Exit(
+            EXIT_FAILED,
+            f"drained: {why}; the rendezvous server did not answer whether the job goes on without "
+            f"this node (no answer within {LEAVE_ANSWER_TIMEOUT:g} s)",
+        )
+        if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
+            return [note, *self._stop_then_exit(pending), leave]
+        self._exit = pending
+        return [note, leave, *self._wait_for_left(now)]
+
+    def _wait_for_left(self, now: float) -> list[Effect]:
+        """No workers to stop: wait for the server's answer to our Leave, within a bound."""
+        self.phase = Phase.LEAVING
+        self.deadline = now + LEAVE_ANSWER_TIMEOUT
+        return []
+
+    def _on_left(self, msg: Left) -> list[Effect]:
+        if not self._awaiting_left:
+            return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
+        self._awaiting_left = False
+        why = self._drain_why
+        if msg.job_continues:
+            exit_ = Exit(
+                EXIT_OK, f"drained: {why}; left the job, which goes on without this node ({msg.reason})"
+            )
+        else:
+            exit_ = Exit(
+                EXIT_FAILED,
+                f"drained: {why}; left the job, which does not go on without this node ({msg.reason})",
+            )
+        self._exit = exit_
+        if self.phase is Phase.LEAVING:
+            return self._exit_now(exit_)
+        return []  # workers still stopping: _on_stopped exits with it
+
+    def _while_leaving(self, msg: Message) -> list[Effect]:
+        """Workers down, waiting for Left: what else the server says no longer changes our course."""
+        if isinstance(msg, JobDone):
+            self._awaiting_left = False
+            return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
+        if isinstance(msg, JobFailed):
+            self._awaiting_left = False
+            return self._exit_now(
+                Exit(EXIT_FAILED, f"job failed: {msg.reason}", msg.failure, self.local_failures)
+            )
+        if isinstance(msg, Error) and msg.fatal:
+            return self._exit_now(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
+        return []  # an assignment or restart that crossed our Leave, a waiting update, ...
 
     def _on_tick(self, now: float) -> list[Effect]:
         if self.deadline is None or now < self.deadline:
@@ -481,6 +609,9 @@ class AgentMachine:
             return self._exit_now(
                 Exit(EXIT_OK, f"exit barrier timed out after {self.settings.exit_barrier_timeout:g} s")
             )
+        if self.phase is Phase.LEAVING:
+            self._awaiting_left = False
+            return self._exit_now(self._exit or Exit(EXIT_FAILED, "left without an answer from the server"))
         return []
 
     def _rejoin(self, now: float) -> list[Effect]:

@@ -4,7 +4,9 @@ This stands in for the server connection and answers the agent's machine locally
 agent runs exactly the same code path as with a server. As in torchrun's static backend:
 group rank = --node-rank, the master is --master-addr:--master-port (worker rank 0 hosts
 torch's TCPStore there), node counts are fixed, every node runs the same --nproc-per-node, and
-a failure restarts only this node's workers, counted by this node.
+a failure restarts only this node's workers, counted by this node. Every node is one fixed
+group rank, so the job never goes on without one: a ``Leave`` is answered ``Left`` with
+``job_continues=False`` (the agent then exits non-zero, as torchrun does on a signal).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from protocol import (
     JobDone,
     JobFailed,
     Join,
+    Leave,
+    Left,
     Message,
     Restart,
     WorkersFailed,
@@ -69,6 +73,9 @@ class StaticConnection:
                 )
         elif isinstance(msg, WorkersSucceeded):
             self._inbox.put_nowait(JobDone())
+        elif isinstance(msg, Leave):
+            why = f"the static rendezvous has no place for group rank {cfg.node_rank} without this node"
+            self._inbox.put_nowait(Left(job_continues=False, reason=why))
 
     async def receive(self) -> Message:
         return await self._inbox.get()

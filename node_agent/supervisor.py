@@ -16,11 +16,17 @@ How it works.
 * Output routing follows torchrun.  A stream that is neither redirected nor tee'd goes to the
   console unprefixed; a tee'd one goes to its file and to the console with the rank's prefix; a
   redirected one goes only to its file; ``console=False`` drops the console copy.  A stream whose
-  only destination is a file is handed to the worker as that file (the agent copies nothing);
-  stderr always passes through the agent otherwise, because its last lines are the failure
-  message when there is no error file.  Console writes are whole lines (a line longer than 64 KiB
-  is passed on in pieces), so ranks do not interleave mid-line, and are flushed at once.  They are
-  synchronous: a console that stops reading stalls the agent, as it would stall torchrun's tee.
+  only destination is a file is handed to the worker as that file (the agent copies nothing).
+  An unprefixed console stream is handed to the worker as the agent's own descriptor when the
+  console has a real one (stdout: exactly torchrun, the worker sees what the agent sees), except
+  that stderr's last lines are the failure message when there is no error file, so stderr
+  always passes through the agent: through a pty when the agent's stderr is a terminal (the
+  worker still sees one), else through a pipe.  A pty's master is read with ``add_reader``; EIO
+  on it means every holder of the slave closed it, our EOF.  Whatever passes through the agent
+  is written to the console at once, partial lines included, framed by ``console.ConsoleFramer``
+  (prefixes at line starts only; a prefixed rank's line is never continued by another rank).
+  ``--duplicate-*-filters`` copy the matching lines of tee'd streams, prefixed, to one file per
+  attempt, as torchrun does.
 * Shutdown policy (``stop``): the stop signal (SIGTERM) to every process group still alive, wait
   up to ``grace`` for the workers to exit, SIGKILL the groups of those that did not, wait up to
   ``reap_timeout`` for them to be reaped, then SIGKILL whatever is left in any worker's process
@@ -34,7 +40,7 @@ How it works.
 from __future__ import annotations
 
 import asyncio
-import io
+import errno
 import logging
 import os
 import signal
@@ -42,16 +48,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, BinaryIO, Literal, TextIO
+from typing import IO, Any, BinaryIO, Literal, TextIO
 
 from node_agent import procutil
 from node_agent.config import Std
+from node_agent.console import Console, ConsoleFramer, LineFilter, open_pty
 from protocol.records import record
 
 __all__ = [
     "DRAIN_TIMEOUT",
     "REAP_TIMEOUT",
-    "ConsoleFramer",
+    "ConsoleFramer",  # re-exported from node_agent.console
     "GroupResult",
     "SupervisorError",
     "WorkerExit",
@@ -72,8 +79,8 @@ DRAIN_TIMEOUT = 1.0
 # After SIGKILL: how long to wait for the kernel to let a process go.  Only a process stuck in
 # uninterruptible sleep (a wedged GPU or NFS call) takes longer; we report it and move on.
 REAP_TIMEOUT = 10.0
-# Console lines are buffered up to this size waiting for their newline.
-CONSOLE_LINE_MAX = 64 * 1024
+# One read of a pty master (a pipe's reads are the event loop's).
+PTY_READ_SIZE = 64 * 1024
 # The stderr tail kept for the failure message.
 TAIL_BYTES = 8 * 1024
 TAIL_LINES = 20
@@ -110,12 +117,33 @@ class WorkerSpec:
     console: bool = True  # False: the console copy is dropped (--local-ranks-filter)
     prefix: str = ""  # put before each tee'd console line, e.g. "[default0]:"
     error_file: str | None = None  # TORCHELASTIC_ERROR_FILE, read when the worker fails
+    # --duplicate-stdout-filters/--duplicate-stderr-filters: lines of a tee'd stream (of a rank
+    # shown on the console) that contain any of these strings are copied, with ``prefix``, to
+    # the filtered file; torchrun's <attempt dir>/filtered_stdout.log and filtered_stderr.log,
+    # shared by every rank of the attempt.  The file is created whenever filters are given.
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    filtered_stdout_path: str | None = None
+    filtered_stderr_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.argv:
             raise ValueError(f"local_rank {self.local_rank}: empty argv")
         object.__setattr__(self, "redirect", Std(int(self.redirect)))
         object.__setattr__(self, "tee", Std(int(self.tee)))
+        for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"local_rank {self.local_rank}: {name} must be a sequence of strings")
+            object.__setattr__(self, name, tuple(value))
+        if self.duplicate_stdout_filters and not self.filtered_stdout_path:
+            raise ValueError(
+                f"local_rank {self.local_rank}: duplicate_stdout_filters without filtered_stdout_path"
+            )
+        if self.duplicate_stderr_filters and not self.filtered_stderr_path:
+            raise ValueError(
+                f"local_rank {self.local_rank}: duplicate_stderr_filters without filtered_stderr_path"
+            )
         to_file = self.redirect | self.tee
         if to_file & Std.OUT and not self.stdout_path:
             raise ValueError(f"local_rank {self.local_rank}: stdout is redirected but stdout_path is not set")
@@ -146,116 +174,57 @@ class GroupResult:
     first_failure: WorkerExit | None  # the earliest failure: torchrun's root cause
 
 
-class ConsoleFramer:
-    """Cuts a byte stream into console writes of whole lines, each prefixed when asked.
+class _SharedFile:
+    """A file several workers' sinks write (the filtered lines of an attempt); the group closes it."""
 
-    A partial line waits for its newline up to ``max_pending`` bytes, then goes out as it is (the
-    rest of that line follows without a second prefix).  ``finish()`` returns what is left; with
-    a prefix it also ends the line, so that the next rank's prefix starts a line of its own.
-    """
-
-    def __init__(self, prefix: bytes = b"", max_pending: int = CONSOLE_LINE_MAX) -> None:
-        self._prefix = prefix
-        self._max = max_pending
-        self._pending = bytearray()
-        self._at_line_start = True
-
-    def feed(self, data: bytes) -> bytes:
-        self._pending += data
-        cut = self._pending.rfind(b"\n") + 1
-        if cut == 0:
-            if len(self._pending) < self._max:
-                return b""
-            cut = len(self._pending)
-        chunk = bytes(self._pending[:cut])
-        del self._pending[:cut]
-        return self._frame(chunk)
-
-    def finish(self) -> bytes:
-        out = self._frame(bytes(self._pending))
-        self._pending.clear()
-        if self._prefix and not self._at_line_start:
-            out += b"\n"
-            self._at_line_start = True
-        return out
-
-    def _frame(self, chunk: bytes) -> bytes:
-        if not chunk:
-            return b""
-        if not self._prefix:
-            self._at_line_start = chunk.endswith(b"\n")
-            return chunk
-        out = bytearray()
-        lines = chunk.split(b"\n")
-        for i, line in enumerate(lines):
-            last = i == len(lines) - 1
-            if last and not line:  # the chunk ended with a newline
-                break
-            if self._at_line_start:
-                out += self._prefix
-            out += line
-            if last:
-                self._at_line_start = False
-            else:
-                out += b"\n"
-                self._at_line_start = True
-        return bytes(out)
-
-
-class _Console:
-    """Bytes to a console stream: a binary stream, or a text stream's buffer (or the text itself)."""
-
-    def __init__(self, stream: TextIO | BinaryIO, name: str, log: Callable[[str], None]) -> None:
-        self._name = name
+    def __init__(self, path: str, log: Callable[[str], None]) -> None:
+        self.path = path
         self._log = log
-        self._broken = False
-        self._text: TextIO | None = None
-        self._binary: BinaryIO | None = None
-        buffer = getattr(stream, "buffer", None)
-        if buffer is not None:
-            self._text = stream  # type: ignore[assignment]
-            self._binary = buffer
-        elif isinstance(stream, io.TextIOBase):
-            self._text = stream  # type: ignore[assignment]
-        else:
-            self._binary = stream  # type: ignore[assignment]
+        self._file: IO[bytes] | None = open(path, "wb")
 
     def write(self, data: bytes) -> None:
-        if self._broken or not data:
+        if self._file is None or not data:
             return
         try:
-            if self._binary is not None:
-                if self._text is not None:
-                    self._text.flush()  # the agent's own pending text goes first
-                self._binary.write(data)
-                self._binary.flush()
-            elif self._text is not None:
-                self._text.write(data.decode("utf-8", "replace"))
-                self._text.flush()
-        except (OSError, ValueError) as e:  # EPIPE, a closed stream: keep the files going
-            self._broken = True
-            self._log(f"console {self._name} is unusable ({e}); workers' console output is dropped")
+            self._file.write(data)
+            self._file.flush()
+        except (OSError, ValueError) as e:
+            self._log(f"cannot write {self.path} ({e}); filtered output stops here")
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:  # a failed flush of what we already reported lost
+                pass
+            self._file = None
 
 
 class _StreamSink:
-    """Where one piped worker stream goes: its file, the console, the stderr tail."""
+    """Where one worker stream that passes through the agent goes: its file, the console (at
+    once, framed), the filtered file, the stderr tail."""
 
     def __init__(
         self,
         *,
         label: str,
         file: BinaryIO | None,
-        console: _Console | None,
-        framer: ConsoleFramer | None,
+        console: Console | None,
+        prefix: bytes = b"",
         keep_tail: bool,
         log: Callable[[str], None],
+        line_filter: LineFilter | None = None,
+        filtered: _SharedFile | None = None,
     ) -> None:
         self._label = label
         self._file = file
         self._console = console
-        self._framer = framer
+        self._prefix = prefix
         self._tail: bytearray | None = bytearray() if keep_tail else None
         self._log = log
+        self._filter = line_filter if filtered is not None else None
+        self._filtered = filtered
 
     def feed(self, data: bytes) -> None:
         if self._file is not None:
@@ -269,13 +238,18 @@ class _StreamSink:
             self._tail += data
             if len(self._tail) > 2 * TAIL_BYTES:
                 del self._tail[:-TAIL_BYTES]
-        if self._console is not None and self._framer is not None:
-            self._console.write(self._framer.feed(data))
+        if self._console is not None:
+            self._console.write(self, data, self._prefix)
+        if self._filter is not None and self._filtered is not None:
+            self._filtered.write(self._filter.feed(data))
 
     def close(self) -> None:
-        if self._console is not None and self._framer is not None:
-            self._console.write(self._framer.finish())
+        if self._console is not None:
+            self._console.end(self)
             self._console = None
+        if self._filter is not None and self._filtered is not None:
+            self._filtered.write(self._filter.finish())
+            self._filter = None
         self._close_file()
 
     def _close_file(self) -> None:
@@ -358,10 +332,12 @@ class _Worker:
 
     def __init__(self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop) -> None:
         self.spec = spec
+        self.loop = loop
         self.transport: asyncio.SubprocessTransport | None = None
         self.pid = 0
         self.sinks: dict[int, _StreamSink] = {}
         self.eof: dict[int, asyncio.Future[None]] = {}
+        self.ptys: dict[int, int] = {}  # worker fd -> the pty master we read it from
         self.exited: asyncio.Future[None] = loop.create_future()
         self.returncode: int | None = None
         self.reaped_at = 0.0
@@ -379,7 +355,32 @@ class _Worker:
         if not self.exited.done():
             self.exited.set_result(None)
 
+    def read_pty(self, fd: int, master: int) -> None:
+        """Start carrying what the worker writes to the pty behind its ``fd``."""
+        self.ptys[fd] = master
+        self.loop.add_reader(master, self._pty_readable, fd, master)
+
+    def _pty_readable(self, fd: int, master: int) -> None:
+        try:
+            data = os.read(master, PTY_READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            if e.errno != errno.EIO:  # EIO: every holder of the slave closed it
+                _logger.warning("reading the pty of %s: %s", self.label, e)
+            data = b""
+        if data:
+            sink = self.sinks.get(fd)
+            if sink is not None:
+                sink.feed(data)
+        else:
+            self.on_eof(fd)
+
     def on_eof(self, fd: int) -> None:
+        master = self.ptys.pop(fd, None)
+        if master is not None:
+            self.loop.remove_reader(master)
+            os.close(master)  # a process still holding the slave now gets EIO
         sink = self.sinks.get(fd)
         if sink is not None:
             sink.close()
@@ -577,8 +578,10 @@ class WorkerGroup:
     ) -> None:
         self._log: Callable[[str], None] = log or _logger.info
         # Resolved now, not at import time, so that a replaced sys.stdout (pytest, a wrapper) counts.
-        self._stdout = _Console(stdout if stdout is not None else sys.stdout, "stdout", self._log)
-        self._stderr = _Console(stderr if stderr is not None else sys.stderr, "stderr", self._log)
+        self._stdout = Console(stdout if stdout is not None else sys.stdout, "stdout", self._log)
+        self._stderr = Console(stderr if stderr is not None else sys.stderr, "stderr", self._log)
+        self._filtered: dict[str, _SharedFile] = {}  # this attempt's filtered-lines files, by path
+        self._pty_failed = False  # a pty could not be opened (logged once; pipes instead)
         self._guard_orphans = guard_orphans
         self._workers: list[_Worker] = []
         self._watchdog: _Watchdog | None = None
@@ -672,6 +675,15 @@ class WorkerGroup:
                 await self._end_watchdog(reap_timeout)
             return self._stopped
 
+    def fresh_line(self) -> None:
+        """Call before the agent writes a line of its own to its stderr: end a partial line that
+        a worker's output, passed through the agent, left there (or on stdout, when stdout and
+        stderr are one file or terminal), so the agent's line starts a line of its own.  Output
+        a worker writes straight to the agent's descriptor is not seen, so not ended."""
+        self._stderr.break_line()
+        if self._stdout.same_file(self._stderr):
+            self._stdout.break_line()
+
     def send_signal(self, sig: int) -> None:
         """Forward a signal to the process group of every worker still running."""
         live = [w for w in self._workers if not w.exited.done()]
@@ -693,10 +705,17 @@ class WorkerGroup:
             except FileNotFoundError:
                 pass
         opened: list[BinaryIO] = []  # files the worker writes itself: our copies close after spawn
+        slaves: list[int] = []  # pty slaves: the worker's now, ours close after spawn
+        masters: dict[int, int] = {}  # worker fd -> pty master, read once the worker runs
         try:
             stdio: dict[int, Any] = {}
             for fd, stream in ((1, Std.OUT), (2, Std.ERR)):
                 route = _route(spec, stream)
+                name = "stdout" if fd == 1 else "stderr"
+                console = self._stdout if fd == 1 else self._stderr
+                filters = spec.duplicate_stdout_filters if fd == 1 else spec.duplicate_stderr_filters
+                filtered_path = spec.filtered_stdout_path if fd == 1 else spec.filtered_stderr_path
+                filtered = self._filtered_file(filtered_path) if filters and filtered_path else None
                 if not route.piped:
                     if route.file is None:
                         stdio[fd] = subprocess.DEVNULL
@@ -708,15 +727,30 @@ class WorkerGroup:
                             worker.stderr_file = route.file
                     continue
                 stdio[fd] = subprocess.PIPE
-                console = self._stdout if fd == 1 else self._stderr
-                prefix = spec.prefix.encode() if route.prefixed else b""
+                if route.console and not route.prefixed and route.file is None:
+                    own = console.fileno()
+                    if own is not None and fd == 1:
+                        console.flush()
+                        stdio[fd] = own  # torchrun's way: the worker writes our stdout itself
+                        continue
+                    if own is not None and os.isatty(own):
+                        pty = self._open_pty(own)
+                        if pty is not None:
+                            masters[fd], slave = pty
+                            slaves.append(slave)
+                            stdio[fd] = slave
                 worker.sinks[fd] = _StreamSink(
-                    label=f"local_rank {spec.local_rank} {'stdout' if fd == 1 else 'stderr'}",
+                    label=f"local_rank {spec.local_rank} {name}",
                     file=open(route.file, "wb") if route.file else None,
                     console=console if route.console else None,
-                    framer=ConsoleFramer(prefix) if route.console else None,
+                    prefix=spec.prefix.encode() if route.prefixed else b"",
                     keep_tail=fd == 2,
                     log=self._log,
+                    # torchrun filters the tee'd streams of the ranks it shows, with their prefix.
+                    line_filter=LineFilter(filters, spec.prefix.encode())
+                    if route.prefixed and filtered
+                    else None,
+                    filtered=filtered if route.prefixed else None,
                 )
                 worker.eof[fd] = loop.create_future()
             transport, _ = await loop.subprocess_exec(
@@ -733,12 +767,33 @@ class WorkerGroup:
         except BaseException:
             for sink in worker.sinks.values():
                 sink.close()
+            for master in masters.values():
+                os.close(master)
             raise
         finally:
             for f in opened:
                 f.close()
+            for slave in slaves:
+                os.close(slave)
         worker.transport = transport  # type: ignore[assignment]
         worker.pid = transport.get_pid()
+        for fd, master in masters.items():
+            worker.read_pty(fd, master)
+
+    def _open_pty(self, like_fd: int) -> tuple[int, int] | None:
+        try:
+            return open_pty(like_fd)
+        except OSError as e:  # no /dev/pts in this container, out of ptys
+            if not self._pty_failed:
+                self._pty_failed = True
+                self._log(f"cannot open a pty ({e}); workers' stderr is a pipe, not a terminal")
+            return None
+
+    def _filtered_file(self, path: str) -> _SharedFile:
+        shared = self._filtered.get(path)
+        if shared is None:
+            shared = self._filtered[path] = _SharedFile(path, self._log)
+        return shared
 
     def _result(self) -> GroupResult:
         exits = tuple(w.finalize(self._log) for w in self._workers if w.exited.done())
@@ -793,10 +848,13 @@ class WorkerGroup:
                 "process that left the group); no longer read"
             )
         for w in workers:
-            for fd in list(w.sinks):
+            for fd in list(w.eof):
                 w.on_eof(fd)
             if w.transport is not None:
                 w.transport.close()
+        for shared in self._filtered.values():
+            shared.close()
+        self._filtered.clear()
         return self._result()
 
     async def _end_watchdog(self, reap_timeout: float) -> None:

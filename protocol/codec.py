@@ -14,7 +14,8 @@ Wire form. A client opens with ``MAGIC`` (once), then both sides send frames:
 Every field is always encoded, defaults included, so a frame is self-describing.
 On decode, unknown keys are ignored (a peer on a newer minor revision of the same
 version may add fields), a missing field with a default takes the default, and a
-missing required field is a MissingField. Failure travels as a nested map under
+missing required field is a MissingField; ``messages.py`` says which revisions
+version 1 has had and why each needs no new version. Failure travels as a nested map under
 the same rules.
 
 Hostile input. A length header above the limit is refused as soon as its four

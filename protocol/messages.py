@@ -19,6 +19,17 @@ checked after the fields, in ``_check_relations``.
 
 Limits bound everything a peer controls, so no single message can exceed the
 default frame size and no value can overflow msgpack's 64-bit integers.
+
+Revisions within protocol version 1. Both kinds of change below keep old and new peers
+working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
+
+- A new optional field, whose default means "not given": the codec ignores keys it does not
+  know, so an older peer drops it, and a newer one decoding an older peer's frame gets the
+  default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``.)
+- A new server -> agent message whose only use is in a moment where an older agent expects
+  the connection to close anyway: the older agent fails to decode it, treats that as the lost
+  connection it expected, and so does what it did before. (``GoingAway``: it reconnects;
+  ``Left``: it exits after its ``Leave``.)
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ __all__ = [
     "JobFailed",
     "Join",
     "Leave",
+    "Left",
     "Message",
     "Restart",
     "Waiting",
@@ -303,6 +315,11 @@ class Join(_Schema):
     exclude_after: int = field(default=0, metadata=_COUNT)
     # HMAC of the server's challenge with the job's token (protocol.auth); "" without a token.
     proof: str = field(default="", metadata=_text(128))
+    # --node-rank, when the agent was given one (-1: not given). In a fixed-size job whose
+    # nodes all give one the server orders group ranks by it (rdzv_server/state.py, which
+    # also refuses one that is out of range or taken: that is a rule of the job, not of
+    # this message). Added within version 1: an older server ignores it.
+    node_rank: int = field(default=-1, metadata=_integer(-1, MAX_NODES - 1))
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -469,6 +486,21 @@ class GoingAway(_Schema):
 
 
 @record(frozen=True, kw_only=True, slots=True)
+class Left(_Schema):
+    """The answer to a member's ``Leave``, sent just before the server closes the connection.
+
+    ``job_continues`` says whether the job goes on without the node (enough members remain,
+    a spare took its place, its own part was done, or the job finished): the agent exits 0 on
+    a drain only then. Added within protocol version 1, like GoingAway: an older agent fails
+    to decode it and takes it for the connection closing, which it expected after its Leave.
+    """
+
+    TYPE: ClassVar[str] = "left"
+    job_continues: bool = field(metadata=_flag())
+    reason: str = field(default="", metadata=_TEXT)
+
+
+@record(frozen=True, kw_only=True, slots=True)
 class JobDone(_Schema):
     """The job is over and every node succeeded."""
 
@@ -507,6 +539,7 @@ Message: TypeAlias = (
     | JobDone
     | Drain
     | GoingAway
+    | Left
     | Error
 )
 
@@ -515,7 +548,19 @@ CLIENT_MESSAGES: dict[str, type[Message]] = {
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Welcome, Waiting, Assignment, Restart, JobFailed, JobDone, Drain, Error, Resumed, GoingAway)
+    for cls in (
+        Welcome,
+        Waiting,
+        Assignment,
+        Restart,
+        JobFailed,
+        JobDone,
+        Drain,
+        Error,
+        Resumed,
+        GoingAway,
+        Left,
+    )
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
 

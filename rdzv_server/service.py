@@ -263,6 +263,7 @@ class RendezvousService:
         self._closed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._change_waiters: list[asyncio.Future[None]] = []  # woken after each machine step
         self._durable_init(None)
 
     def _durable_init(self, state_log: StateLog | None) -> None:
@@ -403,8 +404,21 @@ class RendezvousService:
             self._idle.set()
 
     async def wait_idle(self) -> None:
-        """Until no agent is connected (an agent hosting the rendezvous waits for its peers)."""
+        """Until no agent is connected."""
         await self._idle.wait()
+
+    def job_nodes(self, job_id: str) -> set[str]:
+        """The node ids in job ``job_id`` (members and spares); empty when there is no such job."""
+        job = self.machine.jobs.get(job_id)
+        return set() if job is None else {*job.members, *job.spares}
+
+    async def wait_job_gone(self, job_id: str) -> None:
+        """Until the machine forgets job ``job_id`` (its last node left): an agent that hosts
+        the rendezvous waits for its own job's peers, not for other jobs it happens to serve."""
+        while job_id in self.machine.jobs:
+            waiter = asyncio.get_running_loop().create_future()
+            self._change_waiters.append(waiter)
+            await waiter
 
     def _hand_to_http(self, conn: _Connection, preface: bytes) -> None:
         assert self.http_factory is not None and conn.transport is not None
@@ -424,6 +438,11 @@ class RendezvousService:
             self.state_log.append({"k": "drain", "job": job_id, "node": node_id, "why": reason}, now)
         self._carry_out(effects)
         self._schedule()
+        if self._change_waiters:
+            waiters, self._change_waiters = self._change_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def go_away(self, reason: str, grace: float = 5.0) -> None:
         """SIGTERM's policy: stop taking connections and joins, flush, tell the agents, close.

@@ -4,6 +4,8 @@
 ``load(data)`` builds an equal machine from them. Every field is named here on purpose
 (never pickle, never ``asdict``): a change to the machine's state shows up as a change to
 this file, with ``VERSION`` bumped when old snapshots can no longer be read as they are.
+A field added since is read with its default when missing (``Member.node_rank``,
+``Job.ranks_noted``), so version 1 snapshots of every age still load.
 
 What is kept: connections (a member is bound to one; after a restart they become AWAY),
 jobs (settings, members, spares, rank order, round, restart count, exclusions, failures,
@@ -93,6 +95,7 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "joined_at": m.joined_at,
         "state": m.state.value,
         "failures": m.failures,
+        "node_rank": m.node_rank,
     }
 
 
@@ -126,6 +129,7 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "history": [[e.time, e.kind, e.text] for e in j.history],
         "resume_expect": None if j.resume_expect is None else list(j.resume_expect),
         "resume_slots": [[rank, nid] for rank, nid in j.resume_slots.items()],
+        "ranks_noted": j.ranks_noted,
     }
 
 
@@ -200,6 +204,7 @@ def _load_member(d: dict[str, Any]) -> Member:
         joined_at=float(d["joined_at"]),
         state=MemberState(d["state"]),
         failures=_int(d["failures"]),
+        node_rank=_int(d.get("node_rank", -1)),  # absent from snapshots before node ranks
     )
 
 
@@ -231,6 +236,7 @@ def _load_job(d: dict[str, Any]) -> Job:
         outcome=str(d["outcome"]),
         excluded={str(nid): str(why) for nid, why in d["excluded"]},
         resume_slots={_int(rank): str(nid) for rank, nid in d["resume_slots"]},
+        ranks_noted=bool(d.get("ranks_noted", False)),
     )
     job.history.extend(JobEvent(float(t), str(kind), str(text)) for t, kind, text in d["history"])
     expect = d["resume_expect"]

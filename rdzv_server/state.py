@@ -29,6 +29,19 @@ members in their previous order, so group rank 0, and with it MASTER_ADDR, stays
 that node survives; newcomers follow, ordered by (address, node id). Node ``i`` in that order
 gets group rank ``i`` and global ranks starting at the sum of ``nproc`` of the nodes before it.
 Each node is told only its own slice: messages stay O(1) in the size of the job.
+
+Node ranks. In a fixed-size job (min_nodes == max_nodes) an agent may give ``--node-rank``
+(``Join.node_rank``). Each one must be below the node count and held by one agent at a time:
+a join that breaks either is refused (a fatal Error naming the value and, for a duplicate,
+the node holding it) and everyone else goes on. A round in which *every* member gave one is
+ordered by node rank, so group rank = node rank, in every round with such members; if only
+some gave one, the round falls back to the order above, and the job's history says so once.
+An elastic job ignores node ranks, as torchrun's c10d backend does (also said once).
+
+Leaving. A member's ``Leave`` is answered with ``Left(job_continues)`` just before its
+connection is closed: whether the job goes on without the node (enough members remain or a
+spare took its place, its own workers had finished, or the job finished). The agent exits 0
+after a drain only then, so a scheduler that cancels the last node sees a failure.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from protocol import (
     JobFailed,
     Join,
     Leave,
+    Left,
     Message,
     Restart,
     Resume,
@@ -178,6 +192,7 @@ class Member:
     joined_at: float = 0.0
     state: MemberState = MemberState.READY
     failures: int = 0
+    node_rank: int = -1  # --node-rank as the agent gave it; -1: not given
 
 
 @record(frozen=True, slots=True)
@@ -298,9 +313,18 @@ class Job:
     joins_unlogged: int = 0
     first_unlogged: str = ""
     last_unlogged: str = ""
+    # Whether the history already says that --node-rank does not order this job's ranks.
+    ranks_noted: bool = False
+    # Fixed-size jobs: node rank -> the node that gave it. Entries of nodes gone since are
+    # stale and are dropped when looked up (_rank_holder), so removals need not keep it.
+    rank_holders: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}
+        if not self.elastic:
+            for m in [*self.members.values(), *self.spares.values()]:
+                if m.node_rank >= 0:
+                    self.rank_holders[m.node_rank] = m.node_id
 
     def record(self, now: float, kind: str, text: str) -> None:
         self.history.append(JobEvent(now, kind, text))
@@ -330,6 +354,41 @@ def _set_state(job: Job, m: Member, state: MemberState) -> None:
             job.not_ready.discard(m.node_id)
         else:
             job.not_ready.add(m.node_id)
+
+
+def _rank_holder(job: Job, node_rank: int) -> Member | None:
+    """The member or spare that gave ``node_rank``, if one is still in the job."""
+    nid = job.rank_holders.get(node_rank)
+    if nid is None:
+        return None
+    m = job.members.get(nid) or job.spares.get(nid)
+    if m is None or m.node_rank != node_rank:
+        del job.rank_holders[node_rank]  # it left (or was excluded) since
+        return None
+    return m
+
+
+def _node_rank_problem(settings: JobSettings, job: Job | None, msg: Join) -> tuple[str, str] | None:
+    """(code, message) when a join's --node-rank may not enter the job, else None."""
+    r = msg.node_rank
+    if r < 0 or settings.min_nodes != settings.max_nodes:
+        return None  # not given, or an elastic job, where node ranks order nothing
+    who = f"node {msg.node_id} ({msg.addr})"
+    if r >= settings.max_nodes:
+        return (
+            "node_rank_out_of_range",
+            f"{who} gave --node-rank {r}, but job {msg.job_id!r} has --nnodes {settings.max_nodes}: "
+            f"node ranks are 0..{settings.max_nodes - 1}",
+        )
+    holder = _rank_holder(job, r) if job is not None else None
+    if holder is None:
+        return None
+    return (
+        "duplicate_node_rank",
+        f"{who} gave --node-rank {r}, which node {holder.node_id} ({holder.addr}) already holds in job "
+        f"{msg.job_id!r}: give each node its own --node-rank (if that node's previous agent died, "
+        f"its place is freed when its heartbeat lapses, after {settings.heartbeat_timeout:g} s)",
+    )
 
 
 class Rendezvous:
@@ -477,6 +536,7 @@ class Rendezvous:
                 else:
                     self._on_resume(conn, msg, now, out)
             elif isinstance(msg, Leave):
+                out.append(Send(conn.id, Left(job_continues=False, reason="this node had not joined a job")))
                 self._drop(conn.id, "left before joining", now, out, close=True)
             else:
                 self._refuse(conn, "unexpected_message", f"expected join, got {msg.TYPE}", now, out)
@@ -489,8 +549,7 @@ class Rendezvous:
         elif isinstance(msg, WorkersSucceeded):
             self._on_succeeded(job, member, msg, now, out)
         elif isinstance(msg, Leave):
-            reason = f"left ({msg.reason})" if msg.reason else "left"
-            self._drop(conn.id, reason, now, out, close=True)
+            self._on_leave(conn, job, member, msg, now, out)
         else:
             self._refuse(conn, "unexpected_message", f"{msg.TYPE} is not expected from an agent", now, out)
 
@@ -505,6 +564,10 @@ class Rendezvous:
             del self.jobs[job.id]
             job = None
         if job is None:
+            refused = _node_rank_problem(settings, None, msg)
+            if refused is not None:
+                self._refuse(conn, *refused, now, out)  # before the job exists: nothing to forget
+                return
             job = Job(id=msg.job_id, settings=settings, created_at=now, gathering_since=now)
             self.jobs[job.id] = job
             self.stats.jobs_created += 1
@@ -534,6 +597,10 @@ class Rendezvous:
             self._refuse(
                 conn, "excluded", f"node {msg.node_id} is excluded from job {job.id!r}: {why}", now, out
             )
+            return
+        refused = _node_rank_problem(job.settings, job, msg)
+        if refused is not None:
+            self._refuse(conn, *refused, now, out)
             return
         member = self._attach(job, conn, msg, now, MemberState.READY)
         full = len(job.members) >= job.settings.max_nodes
@@ -782,13 +849,20 @@ class Rendezvous:
             seq=job.next_seq,
             joined_at=now,
             state=state,
+            node_rank=join.node_rank,
         )
+        if join.node_rank >= 0 and not job.elastic:
+            job.rank_holders[join.node_rank] = join.node_id
         job.next_seq += 1
         self._ensure_sweep(now, job.settings.heartbeat_timeout)
         return member
 
     def _on_rejoin(self, job: Job, member: Member, msg: Join, now: float, out: list[Effect]) -> None:
-        if job.settings.mismatch(JobSettings.from_join(msg)) is not None or msg.node_id != member.node_id:
+        if (
+            job.settings.mismatch(JobSettings.from_join(msg)) is not None
+            or msg.node_id != member.node_id
+            or msg.node_rank != member.node_rank
+        ):
             self._refuse(
                 self.conns[member.conn], "job_mismatch", "a re-join must repeat the first join", now, out
             )
@@ -914,12 +988,16 @@ class Rendezvous:
         self._complete(job, now, out)
 
     def _complete(self, job: Job, now: float, out: list[Effect]) -> None:
-        survivors = [nid for nid in job.order if nid in job.members]
-        kept = set(survivors)
-        newcomers = sorted(
-            (m for nid, m in job.members.items() if nid not in kept), key=lambda m: (m.addr, m.node_id)
-        )
-        job.order = survivors + [m.node_id for m in newcomers]
+        by_node_rank = self._node_rank_order(job, now, out)
+        if by_node_rank is not None:
+            job.order = by_node_rank
+        else:
+            survivors = [nid for nid in job.order if nid in job.members]
+            kept = set(survivors)
+            newcomers = sorted(
+                (m for nid, m in job.members.items() if nid not in kept), key=lambda m: (m.addr, m.node_id)
+            )
+            job.order = survivors + [m.node_id for m in newcomers]
         world_size = sum(job.members[nid].nproc for nid in job.order)
         master = job.members[job.order[0]]
         job.phase = JobPhase.RUNNING
@@ -954,9 +1032,80 @@ class Rendezvous:
             now,
             "round",
             f"round {job.round} complete: {len(job.order)} nodes, world size {world_size}, "
-            f"master {master.addr}:{master.master_port}, restarts {job.restart_count}",
+            f"master {master.addr}:{master.master_port}, restarts {job.restart_count}"
+            + (", group ranks by --node-rank" if by_node_rank is not None else ""),
             out,
         )
+
+    def _node_rank_order(self, job: Job, now: float, out: list[Effect]) -> list[str] | None:
+        """The round's order by --node-rank, or None when node ranks do not decide it."""
+        if all(m.node_rank < 0 for m in job.members.values()):
+            return None
+        s = job.settings
+        if job.elastic:
+            self._note_ranks_once(
+                job,
+                now,
+                f"--node-rank ignored: the job is elastic (--nnodes {_range(s.min_nodes, s.max_nodes)}), "
+                "so group ranks follow the rendezvous order (address, node id), as with torchrun's c10d",
+                out,
+            )
+            return None
+        missing = [nid for nid, m in job.members.items() if m.node_rank < 0]
+        if missing:
+            named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            self._note_ranks_once(
+                job,
+                now,
+                f"--node-rank ignored: {len(job.members) - len(missing)} of {len(job.members)} nodes gave "
+                f"one ({named} did not), so group ranks follow address order",
+                out,
+            )
+            return None
+        # A fixed-size round has max_nodes members, and the join rules keep their node ranks
+        # distinct and below max_nodes: 0..n-1, so each node's group rank is its node rank. Only
+        # a round rebuilt from agents' Resumes (which are not refused) could break that.
+        order = sorted(job.members, key=lambda nid: job.members[nid].node_rank)
+        if [job.members[nid].node_rank for nid in order] != list(range(len(order))):
+            self._note_ranks_once(
+                job, now, "--node-rank ignored: the nodes' ranks are not 0..n-1; ordering by address", out
+            )
+            return None
+        return order
+
+    def _note_ranks_once(self, job: Job, now: float, text: str, out: list[Effect]) -> None:
+        if not job.ranks_noted:
+            job.ranks_noted = True
+            self._note(job, now, "ranks", text, out, "warning")
+
+    def _on_leave(
+        self, conn: Conn, job: Job, member: Member, msg: Leave, now: float, out: list[Effect]
+    ) -> None:
+        """A node leaves on purpose; tell it whether the job goes on without it, then close."""
+        was_spare = member.node_id in job.spares
+        had_succeeded = member.state is MemberState.SUCCEEDED
+        reason = f"left ({msg.reason})" if msg.reason else "left"
+        self._drop(conn.id, reason, now, out, close=False)
+        goes_on, why = self._goes_on_without(job, was_spare=was_spare, had_succeeded=had_succeeded)
+        out.append(Send(conn.id, Left(job_continues=goes_on, reason=why)))
+        out.append(Close(conn.id, reason))
+
+    def _goes_on_without(self, job: Job, *, was_spare: bool, had_succeeded: bool) -> tuple[bool, str]:
+        """After a node left: whether its job goes on, and why (for the node's exit code)."""
+        if job.phase is JobPhase.FINISHED:
+            return True, "the job finished"
+        if job.phase is JobPhase.FAILED:
+            return False, f"the job failed: {job.outcome}"
+        if was_spare:
+            return True, "this node was a spare; the job goes on without it"
+        if self.jobs.get(job.id) is not job:
+            return False, "this node was the last of the job"
+        if had_succeeded and job.phase is JobPhase.RUNNING:
+            return True, "this node's workers had finished; the other nodes go on"
+        n, need = len(job.members), job.settings.min_nodes
+        if n >= need:
+            return True, f"{n} node(s) remain and the job needs {need}"
+        return False, f"only {n} node(s) remain and the job needs {need}"
 
     def _regather(self, job: Job, reason: str, now: float, out: list[Effect]) -> None:
         """Stop the running round: every member restarts its workers and re-joins."""

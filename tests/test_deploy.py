@@ -89,10 +89,9 @@ def _parse_or_fail(parse: Callable[[list[str]], T], argv: list[str], command: Co
 def check_node_agent(command: Command, scratch: Path) -> AgentConfig:
     """parse_config of the command, its training script replaced by an existing throw-away one."""
     argv = list(command.argv[1:])
-    ns = _parse_or_fail(
-        lambda a: agent_args.build_parser().parse_args(agent_args._bare_optional_flags(a)), argv, command
-    )
-    script_at = len(argv) - len(ns.training_script_args) - 1
+    launcher_part, script_args = agent_args._split_script(argv)
+    ns = _parse_or_fail(lambda a: agent_args.build_parser().parse_args(a), launcher_part, command)
+    script_at = len(argv) - len(script_args) - 1
     assert argv[script_at] == ns.training_script
     if not getattr(ns, "module", False):
         stand_in = scratch / (Path(ns.training_script).name or "train.py")

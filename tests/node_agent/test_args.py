@@ -388,7 +388,7 @@ def test_our_own_defaults(script):
     assert config.log_format == "text"
     assert config.health_check is None
     assert config.python_exec == sys.executable
-    assert config.log_level == "WARNING"
+    assert config.log_level is None  # unset: the agent shows its INFO lines
     assert config.entrypoint_name == script
     assert not config.elastic
 
@@ -449,17 +449,55 @@ def test_explicit_backend_is_not_standalone(script):
     assert (config.rdzv_host, config.rdzv_port) == ("127.0.0.1", DEFAULT_RDZV_PORT)
 
 
-def test_master_port_does_not_pick_a_backend(script, caplog):
+def test_master_port_on_one_node_is_static_as_in_torchrun(script, caplog):
     with caplog.at_level(logging.WARNING, logger="node_agent.args"):
         config = parse(["--master-port", "29501", script])
-    assert config.standalone and config.master_port == 29501
-    assert "--master-port only applies to --rdzv-backend=static" in caplog.text
+    assert not config.standalone and config.rdzv_backend == "static"
+    assert (config.rdzv_host, config.rdzv_port) == ("127.0.0.1", 29501)
+    assert caplog.text == ""
 
 
-def test_node_rank_with_c10d_warns(script, caplog):
+def test_master_addr_alone_on_one_node_is_ignored_as_in_torchrun(script, caplog):
     with caplog.at_level(logging.WARNING, logger="node_agent.args"):
-        parse(["--node-rank", "1", *ENDPOINT, script])
-    assert "--node-rank=1" in caplog.text
+        config = parse(["--master-addr", "10.0.0.9", script])
+    assert config.standalone
+    assert "--master-addr: ignored, as torchrun ignores it with --rdzv-backend=c10d" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        (["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "1234"], {}),
+        (
+            [],
+            {
+                "PET_NNODES": "2",
+                "PET_NODE_RANK": "1",
+                "PET_MASTER_ADDR": "10.0.0.1",
+                "PET_MASTER_PORT": "1234",
+            },
+        ),
+    ],
+    ids=["flags", "PET"],
+)
+def test_node_rank_without_a_backend_is_torchruns_static(argv, environ, script):
+    config = parse([*argv, script], environ)
+    assert config.rdzv_backend == "static" and config.node_rank == 1
+    assert (config.rdzv_host, config.rdzv_port) == ("10.0.0.1", 1234)
+
+
+def test_node_rank_with_our_server_orders_nodes(script, caplog):
+    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+        config = parse(["--node-rank", "1", *ENDPOINT, script])
+    assert config.rdzv_backend == "c10d" and config.node_rank_given and config.node_rank == 1
+    assert caplog.text == ""
+
+
+def test_node_rank_with_etcd_warns(script, caplog):
+    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+        config = parse(["--node-rank", "1", "--rdzv-backend", "etcd", *ENDPOINT, script])
+    assert "--node-rank=1: ignored with --rdzv-backend=etcd" in caplog.text
+    assert not config.node_rank_given
 
 
 @pytest.mark.parametrize(
@@ -634,7 +672,7 @@ ERRORS = [
     (["--nproc-per-node", "xpu"], {}, "xpu is not supported"),
     ([], {"PET_NPROC_PER_NODE": ""}, "PET_NPROC_PER_NODE=''"),
     # backends
-    (["--rdzv-backend", "static", "--nnodes", "1:2"], {}, "--rdzv-backend=static needs a fixed node count"),
+    (["--rdzv-backend", "static", "--nnodes", "1:2"], {}, "needs a fixed node count (--nnodes N)"),
     (["--rdzv-backend", "static", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank=2 must be below"),
     (
         ["--rdzv-backend", "zookeeper"],
@@ -643,7 +681,7 @@ ERRORS = [
     ),
     ([], {"PET_RDZV_BACKEND": "etc"}, "PET_RDZV_BACKEND='etc' is not a rendezvous backend"),
     (["--nnodes", "2"], {}, "a multi-node run needs --rdzv-endpoint"),
-    (["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1"], {}, "--rdzv-backend static"),
+    (["--nnodes", "2"], {}, "or torchrun's static flags: --node-rank R"),
     (["--rdzv-id", "", *ENDPOINT], {}, "--rdzv-id is empty"),
     (
         ["--standalone", "--nnodes", "1:2"],
@@ -1006,3 +1044,60 @@ def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> N
     made = make_temp_dir("run_", str(tmp_path))
     assert os.path.basename(made).startswith("run_") and os.stat(made).st_mode & 0o777 == 0o700
     assert make_temp_dir("run_", str(tmp_path)) != made
+
+
+# --- what follows the script is the script's -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script_args",
+    [
+        ["--token", "hf_x"],  # a prefix of our --token-file: argparse called it ambiguous
+        ["--health", "--pass", "p", "--tls", "--to", "x"],
+        ["--nnodes", "3", "-m", "--standalone", "--nproc-per-node=9"],  # our own flags, verbatim
+        ["--", "--help"],
+        ["-"],
+    ],
+)
+def test_nothing_after_the_script_is_parsed(script_args, script):
+    config = parse(["--nproc-per-node", "2", script, *script_args])
+    assert config.training_script == script
+    assert config.training_script_args == tuple(script_args)
+    assert config.nproc_per_node == 2 and not config.module
+
+
+def test_double_dash_ends_our_options(script):
+    config = parse(["--nproc-per-node", "2", "--", script, "--nproc-per-node", "3"])
+    assert config.training_script == script
+    assert config.training_script_args == ("--nproc-per-node", "3")
+    assert config.nproc_per_node == 2
+
+
+def test_help_starts_with_two_examples_and_explains_the_separator(capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--help"])
+    assert info.value.code == 0
+    head = capsys.readouterr().out.splitlines()[:4]
+    assert head[0].startswith("usage: node-agent [OPTIONS] [--] TRAINING_SCRIPT")
+    assert "--standalone" in head[1] and "--rdzv-endpoint" in head[2]
+
+
+def test_help_text_says_what_double_dash_does():
+    text = build_parser().format_help()
+    assert "'--' before the script also ends node-agent's options" in " ".join(text.split())
+
+
+def test_logs_specs_default_is_accepted_and_others_refused(script):
+    assert parse(["--logs-specs", "default", script]).logs_specs == "default"
+    with pytest.raises(ConfigError, match="--logs-specs is not supported yet"):
+        parse(["--logs-specs", "mine", script])
+
+
+@pytest.mark.parametrize(("value", "expected"), [("8123", 8123), ("", None)])
+def test_health_check_port_is_read(value, expected, script):
+    assert parse([script], {"TORCHELASTIC_HEALTH_CHECK_PORT": value}).health_check_port == expected
+
+
+def test_a_bad_health_check_port_is_refused(script):
+    with pytest.raises(ConfigError, match="TORCHELASTIC_HEALTH_CHECK_PORT"):
+        parse([script], {"TORCHELASTIC_HEALTH_CHECK_PORT": "70000"})

@@ -47,3 +47,60 @@ def test_a_connection_reset_before_the_hello_is_a_closed_hello_under_uvloop(monk
         uvloop.run(scenario())
     finally:
         listener.close()
+
+
+def test_a_torch_tcpstore_at_the_endpoint_is_named_before_the_handshake_timeout(tmp_path) -> None:
+    """The usual tenant of port 29500 (a TCPStore of torchrun's or of a job) accepts our hello
+    and never answers; the agent asks it a TCPStore question instead of waiting out the
+    handshake timeout, and says what it found."""
+    import subprocess
+    import sys
+
+    store = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from torch.distributed import TCPStore; "
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+            "print(s.port, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert store.stdout is not None
+        port = int(store.stdout.readline())
+
+        async def scenario() -> None:
+            # A handshake timeout far beyond the test's own: only the probe can end this early.
+            with pytest.raises(NotARendezvousServer, match="is a torch TCPStore"):
+                await asyncio.wait_for(
+                    client.connect(
+                        "127.0.0.1", port, deadline=time.monotonic() + 300, handshake_timeout=300, log=print
+                    ),
+                    timeout=60,
+                )
+
+        asyncio.run(scenario())
+    finally:
+        store.kill()
+        store.wait(timeout=10)
+
+
+def test_a_silent_listener_that_is_no_tcpstore_waits_out_the_handshake() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    async def scenario() -> None:
+        with pytest.raises(NotARendezvousServer, match=r"did not answer as a rendezvous server within 1\.5"):
+            await client.connect(
+                "127.0.0.1", port, deadline=time.monotonic() + 5, handshake_timeout=1.5, log=print
+            )
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        listener.close()

@@ -14,6 +14,7 @@ from protocol import (
     JobDone,
     JobFailed,
     Leave,
+    Left,
     Restart,
     Waiting,
     WorkersFailed,
@@ -188,15 +189,104 @@ def test_assignment_outside_joining_is_a_local_error() -> None:
         m.handle(st.ServerSent(assignment(1)), 2.0)
 
 
-def test_sigterm_in_elastic_job_drains_and_exits_zero() -> None:
+def test_sigterm_in_elastic_job_drains_and_exits_zero_when_the_job_goes_on() -> None:
     m = running(st.AgentMachine(settings(elastic=True)))
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
     assert isinstance(eff[-1], st.Send) and isinstance(eff[-1].msg, Leave)
-    # the server closes our connection once we have left: expected, not an error
+    # the server answers, then closes our connection once we have left: expected, not an error
+    assert m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.05) == []
     assert m.handle(st.ConnectionLost("closed"), 3.1) == []
     (ex,) = m.handle(st.WorkersStopped(), 3.5)
-    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "drained" in ex.reason
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+    assert "drained" in ex.reason and "goes on without this node (1 node(s) remain)" in ex.reason
+
+
+def test_sigterm_to_the_last_node_of_an_elastic_job_exits_as_torchrun() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.ServerSent(Left(job_continues=False, reason="this node was the last of the job")), 3.05)
+    m.handle(st.ConnectionLost("closed"), 3.1)
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED == 1  # torchrun's SignalException
+    assert "does not go on without this node (this node was the last of the job)" in ex.reason
+
+
+def test_a_drain_answered_after_the_workers_stopped_waits_in_leaving() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert m.handle(st.WorkersStopped(), 3.5) == []
+    assert m.phase is st.Phase.LEAVING and m.next_deadline() == 3.5 + st.LEAVE_ANSWER_TIMEOUT
+    # an assignment that crossed our Leave changes nothing
+    assert m.handle(st.ServerSent(assignment(1)), 3.6) == []
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True)), 3.7)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+
+
+def test_a_drain_without_an_answer_is_conservative() -> None:
+    # The connection closes first (an older server sends no Left): not known to go on.
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert m.handle(st.ConnectionLost("the server closed the connection"), 3.1) == []
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "closed" in ex.reason
+    # No answer and no close at all (a server that stopped answering): the wait is bounded.
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.WorkersStopped(), 3.5)
+    assert m.handle(st.Tick(), 3.5 + st.LEAVE_ANSWER_TIMEOUT - 0.1) == []
+    (ex,) = m.handle(st.Tick(), 3.5 + st.LEAVE_ANSWER_TIMEOUT)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "did not answer" in ex.reason
+    # A second SIGTERM while waiting exits at once, still non-zero.
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.WorkersStopped(), 3.5)
+    (ex,) = m.handle(st.SignalReceived(signal.SIGTERM), 4.0)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+
+
+def test_a_drain_while_the_server_is_unreachable_sends_nothing_and_fails() -> None:
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    assert kinds(m.handle(st.ConnectionLost("reset"), 2.0)) == [st.Reconnect]
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert kinds(eff) == [st.StopWorkers]
+    assert m.handle(st.Reconnected(), 3.2) == []  # no join, no resume: we are on our way out
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "unreachable" in ex.reason
+
+
+def test_sigterm_while_joining_or_at_the_barrier_waits_for_the_answer() -> None:
+    m = st.AgentMachine(settings(elastic=True))
+    m.start(0.0)
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
+    assert kinds(eff) == [st.Send] and m.phase is st.Phase.LEAVING
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=False, reason="only 1 node(s) remain")), 1.1)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    # At the exit barrier our part is done; the job finishing first answers as well as Left.
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.WorkersExited(None), 2.0)
+    assert kinds(m.handle(st.SignalReceived(signal.SIGTERM), 3.0)) == [st.Send]
+    (ex,) = m.handle(st.ServerSent(JobDone()), 3.1)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+    assert m.handle(st.ServerSent(Left(job_continues=True, reason="the job finished")), 3.2) == []
+
+
+def test_the_job_failing_while_draining_reports_the_jobs_failure() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.ServerSent(JobFailed(reason="rank 3 failed; no restarts left", failure=failure())), 3.1)
+    m.handle(st.ServerSent(Left(job_continues=False, reason="the job failed")), 3.2)
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "rank 3 failed" in ex.reason
+
+
+def test_sigterm_in_a_fixed_size_job_exits_nonzero_whatever_the_server_answers() -> None:
+    m = running()  # elastic=False
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert kinds(eff) == [st.StopWorkers, st.Send]
+    assert m.handle(st.ServerSent(Left(job_continues=True, reason="a spare took its place")), 3.1) == []
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "received SIGTERM" in ex.reason
 
 
 def test_drain_message_from_server_is_a_clean_leave() -> None:
@@ -205,8 +295,41 @@ def test_drain_message_from_server_is_a_clean_leave() -> None:
     m = running()
     eff = m.handle(st.ServerSent(Drain(reason="maintenance")), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
+    assert m.handle(st.ServerSent(Drain(reason="again")), 3.1) == []
+    m.handle(st.ServerSent(Left(job_continues=True, reason="a spare took its place")), 3.2)
     (ex,) = m.handle(st.WorkersStopped(), 3.5)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "maintenance" in ex.reason
+
+
+def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    spare = Waiting(job_id="j", round=0, joined=1, min_nodes=1, max_nodes=1, reason="spare: the job is full")
+    m.handle(st.ServerSent(spare), 0.1)
+    eff = m.handle(st.ServerSent(JobDone()), 5.0)
+    assert kinds(eff) == [st.Exit]
+    ex = eff[-1]
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_NOT_NEEDED == 0
+    assert "nothing left to do" in ex.reason
+    (note,) = [e for e in eff if isinstance(e, st.Log)]
+    assert note.level == "warning" and "finished without it (it waited as a spare" in note.text
+    assert m.phase is st.Phase.EXITED
+    # A newcomer that joined a running job, not yet in a round, ends the same way.
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    (note, ex) = m.handle(st.ServerSent(JobDone()), 5.0)
+    assert isinstance(ex, st.Exit) and ex.code == 0
+    assert isinstance(note, st.Log) and "no place in a round yet" in note.text
+
+
+def test_a_spare_told_the_job_failed_exits_nonzero_with_the_jobs_reason() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    root = failure(4.0)
+    (ex,) = m.handle(st.ServerSent(JobFailed(reason="rank 1 failed; no restarts left", failure=root)), 5.0)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    assert "waited to join" in ex.reason and "rank 1 failed; no restarts left" in ex.reason
+    assert ex.failure == root and ex.local_failures == ()
 
 
 def test_failed_health_check_never_joins() -> None:
@@ -248,3 +371,11 @@ def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
     (note,) = m.handle(st.ServerSent(msg), 0.1)
     assert isinstance(note, st.Log) and "server_draining" in note.text
     assert m.phase is st.Phase.JOINING
+
+
+def test_the_job_finishing_while_our_workers_stop_for_a_drain_is_a_success() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert m.handle(st.ServerSent(JobDone()), 3.1) == []
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and ex.reason == "all nodes finished"

@@ -25,6 +25,7 @@ import pytest
 
 from node_agent import procutil
 from node_agent.config import Std
+from node_agent.console import Console, LineFilter
 from node_agent.supervisor import (
     DRAIN_TIMEOUT,
     ConsoleFramer,
@@ -142,6 +143,98 @@ def pids_in(path: Path) -> list[int]:
 
 def by_rank(result: GroupResult) -> dict:
     return {e.local_rank: e for e in result.exits}
+
+
+# A worker for the console tests: it reports what its stdout/stderr are, leaves a partial line on
+# each, and waits at a gate (a FIFO it holds open for reading and writing, so the test's write
+# never races its open) before finishing the lines and exiting with argv[2].
+CONSOLE_WORKER = r"""
+import json, os, sys
+gate = os.open(sys.argv[1], os.O_RDWR)
+info = {"out_tty": sys.stdout.isatty(), "err_tty": sys.stderr.isatty()}
+for name, fd in (("out", 1), ("err", 2)):
+    try:
+        info[name + "_size"] = list(os.get_terminal_size(fd))
+    except OSError:
+        info[name + "_size"] = None
+print("info " + json.dumps(info, sort_keys=True), flush=True)
+sys.stdout.write("prompt> ")
+sys.stdout.flush()
+sys.stderr.write("progress 1/3\r")
+sys.stderr.flush()
+os.read(gate, 1)
+sys.stdout.write("answered\n")
+sys.stdout.flush()
+sys.stderr.write("progress 3/3\nfatal: boom\n")
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def console_worker(gate: Path, exitcode: int = 0) -> list[str]:
+    return [sys.executable, "-c", CONSOLE_WORKER, str(gate), str(exitcode)]
+
+
+def make_gate(tmp_path: Path) -> Path:
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    return gate
+
+
+def open_gate(gate: Path) -> None:
+    fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)  # the worker holds it open: never ENXIO
+    try:
+        os.write(fd, b"g")
+    finally:
+        os.close(fd)
+
+
+def worker_info(screen: bytes) -> dict:
+    line = next(line for line in screen.splitlines() if line.startswith(b"info "))
+    return json.loads(line[5:])
+
+
+class Terminal:
+    """A pty standing in for the agent's terminal.  ``stream`` (the slave, a real file) is what
+    the group writes to and hands to workers; what reaches the screen collects in ``screen``.
+    The pty keeps its output processing, so the screen shows "\r\n" for each "\n"."""
+
+    def __init__(self, cols: int = 123, rows: int = 33) -> None:
+        import fcntl
+        import struct
+        import termios
+
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.stream = os.fdopen(slave, "wb")
+        self.tty = os.ttyname(slave)
+        self.screen = Capture()
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.master, self._readable)
+        self._reading = True
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: no process holds the terminal any more
+            data = b""
+        if data:
+            self.screen.write(data.replace(b"\r\n", b"\n"))
+        else:
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self.master)
+            self._reading = False
+
+    def close(self) -> None:
+        self._stop_reading()
+        self.stream.close()
+        os.close(self.master)
+
+
+def open_fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd"))
 
 
 GroupFactory = Callable[..., WorkerGroup]
@@ -327,6 +420,237 @@ async def test_one_mib_line_without_newline_arrives_intact(make_group: GroupFact
     # One prefix for the one line, ended so the next rank's prefix starts a line of its own.
     assert bytes(teed_out.data) == b"[default0]:" + expected + b"\n"
     assert (tmp_path / "o").read_bytes() == expected
+
+
+@pytest.mark.parametrize("teed", [False, True], ids=["plain", "teed"])
+async def test_partial_lines_reach_the_console_while_the_worker_waits(
+    make_group: GroupFactory, tmp_path: Path, teed: bool
+) -> None:
+    out, err = Capture(), Capture()
+    group = make_group(stdout=out, stderr=err)
+    gate = make_gate(tmp_path)
+    kw: dict[str, object] = {}
+    if teed:
+        kw = dict(
+            tee=Std.ALL, stdout_path=str(tmp_path / "o"), stderr_path=str(tmp_path / "e"), prefix="[d0]:"
+        )
+    p = b"[d0]:" if teed else b""
+    await group.start([spec(0, console_worker(gate), **kw)])
+
+    await err.wait_for(p + b"progress 1/3\r")  # while the worker waits for us
+    await out.wait_for(p + b"prompt> ")
+    open_gate(gate)
+    assert (await asyncio.wait_for(group.wait(), 20)).state == "succeeded"
+    await group.stop(grace=1.0)
+
+    info = {"err_size": None, "err_tty": False, "out_size": None, "out_tty": False}
+    assert (
+        bytes(out.data)
+        == p + b"info " + json.dumps(info, sort_keys=True).encode() + b"\n" + p + b"prompt> answered\n"
+    )
+    # Teed: the redrawn line keeps its prefix, the continuation gets none.
+    assert bytes(err.data) == p + b"progress 1/3\r" + p + b"progress 3/3\n" + p + b"fatal: boom\n"
+    if teed:
+        assert (tmp_path / "e").read_bytes() == b"progress 1/3\rprogress 3/3\nfatal: boom\n"
+
+
+async def _on_a_terminal(group: WorkerGroup, term: Terminal, tmp_path: Path, logs: list[str]) -> None:
+    """Workers see the agent's terminal; stderr's tail still makes the failure message."""
+    gate = make_gate(tmp_path)
+    await group.start([spec(0, console_worker(gate, exitcode=3), error_file=str(tmp_path / "none.json"))])
+    pid = group.pids[0]
+
+    await term.screen.wait_for(b"progress 1/3\r")  # through the pty, while the worker waits
+    await term.screen.wait_for(b"prompt> ")  # straight to the terminal
+    assert worker_info(bytes(term.screen.data)) == {
+        "err_size": [123, 33],
+        "err_tty": True,
+        "out_size": [123, 33],
+        "out_tty": True,
+    }
+    assert os.readlink(f"/proc/{pid}/fd/1") == term.tty  # stdout is the terminal itself
+    pty = os.readlink(f"/proc/{pid}/fd/2")
+    assert pty.startswith("/dev/pts/") and pty != term.tty
+    open_gate(gate)
+    result = await asyncio.wait_for(group.wait(), 20)
+    stopped = await group.stop(grace=1.0)
+
+    failure = result.first_failure
+    assert failure is not None and failure.exitcode == 3
+    assert failure.error_message == "progress 1/3\nprogress 3/3\nfatal: boom"
+    assert stopped.first_failure == failure
+    worker = group._workers[0]  # test-only peek: the bytes as written (no "\r\n" from the pty)
+    assert bytes(worker.sinks[2]._tail or b"") == b"progress 1/3\rprogress 3/3\nfatal: boom\n"
+    assert worker.ptys == {}  # the master is closed
+    await term.screen.wait_for(b"fatal: boom\n")
+    screen = bytes(term.screen.data)
+    at = screen.index
+    assert at(b"prompt> ") < at(b"answered\n") and at(b"progress 1/3\r") < at(b"answered\n")
+    assert not [line for line in logs if "still open" in line]  # EOF came when the worker exited
+
+
+async def test_on_a_terminal_workers_see_one_and_stderr_still_feeds_the_report(
+    make_group: GroupFactory, tmp_path: Path
+) -> None:
+    term = Terminal()
+    logs: list[str] = []
+    try:
+        group = make_group(stdout=term.stream, stderr=term.stream, log=logs.append)
+        await _on_a_terminal(group, term, tmp_path, logs)
+    finally:
+        term.close()
+
+
+def test_on_a_terminal_under_uvloop(tmp_path: Path) -> None:
+    """The agent runs under uvloop: the same through its add_reader and subprocess transport."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        term = Terminal()
+        logs: list[str] = []
+        group = WorkerGroup(stdout=term.stream, stderr=term.stream, log=logs.append)
+        try:
+            await _on_a_terminal(group, term, tmp_path, logs)
+        finally:
+            await group.stop(grace=0.0)
+            term.close()
+
+    uvloop.run(main())
+    leaked = marked_processes() + live_children()
+    for pid in leaked:
+        os.kill(pid, signal.SIGKILL)
+    assert not leaked
+
+
+async def test_stop_is_bounded_when_an_escaped_process_holds_the_stderr_pty(
+    make_group: GroupFactory, tmp_path: Path
+) -> None:
+    logs: list[str] = []
+    term = Terminal()
+    group = make_group(stdout=term.stream, stderr=term.stream, log=logs.append)
+    pidfile = tmp_path / "pids"
+    try:
+        await group.start([spec(0, py("block.py", "--child", "escape", "--pidfile", str(pidfile)))])
+        await term.screen.wait_for(b"ready ")
+        _, escaped = pids_in(pidfile)
+        assert os.readlink(f"/proc/{escaped}/fd/2").startswith("/dev/pts/")
+        try:
+            t0 = time.monotonic()
+            await group.stop(grace=5.0)
+            assert time.monotonic() - t0 < DRAIN_TIMEOUT + 3
+            assert any("still open" in line for line in logs)
+            assert group._workers[0].ptys == {}  # closed though a process still holds the slave
+        finally:
+            await kill_and_wait(escaped)
+    finally:
+        term.close()
+
+
+async def test_no_descriptor_is_left_open_across_restarts(make_group: GroupFactory, tmp_path: Path) -> None:
+    term = Terminal()
+    group = make_group(stdout=term.stream, stderr=term.stream)
+
+    def specs(k: int) -> list[WorkerSpec]:
+        d = tmp_path / str(k)
+        d.mkdir()
+        return [
+            spec(0, py("echo_rank.py")),  # stdout: the terminal; stderr: a pty
+            spec(
+                1,
+                py("echo_rank.py"),
+                tee=Std.ALL,
+                stdout_path=str(d / "1.out"),
+                stderr_path=str(d / "1.err"),
+                prefix="[d1]:",
+                duplicate_stdout_filters=("out",),
+                filtered_stdout_path=str(d / "filtered_stdout.log"),
+                duplicate_stderr_filters=("err",),
+                filtered_stderr_path=str(d / "filtered_stderr.log"),
+            ),
+            spec(2, py("block.py", "--child", "plain")),  # stopped with a grandchild on the pty
+            spec(
+                3,
+                py("echo_rank.py"),
+                redirect=Std.ALL,
+                stdout_path=str(d / "3.out"),
+                stderr_path=str(d / "3.err"),
+            ),
+            spec(4, py("echo_rank.py"), console=False),  # stdout: /dev/null; stderr: a pipe
+        ]
+
+    try:
+
+        async def cycle(k: int) -> None:
+            await group.start(specs(k))
+            await term.screen.wait_for(b"ready ", count=k + 1)
+            await group.stop(grace=1.0, keep_watchdog=True)
+
+        await cycle(0)  # anything opened once per agent (the watchdog's pipe) is open from here on
+        before = open_fds()
+        for k in range(1, 4):
+            await cycle(k)
+        assert open_fds() == before
+        assert (tmp_path / "3" / "filtered_stderr.log").exists()
+    finally:
+        term.close()
+
+
+async def test_duplicate_filters_copy_the_teed_lines_of_shown_ranks(
+    make_group: GroupFactory, tmp_path: Path
+) -> None:
+    """torchrun's --duplicate-*-filters: matching lines of the tee'd streams of the ranks shown
+    on the console, prefixed, in one file per attempt; the file exists whenever filters do."""
+    worker = [
+        sys.executable,
+        "-c",
+        "import os, sys; r = os.environ['LOCAL_RANK']; "
+        "sys.stdout.write(f'step loss={r}\\nnoise {r}\\nlast loss {r}'); "
+        "sys.stderr.write(f'warn {r}\\nquiet\\n')",
+    ]
+    out_filtered, err_filtered = tmp_path / "filtered_stdout.log", tmp_path / "filtered_stderr.log"
+    filters = dict(
+        duplicate_stdout_filters=("loss",),
+        filtered_stdout_path=str(out_filtered),
+        duplicate_stderr_filters=["warn"],
+        filtered_stderr_path=str(err_filtered),
+    )
+
+    def teed(r: int, which: Std, **kw: object) -> WorkerSpec:
+        paths = dict(stdout_path=str(tmp_path / f"{r}.out"), stderr_path=str(tmp_path / f"{r}.err"))
+        return spec(r, worker, tee=which, prefix=f"[default{r}]:", **paths, **filters, **kw)  # type: ignore[arg-type]
+
+    out = Capture()
+    group = make_group(stdout=out)
+    await group.start(
+        [
+            teed(0, Std.ALL),
+            teed(1, Std.OUT, console=False),  # not shown: torchrun leaves it out too
+            spec(2, worker, **filters),  # not tee'd
+            teed(3, Std.OUT),
+        ]
+    )
+    assert (await asyncio.wait_for(group.wait(), 20)).state == "succeeded"
+    await group.stop(grace=1.0)
+
+    text = out_filtered.read_text()
+    assert text.endswith("\n")
+    assert sorted(text.splitlines()) == [
+        "[default0]:last loss 0",
+        "[default0]:step loss=0",
+        "[default3]:last loss 3",
+        "[default3]:step loss=3",
+    ]
+    assert err_filtered.read_text() == "[default0]:warn 0\n"
+
+    quiet = make_group()
+    only = tmp_path / "only"
+    only.mkdir()
+    await quiet.start(
+        [spec(0, worker, duplicate_stdout_filters=("loss",), filtered_stdout_path=str(only / "f.log"))]
+    )
+    await asyncio.wait_for(quiet.wait(), 20)
+    await quiet.stop(grace=1.0)
+    assert (only / "f.log").read_text() == ""
 
 
 # --- failure, stop, signals -----------------------------------------------------------------------
@@ -630,24 +954,116 @@ async def test_watchdog_quits_quietly_after_a_clean_stop() -> None:
 # --- pure pieces ----------------------------------------------------------------------------------
 
 
-def test_console_framer_prefixes_whole_lines_across_chunks() -> None:
-    f = ConsoleFramer(b"[r0]:")
-    assert f.feed(b"ab") == b""
-    assert f.feed(b"c\nde") == b"[r0]:abc\n"
-    assert f.feed(b"f\n\ng\n") == b"[r0]:def\n[r0]:\n[r0]:g\n"
-    assert f.feed(b"tail") == b""
-    assert f.finish() == b"[r0]:tail\n"
+def test_console_framer_writes_partial_lines_at_once_prefixed_only_at_line_starts() -> None:
+    f = ConsoleFramer()
+    r0 = object()
+    assert f.write(r0, b"ab", b"[r0]:") == b"[r0]:ab"
+    assert f.write(r0, b"c\nde", b"[r0]:") == b"c\n[r0]:de"  # the continuation: no second prefix
+    assert f.write(r0, b"f\n\ng\n", b"[r0]:") == b"f\n[r0]:\n[r0]:g\n"
+    assert f.write(r0, b"tail", b"[r0]:") == b"[r0]:tail"
+    assert f.end(r0) == b"\n"  # so that what follows starts a line of its own
+    assert f.end(r0) == b""
 
 
-def test_console_framer_passes_overlong_partial_lines_on_once_prefixed() -> None:
-    f = ConsoleFramer(b"[r0]:", max_pending=4)
-    assert f.feed(b"abcdef") == b"[r0]:abcdef"
-    assert f.feed(b"gh\nij") == b"gh\n"
-    assert f.finish() == b"[r0]:ij\n"
-    plain = ConsoleFramer(max_pending=4)
-    assert plain.feed(b"abcdef") == b"abcdef"
-    assert plain.feed(b"x") == b""
-    assert plain.finish() == b"x"  # unprefixed output is passed on exactly
+def test_console_framer_keeps_the_prefix_of_a_line_redrawn_with_carriage_returns() -> None:
+    f = ConsoleFramer()
+    r0 = object()
+    assert f.write(r0, b" 10%\r 20%\r", b"[r0]:") == b"[r0]: 10%\r[r0]: 20%\r"
+    assert f.write(r0, b" 30%", b"[r0]:") == b"[r0]: 30%"
+    # "\r\n" is one line end, also when it is cut between two reads.
+    assert f.write(r0, b"\r", b"[r0]:") == b"\r"
+    assert f.write(r0, b"\nnext\r\n", b"[r0]:") == b"\n[r0]:next\r\n"
+    assert f.at_line_start
+
+
+def test_console_framer_gives_every_prefixed_line_to_one_rank() -> None:
+    f = ConsoleFramer()
+    r0, r1 = object(), object()
+    assert f.write(r0, b"loading", b"[r0]:") == b"[r0]:loading"
+    # r1 does not continue r0's partial line: it starts its own, and so does r0's continuation.
+    assert f.write(r1, b"hello\n", b"[r1]:") == b"\n[r1]:hello\n"
+    assert f.write(r0, b"... done\n", b"[r0]:") == b"[r0]:... done\n"
+    assert f.write(r1, b"50%\r", b"[r1]:") == b"[r1]:50%\r"
+    assert f.write(r0, b"x", b"[r0]:") == b"\n[r0]:x"  # a redrawn bar is left in place, too
+    assert f.end(r1) == b""  # not its line any more
+
+
+def test_console_framer_resumes_an_interrupted_line_without_an_empty_one() -> None:
+    f = ConsoleFramer()
+    r0, r1 = object(), object()
+    assert f.write(r0, b"\rrank 0 1/3", b"[r0]:") == b"\r[r0]:rank 0 1/3"  # tqdm's leading "\r"
+    assert f.write(r1, b"\rrank 1 1/3", b"[r1]:") == b"\n\r[r1]:rank 1 1/3"
+    assert f.write(r0, b"\n", b"[r0]:") == b"\n"  # only the break: r0's line was already ended
+    assert f.write(r0, b"\n", b"[r0]:") == b"[r0]:\n"  # an empty line of its own is kept
+    assert f.write(r1, b"\r\ndone\n", b"[r1]:") == b"[r1]:done\n"
+    # The agent's own line: whoever left a partial line, it is ended first.
+    assert f.write(r0, b"50%", b"[r0]:") == b"[r0]:50%"
+    assert f.break_line() == b"\n"
+    assert f.break_line() == b""
+    assert f.write(r0, b" 60%", b"[r0]:") == b"[r0]: 60%"
+    plain = object()
+    assert f.write(plain, b"x") == b"\nx"
+    assert f.break_line() == b"\n"
+    assert f.write(plain, b"\ny\n") == b"y\n"
+
+
+def test_fresh_line_ends_partial_worker_lines_before_the_agents_own(tmp_path: Path) -> None:
+    out, err = Capture(), Capture()
+    group = WorkerGroup(stdout=out, stderr=err)
+    group._stderr.write(object(), b"50%")  # what a worker's stderr left, through us
+    group._stdout.write(object(), b"prompt> ")
+    group.fresh_line()
+    group.fresh_line()
+    assert bytes(err.data) == b"50%\n" and bytes(out.data) == b"prompt> "  # different streams
+    with open(tmp_path / "screen", "wb") as screen:  # one file for both: both are ended
+        group = WorkerGroup(stdout=screen, stderr=screen)
+        group._stdout.write(object(), b"prompt> ")
+        group.fresh_line()
+    assert (tmp_path / "screen").read_bytes() == b"prompt> \n"
+
+
+def test_console_framer_passes_plain_writers_on_exactly() -> None:
+    f = ConsoleFramer()
+    a, b, teed = object(), object(), object()
+    assert f.write(a, b"progress 1/3\r") == b"progress 1/3\r"
+    assert f.write(b, b"prompt> ") == b"prompt> "  # plain after plain: torchrun's bytes
+    assert f.end(b) == b""
+    assert f.write(teed, b"x\n", b"[t]:") == b"\n[t]:x\n"  # a prefixed line starts a line
+    assert f.write(teed, b"partial", b"[t]:") == b"[t]:partial"
+    assert f.write(a, b"plain\n") == b"\nplain\n"  # and is not continued by a plain writer
+    assert f.write(a, b"") == b""
+
+
+def test_text_only_console_decodes_a_character_cut_between_reads() -> None:
+    text = io.StringIO()
+    console = Console(text, "stdout", print)
+    r0, r1 = object(), object()
+    console.write(r0, b"caf\xc3")
+    console.write(r1, b"\xe2\x82")  # another writer's cut character does not mix with it
+    console.write(r0, b"\xa9 ")
+    console.write(r1, b"\xac\n")
+    console.write(r0, b"\xff")
+    console.end(r0)
+    assert text.getvalue() == "café €\n�"
+    assert Console(text, "stdout", print).fileno() is None
+
+
+def test_line_filter_copies_matching_lines_prefixed_as_torchrun_reads_them() -> None:
+    f = LineFilter(["loss", "a,b"], b"[r0]:")
+    assert f.feed(b"step 1 lo") == b""
+    assert f.feed(b"ss=0.5\nother\nhas a,b\n") == b"[r0]:step 1 loss=0.5\n[r0]:has a,b\n"
+    # "\r", "\r\n" and "\n" each end a line (a "\r\n" cut between reads is one end).
+    assert f.feed(b" 10% loss=1\r 20% loss=2\r") == b"[r0]: 10% loss=1\n[r0]: 20% loss=2\n"
+    assert f.feed(b"\nloss at the end") == b""
+    assert f.finish() == b"[r0]:loss at the end\n"
+    assert f.finish() == b""
+
+
+def test_line_filter_judges_an_overlong_line_by_its_first_part() -> None:
+    f = LineFilter(["loss"], b"[r0]:", max_line=8)
+    assert f.feed(b"loss=1 and more") == b"[r0]:loss=1 and more"
+    assert f.feed(b" still\nnot this one, long\nshort loss\n") == b" still\n[r0]:short loss\n"
+    assert LineFilter([""]).feed(b"x\n") == b""  # an empty string matches nothing
 
 
 def test_signal_names() -> None:
@@ -664,6 +1080,15 @@ def test_spec_requires_paths_for_redirected_streams() -> None:
         spec(0, ["x"], tee=Std.ERR)
     with pytest.raises(ValueError, match="empty argv"):
         spec(0, [])
+    with pytest.raises(ValueError, match="filtered_stdout_path"):
+        spec(0, ["x"], duplicate_stdout_filters=("loss",))
+    with pytest.raises(ValueError, match="filtered_stderr_path"):
+        spec(0, ["x"], duplicate_stderr_filters=("loss",))
+    with pytest.raises(TypeError, match="sequence of strings"):
+        spec(0, ["x"], duplicate_stdout_filters="loss", filtered_stdout_path="f")
+    assert spec(
+        0, ["x"], duplicate_stdout_filters=["a"], filtered_stdout_path="f"
+    ).duplicate_stdout_filters == ("a",)
 
 
 async def test_a_restart_keeps_the_watchdog_and_the_last_stop_ends_it(make_group: GroupFactory) -> None:

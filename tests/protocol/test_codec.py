@@ -41,6 +41,7 @@ from protocol import (
     JobFailed,
     Join,
     Leave,
+    Left,
     MalformedFrame,
     MissingField,
     ProtocolError,
@@ -91,6 +92,7 @@ SAMPLES = [
     Hello(versions=[1, 2, 7], software=""),
     JOIN,
     dataclasses.replace(JOIN, spare=True, addr="", entrypoint="\N{SNOWMAN} unicode"),
+    dataclasses.replace(JOIN, min_nodes=4, node_rank=3),
     Heartbeat(),
     WORKERS_FAILED,
     WorkersFailed(
@@ -120,6 +122,8 @@ SAMPLES = [
     JobDone(),
     Drain(reason="scale down"),
     GoingAway(reason="SIGTERM"),
+    Left(job_continues=True),
+    Left(job_continues=False, reason="this node was the last of the job"),
     Resumed(job_id="job-7", round=2, rebuilt=True),
     Error(code="invalid_field", message="join.nproc: must be in 1..4096, got 0"),
     Error(code="invalid_field", message="m", field="join.nproc", fatal=False),
@@ -528,6 +532,26 @@ def test_missing_optional_fields_take_their_defaults():
     assert decode_payload(packed(failure)).failure == dataclasses.replace(FAILURE, signal="", message="")
 
 
+def test_join_node_rank_is_optional_on_the_wire_both_ways():
+    # An older agent sends no node_rank: "not given". An older server, which knows no
+    # node_rank, decodes a newer agent's join without it (unknown keys are ignored).
+    payload = payload_of(dataclasses.replace(JOIN, node_rank=1))
+    assert payload["node_rank"] == 1
+    del payload["node_rank"]
+    assert decode_payload(packed(payload)).node_rank == -1
+    newer = payload_of(dataclasses.replace(JOIN, node_rank=1))
+    newer["added_in_a_later_revision"] = True
+    assert decode_payload(packed(newer)) == dataclasses.replace(JOIN, node_rank=1)
+
+
+def test_an_agent_that_does_not_know_left_fails_to_decode_it():
+    # An older agent's decoder knows no "left": it raises, and the agent treats that as the
+    # connection closing, which it expected after its Leave (see messages.py).
+    older = {tag: cls for tag, cls in SERVER_MESSAGES.items() if tag != "left"}
+    with pytest.raises(UnknownMessageType):
+        FrameDecoder(allowed=older).feed(encode(Left(job_continues=True)))
+
+
 def test_ints_on_the_wire_become_floats():
     payload = payload_of(JOIN)
     payload["heartbeat_interval"] = 5
@@ -693,6 +717,7 @@ def joins(draw):
         heartbeat_interval=draw(positive),
         heartbeat_timeout=draw(positive),
         spare=draw(st.booleans()),
+        node_rank=draw(st.integers(-1, MAX_NODES - 1)),
     )
 
 
@@ -745,6 +770,7 @@ messages = st.one_of(
     st.builds(JobFailed, reason=texts, failure=st.none() | failures),
     st.just(JobDone()),
     st.builds(Drain, reason=st.text(max_size=20)),
+    st.builds(Left, job_continues=st.booleans(), reason=texts),
     st.builds(
         Error,
         code=st.text(min_size=1, max_size=MAX_CODE_LEN),

@@ -35,6 +35,7 @@ from protocol import (
     JobFailed,
     Join,
     Leave,
+    Left,
     MalformedFrame,
     Message,
     MissingField,
@@ -85,6 +86,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "spare": True,
         "exclude_after": 3,
         "proof": "ab" * 32,
+        "node_rank": 3,
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE)},
@@ -109,6 +111,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     JobDone: {},
     Drain: {"reason": "operator asked"},
     GoingAway: {"reason": "SIGTERM"},
+    Left: {"job_continues": False, "reason": "this node was the last of the job"},
     Resumed: {"job_id": "job-7", "round": 1, "rebuilt": True},
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
 }
@@ -387,6 +390,30 @@ def test_going_away_is_a_server_message_with_a_bounded_reason():
     assert_invalid(GoingAway, "reason", "x" * (MAX_TEXT_LEN + 1))
 
 
+def test_left_is_a_server_message_whose_answer_is_required():
+    assert SERVER_MESSAGES["left"] is Left
+    assert "left" not in CLIENT_MESSAGES
+    assert Left(job_continues=True).reason == ""
+    with pytest.raises(TypeError):
+        Left()  # type: ignore[call-arg]  # no default: a missing answer is our bug
+    assert_invalid(Left, "job_continues", 1)
+    assert_invalid(Left, "job_continues", None)
+    assert_invalid(Left, "reason", "x" * (MAX_TEXT_LEN + 1))
+
+
+def test_join_node_rank_defaults_to_not_given_and_is_bounded():
+    assert build(Join, node_rank=-1).node_rank == -1
+    assert Join(**{k: v for k, v in VALID[Join].items() if k != "node_rank"}).node_rank == -1
+    assert build(Join, node_rank=MAX_NODES - 1).node_rank == MAX_NODES - 1
+    assert_invalid(Join, "node_rank", -2)
+    assert_invalid(Join, "node_rank", MAX_NODES)
+    assert_invalid(Join, "node_rank", True)
+    assert_invalid(Join, "node_rank", 1.0)
+    # Not checked against max_nodes here: that is the job's rule, which the server applies
+    # (and answers with an Error naming the job), so an agent never fails building its join.
+    assert build(Join, node_rank=9, max_nodes=4).node_rank == 9
+
+
 def test_registries():
     assert set(CLIENT_MESSAGES) == {
         "hello",
@@ -407,6 +434,7 @@ def test_registries():
         "drain",
         "resumed",
         "going_away",
+        "left",
         "error",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)

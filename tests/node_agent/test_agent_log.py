@@ -1,0 +1,69 @@
+"""The agent's own lines: the prefix on every line, LOGLEVEL's threshold, logging routed in."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from node_agent.agent_log import AgentLog, install
+
+
+def lines(level: str | None, fmt: str = "text") -> tuple[AgentLog, io.StringIO]:
+    out = io.StringIO()
+    return AgentLog(out, fmt, level=level), out
+
+
+def test_every_line_of_a_report_carries_the_prefix() -> None:
+    log, out = lines(None)
+    log("first\nsecond", "error")
+    log("round 0")
+    assert out.getvalue().splitlines() == [
+        "[node-agent] ERROR: first",
+        "[node-agent] ERROR: second",
+        "[node-agent] round 0",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("level", "shown"),
+    [
+        (None, ["info", "warning", "error"]),  # unset: the agent's INFO lines show
+        ("WARNING", ["warning", "error"]),
+        ("ERROR", ["error"]),
+        ("DEBUG", ["debug", "info", "warning", "error"]),
+    ],
+)
+def test_loglevel_sets_the_threshold(level: str | None, shown: list[str]) -> None:
+    log, out = lines(level, "json")
+    for name in ("debug", "info", "warning", "error"):
+        log(name, name)
+    assert [json.loads(line)["level"] for line in out.getvalue().splitlines()] == shown
+
+
+def test_logging_lines_become_agent_lines_and_an_embedded_server_is_quiet_unless_asked() -> None:
+    log, out = lines(None)
+    install(log)
+    try:
+        logging.getLogger("node_agent.args").warning("--master-addr: ignored")
+        logging.getLogger("rdzv_server").warning("job x: node lost")
+        assert out.getvalue().splitlines() == ["[node-agent] WARNING: --master-addr: ignored"]
+        loud, loud_out = lines("INFO")
+        install(loud)
+        logging.getLogger("rdzv_server").info("job x: round 0 complete")
+        assert loud_out.getvalue().splitlines() == ["[node-agent] job x: round 0 complete"]
+    finally:
+        for name in ("node_agent", "rdzv_server", "protocol"):
+            logger = logging.getLogger(name)
+            logger.handlers.clear()
+            logger.propagate = True
+            logger.setLevel(logging.NOTSET)
+
+
+def test_a_closed_stream_does_not_raise() -> None:
+    out = io.StringIO()
+    log = AgentLog(out)
+    out.close()
+    log("still fine", "error")
