@@ -20,9 +20,10 @@ def _when(ts: float) -> str:
 
 
 def _how(f: Failure) -> str:
+    pid = f" (pid: {f.pid})" if f.pid else ""
     if f.signal:
-        return f"{f.exitcode} (killed by {f.signal})"
-    return str(f.exitcode)
+        return f"{f.exitcode}{pid} (killed by {f.signal})"
+    return f"{f.exitcode}{pid}"
 
 
 def _block(index: int, f: Failure) -> list[str]:
@@ -32,6 +33,7 @@ def _block(index: int, f: Failure) -> list[str]:
         f"  host      : {f.addr} (node {f.node_id})",
         f"  rank      : {f.rank} (local_rank: {f.local_rank})",
         f"  exitcode  : {_how(f)}",
+        f"  error_file: {f.error_file or '<N/A>'}",
     ]
     if f.message:
         msg = f.message.rstrip().splitlines()

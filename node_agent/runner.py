@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TextIO
 
-from protocol import MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
+from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
 
 from . import state as st
@@ -269,6 +269,7 @@ class Agent:
                 elastic=cfg.elastic,
                 reconnect_timeout=0.0 if cfg.rdzv_backend == "static" else cfg.rdzv_conf.reconnect_timeout,
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
+                nproc=cfg.nproc_per_node,
             )
         )
         notice = omp_threads_notice(cfg, os.environ)
@@ -507,6 +508,8 @@ class Agent:
             signal=w.signal_name,
             timestamp=w.timestamp,
             message=w.error_message[-MAX_TEXT_LEN // 2 :],
+            pid=w.pid,
+            error_file=w.error_file[-MAX_PATH_LEN:],
         )
 
     def _failures(self, result: GroupResult) -> tuple[Failure, ...]:

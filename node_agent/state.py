@@ -232,6 +232,7 @@ class AgentSettings:
     reconnect_timeout: float = 0.0  # keep workers running this long while reconnecting
     forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
+    nproc: int = 1  # this node's workers, for the round line's rank range
 
 
 @record
@@ -306,7 +307,7 @@ class AgentMachine:
                 Log(
                     "info",
                     f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
-                    f"ranks {msg.rank_offset}.., world size {msg.world_size}, "
+                    f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
                     f"master {msg.master_addr}:{msg.master_port}, restart {msg.restart_count}",
                 ),
                 StartWorkers(msg),
@@ -640,6 +641,10 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures)
         return [exit_]
+
+
+def _ranks(first: int, count: int) -> str:
+    return f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
 
 
 def _range(lo: int, hi: int) -> str:

@@ -161,6 +161,7 @@ class WorkerExit:
     timestamp: float  # time.time() when reaped (for reports only)
     error_message: str  # error file's message and traceback, else the stderr tail, else ""
     error_record: Mapping[str, Any] | None  # the error file's JSON, if there was one
+    error_file: str = ""  # its path, when the worker wrote one
 
     @property
     def failed(self) -> bool:
@@ -412,6 +413,7 @@ class _Worker:
             timestamp=self.reaped_at,
             error_message=message,
             error_record=record,
+            error_file=self.spec.error_file if record is not None and self.spec.error_file else "",
         )
         return self.exit
 

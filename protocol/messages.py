@@ -84,6 +84,7 @@ MAX_ID_LEN = 256
 MAX_ADDR_LEN = 256
 MAX_TEXT_LEN = 65536
 MAX_CODE_LEN = 64
+MAX_PATH_LEN = 4096  # PATH_MAX on Linux
 MAX_NODES = 1_000_000
 MAX_NPROC = 4096
 MAX_TIMEOUT = 1e7
@@ -279,6 +280,10 @@ class Failure(_Schema):
     # Wall-clock time on the failing node; informational only, never compared.
     timestamp: float = field(metadata=_number(hi=_MAX_TIMESTAMP))
     message: str = field(default="", metadata=_TEXT)
+    # torchrun's report fields: the worker's pid (0: unknown) and the @record error file it
+    # wrote ("" when it wrote none). Added within version 1: older peers ignore them.
+    pid: int = field(default=0, metadata=_COUNT)
+    error_file: str = field(default="", metadata=_text(MAX_PATH_LEN))
 
 
 # --- client -> server --------------------------------------------------------

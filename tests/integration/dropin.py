@@ -72,6 +72,7 @@ class Outcome:
     stderr: list[str]
     log_files: set[str]  # under {log_dir}, the run folder's name replaced by RUN
     port: int
+    filtered: dict[str, Counter[str]] = field(default_factory=dict)  # filtered_*.log: their lines
 
 
 def run_line(launcher: str, line: Line, tmp: Path, timeout: float = 90.0) -> Outcome:
@@ -93,15 +94,18 @@ def run_line(launcher: str, line: Line, tmp: Path, timeout: float = 90.0) -> Out
     finally:
         for p in procs:
             p.kill()
-    files = set()
+    files, filtered = set(), {}
     if log_dir.exists():
         for path in log_dir.rglob("*"):
             if path.is_file():
                 parts = path.relative_to(log_dir).parts
-                files.add("/".join(("RUN", *parts[1:])))
+                name = "/".join(("RUN", *parts[1:]))
+                files.add(name)
+                if path.name.startswith("filtered_"):
+                    filtered[name] = Counter(path.read_text(errors="replace").splitlines())
     found = [json.loads(p.read_text()) for p in sorted(dumps.glob("*.json"))]  # env-R / node-R.json
     ranked = sorted(found, key=lambda d: int(d.get("RANK", "-1")))
-    return Outcome(codes, ranked, [p.stdout for p in procs], [p.stderr for p in procs], files, port)
+    return Outcome(codes, ranked, [p.stdout for p in procs], [p.stderr for p in procs], files, port, filtered)
 
 
 _WORKER_TEXT = re.compile(r"(\[\w+\]:)?(worker rank \d+ of \d+ done|rank \d+ failing on purpose)")
@@ -146,6 +150,8 @@ def compare(theirs: Outcome, ours: Outcome, line: Line) -> None:
         assert {d["MASTER_PORT"] for d in ours.dumps} == {str(ours.port)}
     if line.log_files:
         assert ours.log_files == theirs.log_files
+        assert ours.filtered == theirs.filtered
+        assert all(ours.filtered.values()) or not ours.filtered, ours.filtered  # not vacuous
     if line.console:
         for name, t_text, o_text in (
             ("stdout", theirs.stdout, ours.stdout),

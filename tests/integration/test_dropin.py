@@ -7,6 +7,9 @@ Each line is copied from a project or document people launch from; the harness
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
 import time
 import urllib.request
@@ -14,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from .dropin import Line, compare, launcher_lines, run_both
+from .dropin import LAUNCHERS, Line, compare, launcher_lines, run_both, worker_lines
 from .procs import WORKERS, Proc, agent_cmd, free_port
+from .ptyrun import run_in_pty
 
 STATIC_2 = ("--nnodes=2", "--node_rank={node_rank}", "--master_addr=127.0.0.1", "--master_port={port}")
 PET_2 = {
@@ -96,6 +100,26 @@ LINES = [
     Line(
         "tee", ("--log-dir", "{log_dir}", "--tee", "3", "--nproc-per-node", "2", "{script}"), log_files=True
     ),
+    # Lines that match go to filtered_stdout.log / filtered_stderr.log as well.
+    Line(
+        "duplicate-filters",
+        (
+            "--log-dir",
+            "{log_dir}",
+            "--tee",
+            "3",
+            "--nproc-per-node",
+            "2",
+            "--duplicate-stdout-filters",
+            "no,,such line,rank 1 of",
+            "--duplicate-stderr-filters",
+            "failing",
+            "{script}",
+        ),
+        worker_env={"FAIL_RANK": "0", "EXIT_CODE": "4", "FAIL_AFTER_ALL_DUMPED": "1"},
+        expect_exit=1,
+        log_files=True,
+    ),
     # A failing rank: the launcher's exit code.
     Line(
         "worker-fails",
@@ -175,3 +199,66 @@ def test_health_check_port_answers(tmp_path: Path) -> None:
         assert agent.wait(timeout=30) == 0
     finally:
         agent.kill()
+
+
+_TORCHRUN_REPORT_FIELDS = ("time      :", "host      :", "rank      :", "exitcode  :", "error_file:")
+
+
+def test_the_agents_own_lines_on_a_terminal(tmp_path: Path) -> None:
+    """Through a pty, as a person sees it: every line the agent prints (an argument warning
+    included) starts with [node-agent], the round line names the rank range, and the failure
+    report has each of torchrun's fields, the pid included."""
+    flags = ("--nproc-per-node", "2", "--master-addr", "10.9.9.9", str(WORKERS / "dump_env.py"))
+    env = {"DUMP_DIR": str(tmp_path), "FAIL_RANK": "1", "EXIT_CODE": "3", "FAIL_AFTER_ALL_DUMPED": "1"}
+    env = {**os.environ, **env}
+    theirs = run_in_pty([*LAUNCHERS["torchrun"], *flags], env=env, timeout=90)
+    for dump in tmp_path.glob("env-*.json"):
+        dump.unlink()
+    ours = run_in_pty([*LAUNCHERS["ours"], *flags], env=env, timeout=90)
+    assert theirs.code == ours.code == 1
+    lines = [line for line in ours.text.splitlines() if line.strip()]
+    own = [line for line in lines if not worker_lines(line)]
+    assert own and all(line.startswith("[node-agent] ") for line in own), own
+    assert any("--master-addr: ignored" in line for line in own)
+    assert any(re.search(r"round 0: group rank 0 of 1, ranks 0-1, world size 2", line) for line in own)
+    for name in _TORCHRUN_REPORT_FIELDS:
+        assert name in theirs.text, name  # torchrun's report has it ...
+        assert f"[node-agent] ERROR:   {name}" in ours.text, name  # ... and so does ours
+    assert re.search(r"exitcode  : 3 \(pid: \d+\)", ours.text)
+    assert "error_file: <N/A>" in ours.text  # dump_env.py writes no @record error file
+
+
+def test_sigterm_to_a_fixed_size_run_exits_as_torchrun(tmp_path: Path) -> None:
+    """A cancelled step must not look COMPLETED: both launchers exit 1 on SIGTERM."""
+    codes = {}
+    for launcher in ("torchrun", "ours"):
+        release = tmp_path / f"release-{launcher}"
+        argv = [*LAUNCHERS[launcher], "--standalone", "--nproc-per-node", "1", str(WORKERS / "hold.py")]
+        p = Proc(argv, env={"RELEASE_FILE": str(release)})
+        try:
+            p.wait_for_line(r"hold: rank 0 of 1 started", stream="out", timeout=60)
+            p.signal(signal.SIGTERM)
+            codes[launcher] = p.wait(timeout=60)
+        finally:
+            p.kill()
+    assert codes == {"torchrun": 1, "ours": 1}
+
+
+def test_an_agent_hosting_the_rendezvous_waits_only_for_its_own_job(tmp_path: Path) -> None:
+    port = free_port()
+    endpoint = ("--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1")
+    hold = str(WORKERS / "hold.py")
+    host = Proc(agent_cmd(*endpoint, "--rdzv-id", "a", hold), env={"RELEASE_FILE": str(tmp_path / "a")})
+    other = Proc(agent_cmd(*endpoint, "--rdzv-id", "b", hold), env={"RELEASE_FILE": str(tmp_path / "b")})
+    try:
+        host.wait_for_line(r"this agent hosts it", timeout=30)
+        host.wait_for_line(r"hold: rank 0 of 1 started", stream="out", timeout=30)
+        other.wait_for_line(r"hold: rank 0 of 1 started", stream="out", timeout=30)
+        (tmp_path / "a").touch()
+        assert host.wait(timeout=30) == 0
+        assert other.p.poll() is None  # job b still runs: the host did not wait for it ...
+        assert "waiting up to" not in host.stderr  # ... nor said it would
+    finally:
+        (tmp_path / "b").touch()
+        host.kill()
+        other.kill()

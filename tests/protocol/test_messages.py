@@ -64,6 +64,8 @@ FAILURE = {
     "signal": "SIGKILL",
     "timestamp": 1_700_000_000.5,
     "message": "RuntimeError: CUDA error",
+    "pid": 4242,
+    "error_file": "/tmp/torchelastic_x/attempt_0/1/error.json",
 }
 
 # One valid set of arguments per class; each test below breaks one field of it.
@@ -357,7 +359,8 @@ def test_defaults():
     assert JobFailed(reason="x").failure is None
     error = Error(code="bad_magic", message="no")
     assert (error.field, error.fatal) == (None, True)
-    failure = Failure(**{k: v for k, v in FAILURE.items() if k not in ("signal", "message")})
+    optional = ("signal", "message", "pid", "error_file")
+    failure = Failure(**{k: v for k, v in FAILURE.items() if k not in optional})
     assert (failure.signal, failure.message) == ("", "")
     assert Waiting(**{k: v for k, v in VALID[Waiting].items() if k != "reason"}).reason == ""
 
