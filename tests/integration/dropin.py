@@ -47,8 +47,8 @@ _TORCH_IMPORT_NOISE = re.compile(r"Failed to initialize NumPy|_conversion_method
 
 @dataclass(frozen=True)
 class Line:
-    """A launch line: ``args`` and ``env`` may use {script}, {port}, {node_rank}, {log_dir},
-    {port2} (a second free port)."""
+    """A launch line: ``args`` and ``env`` may use {script}, {python}, {port}, {node_rank},
+    {log_dir}, {port2} (a second free port)."""
 
     id: str
     args: tuple[str, ...]
@@ -84,7 +84,14 @@ def run_line(launcher: str, line: Line, tmp: Path, timeout: float = 90.0) -> Out
     procs = []
     try:
         for node in range(line.nodes):
-            values = {"script": script, "port": port, "port2": port2, "node_rank": node, "log_dir": log_dir}
+            values = {
+                "script": script,
+                "python": sys.executable,
+                "port": port,
+                "port2": port2,
+                "node_rank": node,
+                "log_dir": log_dir,
+            }
             args = [a.format(**values) for a in line.args]
             env = {k: v.format(**values) for k, v in line.env.items()}
             env.update(line.worker_env)

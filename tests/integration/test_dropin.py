@@ -33,6 +33,66 @@ PET_2 = {
 LINES = [
     # nanoGPT, pytorch/examples: one node, torchrun's own standalone rendezvous.
     Line("standalone", ("--standalone", "--nproc_per_node=2", "--max-restarts", "2", "{script}")),
+    # timm, fairseq2: one node, no rendezvous flags at all.
+    Line("one-node-bare", ("--nproc_per_node=2", "{script}")),
+    # torchtitan's run_train.sh: c10d on localhost:0, rank-filtered console, a role as the prefix.
+    Line(
+        "torchtitan",
+        (
+            "--nproc_per_node=2",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint=localhost:0",
+            "--local-ranks-filter",
+            "0",
+            "--role",
+            "rank",
+            "--tee",
+            "3",
+            "{script}",
+            "--job.config_file",
+            "x.toml",
+        ),
+        same_group_ranks=True,
+    ),
+    # pytorch/examples distributed/ddp-tutorial-series: c10d with a fixed single-node endpoint.
+    Line(
+        "examples-elastic-ddp",
+        (
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--rdzv_id=100",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=127.0.0.1:{port}",
+            "{script}",
+        ),
+    ),
+    # Slurm recipes with c10d on the first node: two nodes, one endpoint.
+    Line(
+        "slurm-c10d-two-nodes",
+        (
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--rdzv_id",
+            "42",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "127.0.0.1:{port}",
+            "{script}",
+        ),
+        nodes=2,
+        same_group_ranks=False,
+    ),  # torchrun orders nodes by host name and pid, we by address
+    # A module, a command without python, a script run in the launcher's way.
+    Line(
+        "module",
+        ("--standalone", "--nproc-per-node", "2", "-m", "tests.integration.workers.dump_env", "--lr", "0.1"),
+    ),
+    Line("no-python", ("--standalone", "--nproc-per-node", "2", "--no-python", "{python}", "{script}", "x")),
+    Line("run-path", ("--standalone", "--nproc-per-node", "1", "--run-path", "{script}", "--epochs", "1")),
     # One node with a fixed port (many single-node recipes; torchrun then runs its static backend).
     Line(
         "one-node-master-port",
@@ -249,9 +309,10 @@ def test_an_agent_hosting_the_rendezvous_waits_only_for_its_own_job(tmp_path: Pa
     endpoint = ("--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1")
     hold = str(WORKERS / "hold.py")
     host = Proc(agent_cmd(*endpoint, "--rdzv-id", "a", hold), env={"RELEASE_FILE": str(tmp_path / "a")})
-    other = Proc(agent_cmd(*endpoint, "--rdzv-id", "b", hold), env={"RELEASE_FILE": str(tmp_path / "b")})
+    other = None
     try:
         host.wait_for_line(r"this agent hosts it", timeout=30)
+        other = Proc(agent_cmd(*endpoint, "--rdzv-id", "b", hold), env={"RELEASE_FILE": str(tmp_path / "b")})
         host.wait_for_line(r"hold: rank 0 of 1 started", stream="out", timeout=30)
         other.wait_for_line(r"hold: rank 0 of 1 started", stream="out", timeout=30)
         (tmp_path / "a").touch()
@@ -261,4 +322,5 @@ def test_an_agent_hosting_the_rendezvous_waits_only_for_its_own_job(tmp_path: Pa
     finally:
         (tmp_path / "b").touch()
         host.kill()
-        other.kill()
+        if other is not None:
+            other.kill()
