@@ -194,12 +194,16 @@ class _SharedFile:
             self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:  # a failed flush of what we already reported lost
-                pass
-            self._file = None
+        _close_quietly(self._file)
+        self._file = None
+
+
+def _close_quietly(f: BinaryIO | None) -> None:
+    if f is not None:
+        try:
+            f.close()
+        except OSError:  # a failed flush of what we already reported lost
+            pass
 
 
 class _StreamSink:
@@ -254,12 +258,8 @@ class _StreamSink:
         self._close_file()
 
     def _close_file(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.close()
-            except OSError:  # a failed flush of what we already reported lost
-                pass
-            self._file = None
+        _close_quietly(self._file)
+        self._file = None
 
     def tail_text(self) -> str:
         if self._tail is None:

@@ -109,15 +109,20 @@ class Proc:
 
     def kill(self) -> None:
         """Kill the whole session (agent and anything it left)."""
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_session(self.p)
+
+
+def kill_session(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a child started with start_new_session (its whole process group) and reap it."""
+    if p.poll() is None:
         try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def free_port() -> int:

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from .procs import kill_session
 
 __all__ = ["PtyResult", "PtyRun", "run_in_pty"]
 
@@ -153,15 +154,7 @@ class PtyRun:
 
     def kill(self) -> None:
         """SIGKILL the command's process group (its session) and reap it."""
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_session(self.p)
 
     def close(self) -> None:
         self.kill()
