@@ -45,9 +45,11 @@ record, plus the wall-clock time it was down, so deadlines and "N seconds ago" s
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 import struct
 import time
 import zlib
@@ -228,7 +230,7 @@ class StateLog:
         self._lock_fd = lock_fd
         self._buf: list[bytes] = []
         self._since_snapshot = 0
-        self._fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_APPEND)
+        self._fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_APPEND | _NOFOLLOW)
         self._urgent = False  # the buffer holds a record whose effects need it durable first
         self.syncs = 0  # fsyncs done, and the time they took (for operators and benchmarks)
         self.sync_seconds = 0.0
@@ -251,7 +253,7 @@ class StateLog:
         Returns the log (whose ``machine`` is ready to serve), what was found, and the
         effects of recovery (log lines). StateLogError when DIR cannot be used.
         """
-        directory.mkdir(parents=True, exist_ok=True)
+        _private_dir(directory)
         lock_fd = _lock(directory)
         try:
             machine = Rendezvous(None, expire_silent=False)  # replay: drops come from the log
@@ -356,7 +358,7 @@ class StateLog:
         # records that replay skips by number.
         _replace(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync)
         os.close(self._fd)
-        self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND)
+        self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND | _NOFOLLOW)
         self._since_snapshot = 0
 
     def close(self) -> None:
@@ -372,8 +374,49 @@ class StateLog:
 # --- files --------------------------------------------------------------------------------
 
 
+# Files in the state dir are opened without following a symlink: a link planted there (by
+# whoever could write the directory before it was checked) must not redirect our writes.
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _private_dir(directory: Path) -> None:
+    """Create DIR private (0700), or check an existing one: a real directory of ours (not a
+    symlink to one) that no other user can write, so nobody else can plant files in it."""
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StateLogError(f"cannot create state dir {directory}: {exc.strerror or exc}") from None
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode):
+        raise StateLogError(f"state dir {directory} is a symlink: give the directory itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise StateLogError(f"state dir {directory} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise StateLogError(f"state dir {directory} belongs to uid {st.st_uid}, not to this server's")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StateLogError(
+            f"state dir {directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            "anyone could replace the job state; chmod go-w it (the server creates it 0700)"
+        )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as exc:
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise StateLogError(f"cannot read {path}: {why}") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def _lock(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise StateLogError(f"cannot open {directory / LOCK_NAME}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -385,7 +428,11 @@ def _lock(directory: Path) -> int:
 def _replace(path: Path, data: bytes, fsync: bool) -> None:
     """Write a file whole or not at all: tmp, fsync, rename, fsync the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.unlink(tmp)  # a leftover of a crash, or something planted: never written through
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -405,9 +452,9 @@ def _replace(path: Path, data: bytes, fsync: bool) -> None:
 
 def _load_snapshot(path: Path, machine: Rendezvous) -> tuple[int, float | None, float | None]:
     """Fill the machine from the snapshot; (its sequence number, its times); (0, None, None)."""
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink is refused by _read, not taken for no file
         return 0, None, None
-    data = path.read_bytes()
+    data = _read(path)
     if len(data) < FILE_HEADER.size or FILE_HEADER.unpack_from(data)[0] != SNAP_MAGIC:
         raise StateLogError(f"{path} is not a rdzv-server snapshot")
     _, seq = FILE_HEADER.unpack_from(data)
@@ -432,10 +479,10 @@ def replay_log(
     path: Path, machine: Rendezvous, snap_seq: int
 ) -> tuple[int, int, int, tuple[float, float] | None]:
     """Replay the log after the snapshot: (last seq, records replayed, bytes dropped, last times)."""
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink is refused by _read, not taken for no file
         _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
         return snap_seq, 0, 0, None
-    data = path.read_bytes()
+    data = _read(path)
     if len(data) < FILE_HEADER.size:
         # Torn while being created (compaction writes it whole, so only a first start).
         if snap_seq:

@@ -440,7 +440,9 @@ def test_the_server_is_one_pod_behind_a_service_with_its_state_volume(tmp_path: 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     server = next(c for c in kubernetes_commands() if c.program == "rdzv-server")
     port = check_rdzv_server(server).port
-    assert check_rdzv_server(server).state_dir == mount["mountPath"]  # its jobs live on the volume
+    state_dir = check_rdzv_server(server).state_dir
+    assert state_dir.startswith(mount["mountPath"] + "/")  # its jobs live on the volume, in a
+    # folder of the server's own: the volume's root is group-writable under fsGroup
     (service_port,) = service["spec"]["ports"]
     assert ports[service_port["targetPort"]] == port == service_port["port"] == DEFAULT_RDZV_PORT
     for probe in ("readinessProbe", "livenessProbe"):

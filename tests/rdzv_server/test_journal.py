@@ -262,3 +262,65 @@ def test_opening_drops_a_torn_tail_and_says_so(tmp_path: Path, caplog: pytest.Lo
     log.close()
     assert found.dropped_bytes > 0
     assert "dropped a torn last record" in caplog.text
+
+
+# --- a state dir nobody else can steer --------------------------------------------------------
+
+
+def test_a_planted_tmp_symlink_is_not_written_through(tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"keep me")
+    d = tmp_path / "state"
+    log, _, _ = StateLog.open(d, snapshot_every=1)
+    try:
+        (d / (LOG_NAME + ".tmp")).symlink_to(outside)
+        (d / (journal.SNAP_NAME + ".tmp")).symlink_to(outside)
+        log.compact()  # writes both files through their .tmp names
+    finally:
+        log.close()
+    assert outside.read_bytes() == b"keep me"
+    assert not (d / (LOG_NAME + ".tmp")).exists() and (d / journal.SNAP_NAME).is_file()
+
+
+@pytest.mark.parametrize("name", [journal.LOCK_NAME, LOG_NAME, journal.SNAP_NAME])
+def test_a_symlink_in_place_of_a_state_file_is_refused(tmp_path: Path, name: str) -> None:
+    outside = tmp_path / "elsewhere"
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    (d / name).symlink_to(outside)
+    with pytest.raises(StateLogError, match="symlink"):
+        StateLog.open(d)
+    assert not outside.exists()
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(StateLogError, match="writable by other users"):
+        StateLog.open(d)
+
+
+def test_a_symlinked_state_dir_is_refused(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(StateLogError, match="is a symlink"):
+        StateLog.open(tmp_path / "link")
+
+
+def test_the_dir_and_its_files_are_private_under_any_umask(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        log, _, _ = StateLog.open(tmp_path / "new" / "state", snapshot_every=1)
+        log.compact()
+        log.close()
+    finally:
+        os.umask(old)
+    d = tmp_path / "new" / "state"
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    for f in d.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
