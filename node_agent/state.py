@@ -16,12 +16,43 @@ server, the workers are stopped, and the server's verdict (``Restart`` or ``JobF
 what follows (VERDICT). The server counts the restart budget; the agent never does.
 
 Leaving. A drain (SIGTERM in an elastic job, or the server's ``Drain``) stops the workers with
-SIGTERM and sends ``Leave``; the server answers ``Left(job_continues)``. The exit code follows
-that answer: 0 only when the job goes on without this node, else 1 as torchrun exits on a
-signal. Workers stopped and no answer yet, the agent waits in LEAVING (at most
-``LEAVE_ANSWER_TIMEOUT``); no answer (the connection closed first, or an older server that never
-sends one) counts as "does not go on": a scheduler is told of a failure rather than a success
-that may not be one. SIGTERM in a fixed-size job exits 1 whatever the answer, as torchrun does.
+SIGTERM and tells the server at once (``Leave(workers_stopping=True)``): it restarts the other
+nodes' round but keeps this node's place, not ready, so the next round cannot start while these
+workers live (one may be writing the checkpoint the next round loads). Once they have exited
+(``shutdown_timeout``, then SIGKILL) the agent sends ``Leave``; the server answers
+``Left(job_continues)``, and the exit code follows: 0 only when the job goes on without this
+node, else 1 as torchrun exits on a signal. The agent waits for the answer in LEAVING (at most
+``LEAVE_ANSWER_TIMEOUT`` once the Leave is out); none counts as "does not go on": a scheduler is
+told of a failure rather than a success that may not be one. SIGTERM in a fixed-size job exits 1
+whatever the answer, as torchrun does; its Leave, too, waits for the workers.
+
+A lost connection. With a ``reconnect_timeout`` (every backend but static) every phase rides it
+out: the agent reconnects until that window closes, then picks up what it was doing.
+
+- JOINING: joins again.
+- STARTING, RUNNING: the workers keep running; ``Resume`` of the round it holds.
+- BARRIER: the workers finished; ``Resume(succeeded)``; the barrier's own deadline goes on.
+- STOPPING for a restart: the workers are stopped as planned; the node joins the next round
+  once they are down *and* it is back (never before: that round must not start while they live).
+- STOPPING after our own failure, and VERDICT: ``Resume``, then the failure report again, and
+  the server's answer to it is the verdict. A worker failure while the server is unreachable
+  is stopped and reported the same way.
+- A drain (STOPPING, LEAVING): ``Resume`` (the server keeps our place), then the notice or the
+  ``Leave`` as due, and the ``Left`` that picks the exit code.
+
+The server's answer to the Resume decides the rest: ``Resumed`` (it kept our round, or rebuilt
+it from its agents after losing its state: nothing restarts), ``Restart`` (the round moved on,
+or the server dropped this node while it was away: stop and join again; for a failure we
+reported, that is the verdict), ``JobFailed`` or ``JobDone`` (the job ended meanwhile). What
+only a node of the round may say (the failure report, the drain's notice) waits for
+``Resumed``; a due Leave goes after either answer. A node on its way out for a decided reason
+(the job ended, the server refused it, SIGINT) does not reconnect. When the window closes the
+workers are stopped and the agent exits 1 (0 at the exit barrier, where its part is done).
+
+The server's messages. Every message has an outcome in every phase. One that makes no sense in
+ours (an assignment we did not join for, the job "done" while our workers run) is the server's
+mistake: a protocol error, logged, and where the agent cannot go on it stops its workers and
+exits 1 with that message. ``UnexpectedEvent`` is kept for our own bugs (an unknown event).
 
 The job ending while this node waits to join (a hot spare beyond --nnodes, or a newcomer that
 was not yet in a round): ``JobDone`` exits ``EXIT_NOT_NEEDED`` (0) and ``JobFailed`` exits 1
@@ -47,6 +78,7 @@ from protocol import (
     Restart,
     Resumed,
     Waiting,
+    Welcome,
     WorkersFailed,
     WorkersSucceeded,
 )
@@ -242,14 +274,22 @@ class AgentMachine:
     assignment: Assignment | None = None
     deadline: float | None = None
     local_failures: tuple[Failure, ...] = ()
-    _after_stop: str = ""  # "rejoin" | "verdict" | "exit"
-    _exit: Exit | None = None
+    _after_stop: str = ""  # once the workers are down: "rejoin" | "verdict" | "leave" | "exit"
+    _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
     _last_waiting: tuple[int, int, str] | None = None
     _signalled: int | None = None
-    _leaving: bool = False  # we told the server we leave; its closing the connection is expected
+    _leaving: bool = False  # on our way out of the job by a Leave (a drain, or SIGTERM/SIGINT)
+    _leave: Leave | None = None  # the Leave to send once the workers are down (again after a reconnect)
     _awaiting_left: bool = False  # a drain's exit code waits for the server's Left
     _drain_why: str = ""
-    away: bool = False  # the connection broke and we are reconnecting
+    # Our workers' failure, reported and not yet decided on by the server: sent again after a
+    # reconnect (or first then, when it happened while the server was unreachable).
+    _report: WorkersFailed | None = None
+    _succeeded: bool = False  # every worker of the round we hold exited 0 (said again in a Resume)
+    away: bool = False  # the connection broke: nothing can be sent until Reconnected
+    # Our Resume is out on a new connection and not yet answered: until the answer says whether
+    # the server holds us in its round, what only a node of the round may say waits.
+    _resuming: bool = False
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -275,14 +315,14 @@ class AgentMachine:
         if isinstance(event, ConnectionLost):
             return self._on_connection_lost(event, now)
         if isinstance(event, Reconnected):
-            return self._on_reconnected()
+            return self._on_reconnected(now)
         if isinstance(event, ReconnectFailed):
             return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
             return self._on_signal(event.signum, now)
         if isinstance(event, HealthCheckFailed):
             exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.reason}")
-            return [Send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
+            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
         if isinstance(event, Tick):
             return self._on_tick(now)
         raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
@@ -290,74 +330,165 @@ class AgentMachine:
     # -- server messages -------------------------------------------------------------------
 
     def _on_server(self, msg: Message, now: float) -> list[Effect]:
+        if self._resuming and isinstance(msg, Resumed | Restart | JobFailed | JobDone | Error):
+            return self._on_resume_answer(msg, now)
+        return self._on_server_now(msg, now)
+
+    def _on_server_now(self, msg: Message, now: float) -> list[Effect]:
+        # First what may come in any phase, then what a leaving node no longer acts on.
         if isinstance(msg, Left):
             return self._on_left(msg)
-        if self.phase is Phase.LEAVING:
-            return self._while_leaving(msg)
-        if isinstance(msg, Waiting):
-            return self._on_waiting(msg)
-        if isinstance(msg, Assignment):
-            if self.phase is not Phase.JOINING:
-                raise UnexpectedEvent(f"assignment for round {msg.round} in phase {self.phase.value}")
-            self.assignment = msg
-            self.phase = Phase.STARTING
-            self.deadline = None
-            self._last_waiting = None
-            return [
-                Log(
-                    "info",
-                    f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
-                    f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
-                    f"master {msg.master_addr}:{msg.master_port}, restart {msg.restart_count}",
-                ),
-                StartWorkers(msg),
-            ]
-        if isinstance(msg, Restart):
-            return self._on_restart(msg, now)
         if isinstance(msg, JobFailed):
-            where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
-            exit_ = Exit(EXIT_FAILED, f"job failed{where}: {msg.reason}", msg.failure, self.local_failures)
-            if self._awaiting_left:
-                # The job's failure is the reason to report, not the pending drain's.
-                self._awaiting_left, self._exit = False, None
-            return self._stop_then_exit(exit_)
+            return self._on_job_failed(msg)
         if isinstance(msg, JobDone):
-            if self.phase is Phase.BARRIER:
-                return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
-            if self.phase is Phase.JOINING:
-                # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
-                spare = self._last_waiting is not None and "spare" in self._last_waiting[2]
-                how = "it waited as a spare" if spare else "it had no place in a round yet"
-                note = Log(
-                    "warning",
-                    f"the job this node waited to join finished without it ({how}; every node of "
-                    "the job succeeded)",
-                )
-                exit_ = Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")
-                return [note, *self._exit_now(exit_)]
-            if self._awaiting_left and self.phase is Phase.STOPPING:
-                self._awaiting_left = False
-                self._exit = Exit(EXIT_OK, "all nodes finished")
-                return []
-            raise UnexpectedEvent(f"job_done in phase {self.phase.value}")
-        if isinstance(msg, Resumed):
-            how = "rebuilt by the server from its agents" if msg.rebuilt else "the server kept it"
-            return [Log("info", f"resumed round {msg.round} ({how}); workers were not restarted")]
-        if isinstance(msg, Drain):
-            if self._leaving:
-                return []  # already on our way out
-            why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
-            return self._drain(why, now)
+            return self._on_job_done()
+        if isinstance(msg, Error):
+            return self._on_error(msg)
         if isinstance(msg, GoingAway):
             # The server closes the connection next; we reconnect as after any lost connection.
             why = f" ({msg.reason})" if msg.reason else ""
-            keep = "workers keep running; " if self.phase in (Phase.STARTING, Phase.RUNNING) else ""
-            return [Log("warning", f"the rendezvous server is going away{why}; {keep}will reconnect")]
+            return [
+                Log("warning", f"the rendezvous server is going away{why}; {self._what_now()}will reconnect")
+            ]
+        if isinstance(msg, Resumed):
+            how = "rebuilt by the server from its agents" if msg.rebuilt else "the server kept it"
+            if self.phase in (Phase.STARTING, Phase.RUNNING, Phase.BARRIER):
+                return [Log("info", f"resumed round {msg.round} ({how}); workers were not restarted")]
+            return [Log("info", f"the server took this node back into round {msg.round} ({how})")]
+        if isinstance(msg, Welcome):
+            return self._protocol_error("a second welcome on an open connection; ignored", fatal=False)
+        if self.phase is Phase.LEAVING:
+            # Workers down, our Leave out: an assignment or restart that crossed it, a waiting
+            # update or a drain request no longer change our course.
+            return []
+        if isinstance(msg, Waiting):
+            return self._on_waiting(msg)
+        if isinstance(msg, Assignment):
+            return self._on_assignment(msg)
+        if isinstance(msg, Restart):
+            return self._on_restart(msg, now)
+        if isinstance(msg, Drain):
+            if self._leaving or self._exit is not None:
+                return []  # already on our way out
+            why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
+            return self._drain(why, now)
+        return self._protocol_error(
+            f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
+        )
+
+    def _on_resume_answer(self, msg: Message, now: float) -> list[Effect]:
+        """The server's answer to our Resume, then what waited for it.
+
+        ``Resumed``: we are a node of its round again; say what we have to say (our failure
+        report, that our workers finished, that we leave). ``Restart``: the round moved on (or
+        it had dropped us): that is the verdict on any failure, and the round stops anyway, so
+        only a due Leave still goes. Anything else ends our course as usual."""
         if isinstance(msg, Error) and not msg.fatal:
+            return self._on_server_now(msg, now)  # a draining server: it closes, we come back
+        self._resuming = False
+        effects = self._on_server_now(msg, now)
+        if self.phase is Phase.EXITED or isinstance(msg, JobFailed | JobDone | Error):
+            return effects
+        due: list[Effect] = []
+        if isinstance(msg, Resumed):
+            a = self.assignment
+            if self.phase is Phase.BARRIER and a is not None:
+                due.append(Send(WorkersSucceeded(round=a.round)))  # they may have finished since
+            if self._report is not None:
+                due.append(Send(self._report))
+            if self.phase is Phase.STOPPING and self._leaving and self._leave is not None:
+                due.append(Send(self._notice(self._leave)))
+        if self.phase is Phase.LEAVING and self._leave is not None:
+            due.append(Send(self._leave))
+            self.deadline = now + LEAVE_ANSWER_TIMEOUT
+        return [*effects, *due]
+
+    def _protocol_error(self, text: str, *, fatal: bool) -> list[Effect]:
+        """The server sent what makes no sense in our phase: its mistake, not ours (no traceback).
+
+        Said once as it happens; where we cannot go on, the workers stop and the agent exits 1
+        with the same words."""
+        note = Log("error", f"protocol error by the rendezvous server: {text}")
+        if not fatal:
+            return [note]
+        self._report, self._leave = None, None
+        return [
+            note,
+            *self._stop_then_exit(Exit(EXIT_RDZV, f"the rendezvous server broke the protocol: {text}")),
+        ]
+
+    def _on_assignment(self, msg: Assignment) -> list[Effect]:
+        if self.phase is not Phase.JOINING:
+            if msg == self.assignment:
+                return self._protocol_error(
+                    f"the assignment for round {msg.round} again; ignored", fatal=False
+                )
+            # We did not join for it: the server counts ranks of ours that will never run.
+            text = (
+                f"an assignment for round {msg.round}, but this node did not join for one "
+                f"(it {self._doing()})"
+            )
+            return self._protocol_error(text, fatal=True)
+        self.assignment = msg
+        self.phase = Phase.STARTING
+        self.deadline = None
+        self._last_waiting = None
+        return [
+            Log(
+                "info",
+                f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
+                f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
+                f"master {msg.master_addr}:{msg.master_port}, restart {msg.restart_count}",
+            ),
+            StartWorkers(msg),
+        ]
+
+    def _on_job_failed(self, msg: JobFailed) -> list[Effect]:
+        where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
+        exit_ = Exit(EXIT_FAILED, f"job failed{where}: {msg.reason}", msg.failure, self.local_failures)
+        # The job's failure is the reason to report, not a pending drain's; nothing is left to
+        # report or leave.
+        self._awaiting_left, self._report, self._leave = False, None, None
+        return self._stop_then_exit(exit_)
+
+    def _on_job_done(self) -> list[Effect]:
+        if self.phase in (Phase.BARRIER, Phase.LEAVING):
+            self._awaiting_left = False
+            return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
+        if self.phase is Phase.JOINING:
+            # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
+            spare = self._last_waiting is not None and "spare" in self._last_waiting[2]
+            how = "it waited as a spare" if spare else "it had no place in a round yet"
+            note = Log(
+                "warning",
+                f"the job this node waited to join finished without it ({how}; every node of "
+                "the job succeeded)",
+            )
+            return [
+                note,
+                *self._exit_now(Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")),
+            ]
+        if self.phase is Phase.STOPPING and self._after_stop == "leave":
+            # Drained, and the job finished while our workers stop: a success, nothing to leave.
+            self._awaiting_left, self._leave = False, None
+            self._after_stop, self._exit = "exit", Exit(EXIT_OK, "all nodes finished")
+            return []
+        if self._exit is not None:
+            return []  # on our way out already, for a reason of its own
+        # Our workers run (or failed): the server finished the job without us, which it does
+        # only after it dropped this node (frozen, or cut off, past the heartbeat timeout).
+        doing = self._doing()
+        self._report, self._leave = None, None
+        return [
+            Log("error", f"the rendezvous server says the job finished while this node {doing}; stopping"),
+            *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {doing})")),
+        ]
+
+    def _on_error(self, msg: Error) -> list[Effect]:
+        if not msg.fatal:
             return [Log("warning", f"rendezvous server: {msg.message} ({msg.code})")]
-        if isinstance(msg, Error):
-            return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
-        raise UnexpectedEvent(f"{msg.TYPE} from the server in phase {self.phase.value}")
+        self._awaiting_left, self._report, self._leave = False, None, None
+        return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
 
     def _on_waiting(self, msg: Waiting) -> list[Effect]:
         key = (msg.joined, msg.round, msg.reason)
@@ -369,6 +500,7 @@ class AgentMachine:
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
         note = Log("warning", f"re-rendezvous after round {msg.round}: {msg.reason}")
+        self._report = None  # if we reported a failure, this is the verdict
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = "rejoin"
@@ -376,7 +508,7 @@ class AgentMachine:
         if self.phase is Phase.STOPPING:
             if self._after_stop == "verdict":
                 self._after_stop = "rejoin"
-            return [note]
+            return [note]  # already stopping: to rejoin, to leave, or to exit
         if self.phase in (Phase.VERDICT, Phase.BARRIER):
             return [note, *self._rejoin(now)]
         return [note]  # JOINING: the round we are joining was reshaped; our join stands
@@ -404,32 +536,35 @@ class AgentMachine:
         )
         self.local_failures = (failure,)
         self.phase = Phase.VERDICT
-        return [
-            Log("error", f"workers failed to start: {event.reason}"),
-            Send(WorkersFailed(round=a.round, failure=failure)),
-        ]
+        self._report = WorkersFailed(round=a.round, failure=failure)
+        return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self._report)]
 
     def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
         if self.phase is not Phase.RUNNING or self.assignment is None:
             return []  # we are already stopping them for another reason
         if event.failure is None:
             self.phase = Phase.BARRIER
+            self._succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
-            effects: list[Effect] = [Send(WorkersSucceeded(round=self.assignment.round))]
+            # While the server is unreachable the Resume we send when back says so instead.
+            effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round))
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
             return effects
         self.local_failures = event.local_failures or (event.failure,)
-        if self.away:
-            # Nobody to report to: stop and fail; the server will see this node gone.
-            why = "a worker failed while the rendezvous server was unreachable"
-            return self._stop_then_exit(Exit(EXIT_FAILED, why, event.failure, self.local_failures))
         self.phase = Phase.STOPPING
         self._after_stop = "verdict"
-        return [
-            Send(WorkersFailed(round=self.assignment.round, failure=event.failure)),
-            StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
-        ]
+        self._report = WorkersFailed(round=self.assignment.round, failure=event.failure)
+        note: list[Effect] = []
+        if self.away:
+            note = [
+                Log(
+                    "warning",
+                    "a worker failed while the rendezvous server is unreachable; stopping the workers, "
+                    "the failure is reported once reconnected",
+                )
+            ]
+        return [*note, *self._send(self._report), StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
 
     def _on_stopped(self, event: WorkersStopped, now: float) -> list[Effect]:
         if self.phase is not Phase.STOPPING:
@@ -442,62 +577,136 @@ class AgentMachine:
         if after == "verdict":
             self.phase = Phase.VERDICT
             return []
-        if self._awaiting_left:
-            return self._wait_for_left(now)
+        if after == "leave":
+            return self._send_leave(now)
         exit_ = self._exit or Exit(EXIT_FAILED, "stopped")
-        return self._exit_now(exit_)
+        # A SIGTERM/SIGINT in a fixed-size job: the server hears we left once the workers are down.
+        leave = self._send(self._leave) if self._leave is not None else []
+        return [*leave, *self._exit_now(exit_)]
 
-    # -- the rest --------------------------------------------------------------------------
+    # -- the connection --------------------------------------------------------------------
+
+    def _send(self, msg: Message) -> list[Effect]:
+        """Send now, or nothing while the connection is down or our Resume is unanswered (what
+        must be said then is kept in our state and said once it can be: the report, the Leave,
+        the notice, that our workers finished)."""
+        return [] if self.away or self._resuming else [Send(msg)]
+
+    def _what_now(self) -> str:
+        """What becomes of the workers while we reconnect, for the lost-connection lines."""
+        p, after = self.phase, self._after_stop
+        if p in (Phase.STARTING, Phase.RUNNING):
+            return "workers keep running; "
+        if p is Phase.STOPPING and after == "rejoin":
+            return (
+                "workers are being stopped; this node joins the next round once they are down and it "
+                "is back; "
+            )
+        if p is Phase.STOPPING and after == "verdict":
+            return "workers are being stopped; their failure is reported once this node is back; "
+        if p is Phase.STOPPING and after == "leave":
+            return (
+                "workers are being stopped for the drain; this node leaves once they are down and it is "
+                "back; "
+            )
+        if p is Phase.STOPPING:
+            return "workers are being stopped; "
+        if p is Phase.VERDICT:
+            return "workers stopped; their failure is reported again once this node is back; "
+        if p is Phase.BARRIER:
+            return "workers finished; "
+        if p is Phase.LEAVING:
+            return "workers stopped; this node asks to leave again once it is back; "
+        return ""
+
+    def _doing(self) -> str:
+        """Our phase in words, for protocol-error messages."""
+        a = self.assignment
+        held = f" round {a.round}" if a is not None else ""
+        return {
+            Phase.JOINING: "was joining",
+            Phase.STARTING: f"was starting its workers of{held}",
+            Phase.RUNNING: f"was running{held}",
+            Phase.STOPPING: "was stopping its workers",
+            Phase.VERDICT: "was waiting for the verdict on its workers' failure",
+            Phase.BARRIER: "was waiting at the exit barrier",
+            Phase.LEAVING: "was leaving",
+            Phase.EXITED: "had exited",
+        }[self.phase]
 
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
-        if self._awaiting_left:
-            # Closed before the answer (or by an older server, which sends none): assume the job
-            # does not go on without us.
-            self._awaiting_left = False
-            self._exit = Exit(
-                EXIT_FAILED,
-                f"drained: {self._drain_why}; the connection to the rendezvous server closed "
-                f"({event.reason}) before it said whether the job goes on without this node",
-            )
-        if self._leaving:
-            return (
-                []
-                if self.phase is Phase.STOPPING
-                else self._exit_now(self._exit or Exit(EXIT_FAILED, "left"))
-            )
-        resumable = (Phase.JOINING, Phase.STARTING, Phase.RUNNING, Phase.BARRIER)
-        if self.settings.reconnect_timeout > 0 and self.phase in resumable and self._exit is None:
-            self.away = True
-            keep = "workers keep running; " if self.phase in (Phase.STARTING, Phase.RUNNING) else ""
-            return [
-                Log(
-                    "warning",
-                    f"lost the connection to the rendezvous server ({event.reason}); {keep}"
-                    f"reconnecting for up to {self.settings.reconnect_timeout:g} s",
-                ),
-                Reconnect(deadline=now + self.settings.reconnect_timeout),
-            ]
-        return self._gone(event.reason)
+        if self.away:
+            return []
+        self.away = True
+        self._resuming = False
+        if self._exit is not None:
+            # On our way out already (the job ended, the server refused us, SIGINT): finish
+            # stopping the workers and exit; the server has nothing left to hear from us.
+            return [] if self.phase is Phase.STOPPING else self._exit_now(self._exit)
+        if self.settings.reconnect_timeout <= 0:
+            return self._gone(f"{event.reason}")
+        if self.phase is Phase.LEAVING:
+            self.deadline = None  # the answer can only come on the next connection
+        return [
+            Log(
+                "warning",
+                f"lost the connection to the rendezvous server ({event.reason}); {self._what_now()}"
+                f"reconnecting for up to {self.settings.reconnect_timeout:g} s",
+            ),
+            Reconnect(deadline=now + self.settings.reconnect_timeout),
+        ]
 
-    def _on_reconnected(self) -> list[Effect]:
-        if not self.away or self._leaving:
-            self.away = False
+    def _on_reconnected(self, now: float) -> list[Effect]:
+        """Back on a new connection: pick up what we were doing (module header, "A lost connection")."""
+        if not self.away:
             return []
         self.away = False
-        if self.phase is Phase.JOINING:
+        if self._exit is not None:
+            return []
+        p = self.phase
+        if p is Phase.JOINING:
             return [Log("info", "reconnected; joining again"), SendJoin()]
-        if self.assignment is not None and self.phase in (Phase.STARTING, Phase.RUNNING, Phase.BARRIER):
-            done = self.phase is Phase.BARRIER
-            return [Log("info", "reconnected; resuming our round"), SendResume(self.assignment, done)]
-        return []
+        if p is Phase.STOPPING and self._after_stop == "rejoin":
+            # Not before the workers are down: the next round must not start while they live.
+            return [Log("info", "reconnected; this node joins the next round once its workers are down")]
+        if self.assignment is None:
+            if p is Phase.LEAVING:  # drained while joining: no round to take back, only our Leave
+                return [Log("info", "reconnected; leaving the job again"), *self._send_leave(now)]
+            return []
+        # Take our round back first; the server's answer tells what else to say (_on_resume_answer).
+        self._resuming = True
+        if p is Phase.LEAVING:
+            self.deadline = now + LEAVE_ANSWER_TIMEOUT  # bounded, answer and Left alike
+        what = {
+            Phase.STOPPING: "resuming our round while our workers stop",
+            Phase.VERDICT: "resuming our round to report our workers' failure again",
+            Phase.LEAVING: "resuming our round to leave it",
+        }.get(p, "resuming our round")
+        return [Log("info", f"reconnected; {what}"), SendResume(self.assignment, self._succeeded)]
 
     def _on_reconnect_failed(self, event: ReconnectFailed) -> list[Effect]:
-        self.away = False
+        # Still away: nothing can be sent.
         return self._gone(
-            f"{event.reason} (could not reconnect within {self.settings.reconnect_timeout:g} s)"
+            f"{event.reason} (could not reconnect within {self.settings.reconnect_timeout:g} s)",
+            unreachable=True,
         )
 
-    def _gone(self, reason: str) -> list[Effect]:
+    def _gone(self, reason: str, *, unreachable: bool = False) -> list[Effect]:
+        """The server is gone for good: stop the workers and exit (at the barrier: our part is done)."""
+        self._report, self._leave = None, None
+        if self._awaiting_left:
+            why = self._drain_why
+            if unreachable:
+                text = (
+                    f"drained: {why}; the rendezvous server was unreachable ({reason}), so nobody "
+                    "confirmed that the job goes on without this node"
+                )
+            else:
+                text = (
+                    f"drained: {why}; the connection to the rendezvous server closed ({reason}) before "
+                    "it said whether the job goes on without this node"
+                )
+            return self._stop_then_exit(Exit(EXIT_FAILED, text))
         if self.phase is Phase.BARRIER:
             return self._exit_now(
                 Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({reason})")
@@ -505,6 +714,8 @@ class AgentMachine:
         return self._stop_then_exit(
             Exit(EXIT_RDZV, f"lost the connection to the rendezvous server: {reason}")
         )
+
+    # -- signals and leaving ---------------------------------------------------------------
 
     def _on_signal(self, signum: int, now: float) -> list[Effect]:
         if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
@@ -518,49 +729,62 @@ class AgentMachine:
                 return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
             return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
         self._signalled = signum
+        if self._leaving or self._exit is not None:
+            # Already on our way out (a drain the server asked for, the job's end): a second
+            # signal insists.
+            return [Log("info", f"received {name}; already stopping")]
         if self.settings.elastic and signum == signal.SIGTERM:
             return self._drain(f"received {name}", now)
         exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
         self._leaving = True
-        return [*self._stop_then_exit(exit_, signum), Send(Leave(reason=f"agent received {name}"))]
+        self._leave = Leave(reason=f"agent received {name}")
+        self._report = None
+        if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
+            # Workers first; the server hears now that we go, and that we are gone once they are.
+            return [*self._stop_then_exit(exit_, signum), *self._send(self._notice(self._leave))]
+        leave = self._send(self._leave)
+        return [*leave, *self._exit_now(exit_)]
+
+    @staticmethod
+    def _notice(leave: Leave) -> Leave:
+        return Leave(reason=leave.reason, workers_stopping=True)
 
     def _drain(self, why: str, now: float) -> list[Effect]:
-        """A clean leave: workers get SIGTERM first (to checkpoint); the server's Left picks the code."""
+        """A clean leave: workers get SIGTERM first (to checkpoint), the server restarts the
+        others' round at once, and our Leave follows once the workers have exited, so no next
+        round starts while they live. The server's Left picks the exit code."""
         self._leaving = True
-        note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
-        leave = Send(Leave(reason=f"drain: {why}"))
-        if self._exit is not None:
-            # Already exiting for another reason (the job failed, the server refused us): keep it.
-            return [note, *self._stop_then_exit(self._exit), leave]
-        if self.away:
-            # Nobody can say whether the job goes on without us: assume it does not.
-            why_not = (
-                f"drained: {why}; the rendezvous server was unreachable, so nobody confirmed that "
-                "the job goes on without this node"
-            )
-            return [note, *self._stop_then_exit(Exit(EXIT_FAILED, why_not))]
         self._drain_why = why
         self._awaiting_left = True
-        pending = Exit(
-            EXIT_FAILED,
-            f"drained: {why}; the rendezvous server did not answer whether the job goes on without "
-            f"this node (no answer within {LEAVE_ANSWER_TIMEOUT:g} s)",
-        )
+        self._leave = Leave(reason=f"drain: {why}")
+        note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
-            return [note, *self._stop_then_exit(pending), leave]
-        self._exit = pending
-        return [note, leave, *self._wait_for_left(now)]
+            stop: list[Effect] = []
+            if self.phase is not Phase.STOPPING:
+                self.phase = Phase.STOPPING
+                stop = [StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+            self._after_stop = "leave"
+            return [note, *stop, *self._send(self._notice(self._leave))]
+        return [note, *self._send_leave(now)]  # no workers: JOINING, VERDICT, BARRIER
 
-    def _wait_for_left(self, now: float) -> list[Effect]:
-        """No workers to stop: wait for the server's answer to our Leave, within a bound."""
+    def _send_leave(self, now: float) -> list[Effect]:
+        """Workers down: say we leave, and wait (bounded) for the answer that picks the exit code."""
         self.phase = Phase.LEAVING
+        if self.away or self._leave is None:
+            self.deadline = None  # sent once reconnected; the reconnect window bounds the wait
+            return []
+        if self._resuming:
+            return []  # sent with the answer to our Resume, whose wait is bounded already
         self.deadline = now + LEAVE_ANSWER_TIMEOUT
-        return []
+        return [Send(self._leave)]
 
     def _on_left(self, msg: Left) -> list[Effect]:
         if not self._awaiting_left:
-            return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
+            if self._leaving:
+                return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
+            return self._protocol_error("a 'left' answer, but this node did not leave", fatal=False)
         self._awaiting_left = False
+        self._leave = None
         why = self._drain_why
         if msg.job_continues:
             exit_ = Exit(
@@ -571,24 +795,11 @@ class AgentMachine:
                 EXIT_FAILED,
                 f"drained: {why}; left the job, which does not go on without this node ({msg.reason})",
             )
-        self._exit = exit_
         if self.phase is Phase.LEAVING:
             return self._exit_now(exit_)
-        return []  # workers still stopping: _on_stopped exits with it
-
-    def _while_leaving(self, msg: Message) -> list[Effect]:
-        """Workers down, waiting for Left: what else the server says no longer changes our course."""
-        if isinstance(msg, JobDone):
-            self._awaiting_left = False
-            return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
-        if isinstance(msg, JobFailed):
-            self._awaiting_left = False
-            return self._exit_now(
-                Exit(EXIT_FAILED, f"job failed: {msg.reason}", msg.failure, self.local_failures)
-            )
-        if isinstance(msg, Error) and msg.fatal:
-            return self._exit_now(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
-        return []  # an assignment or restart that crossed our Leave, a waiting update, ...
+        # An older server (or the static backend) answers our notice as the Leave itself: exit
+        # with its answer once the workers are down.
+        return self._stop_then_exit(exit_)
 
     def _on_tick(self, now: float) -> list[Effect]:
         if self.deadline is None or now < self.deadline:
@@ -597,7 +808,7 @@ class AgentMachine:
         if self.phase is Phase.JOINING:
             joined = f" ({self._last_waiting[0]} joined)" if self._last_waiting else ""
             return [
-                Send(Leave(reason="join timeout")),
+                *self._send(Leave(reason="join timeout")),
                 *self._exit_now(
                     Exit(
                         EXIT_RDZV,
@@ -612,16 +823,26 @@ class AgentMachine:
             )
         if self.phase is Phase.LEAVING:
             self._awaiting_left = False
-            return self._exit_now(self._exit or Exit(EXIT_FAILED, "left without an answer from the server"))
+            return self._exit_now(
+                self._exit
+                or Exit(
+                    EXIT_FAILED,
+                    f"drained: {self._drain_why}; the rendezvous server did not answer whether the job "
+                    f"goes on without this node (no answer within {LEAVE_ANSWER_TIMEOUT:g} s)",
+                )
+            )
         return []
 
     def _rejoin(self, now: float) -> list[Effect]:
         self.phase = Phase.JOINING
         self.assignment = None
+        self._succeeded = False
+        self._report = None
         self.deadline = now + self.settings.join_timeout
-        return [SendJoin()]
+        return [] if self.away else [SendJoin()]  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
+        self._awaiting_left = False
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = "exit"

@@ -25,7 +25,8 @@ working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
 
 - A new optional field, whose default means "not given": the codec ignores keys it does not
   know, so an older peer drops it, and a newer one decoding an older peer's frame gets the
-  default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``.)
+  default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``;
+  ``Leave.workers_stopping``, False: a plain Leave.)
 - A new server -> agent message whose only use is in a moment where an older agent expects
   the connection to close anyway: the older agent fails to decode it, treats that as the lost
   connection it expected, and so does what it did before. (``GoingAway``: it reconnects;
@@ -357,10 +358,18 @@ class WorkersSucceeded(_Schema):
 
 @record(frozen=True, kw_only=True, slots=True)
 class Leave(_Schema):
-    """The node is going away on purpose (not a failure)."""
+    """The node is going away on purpose (not a failure).
+
+    ``workers_stopping``: a notice sent when the node starts stopping its workers to leave
+    (a drain). The server restarts the others' round at once but keeps the node's place, not
+    ready, so no next round can start while those workers live; the node's plain ``Leave``
+    (sent once its workers have exited) is the one that removes it and is answered ``Left``.
+    Added within version 1: an older server takes the notice for the Leave itself.
+    """
 
     TYPE: ClassVar[str] = "leave"
     reason: str = field(default="", metadata=_TEXT)
+    workers_stopping: bool = field(default=False, metadata=_flag())
 
 
 # --- server -> client --------------------------------------------------------
@@ -430,9 +439,11 @@ class Assignment(_Schema):
 class Resume(_Schema):
     """After a lost connection, in place of Join: the node's join and the round it holds.
 
-    Its workers kept running. A server that knows the round takes the node back as it
-    was (``Resumed``); one that lost its state rebuilds the round from every node's Resume
-    when they agree, and otherwise starts a new round (``Restart``).
+    Its workers kept running (or are stopping, or failed: the agent says so after the
+    answer). A server that knows the round takes the node back as it was (``Resumed``); one
+    that lost its state rebuilds the round from every node's Resume when they agree, and
+    otherwise starts a new round (``Restart``). A node the server dropped meanwhile is told to
+    join again (``Restart``), or how the job ended (``JobFailed``, ``JobDone``).
     """
 
     TYPE: ClassVar[str] = "resume"

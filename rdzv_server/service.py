@@ -448,7 +448,9 @@ class RendezvousService:
         """SIGTERM's policy: stop taking connections and joins, flush, tell the agents, close.
 
         Agents keep their workers and reconnect (to the next server process on this port);
-        with a state dir that server resumes their rounds. Each step is logged once.
+        with a state dir that server resumes their rounds. The state log ends in a snapshot,
+        so a newer server (an upgrade) starts from the state this one had, not from a replay
+        of its inputs under its own rules. Each step is logged once.
         """
         self._close_listeners()
         logger.info("draining (%s): no new connections or joins", reason)
@@ -458,6 +460,12 @@ class RendezvousService:
         if self.state_log is not None:
             self.state_log.append({"k": "going_away", "why": reason}, now)
             await self._commit_all()
+            try:
+                # The next server on this dir (an upgrade, say) then loads the state as it is,
+                # rather than replaying inputs under rules that may have changed since.
+                self.state_log.compact()
+            except OSError as exc:
+                logger.warning("no snapshot at shutdown (%s); the next server replays the log", exc)
             logger.info(
                 "state log flushed: record %d in %s (%d fsyncs by this process, %.2f s)",
                 self.state_log.seq,

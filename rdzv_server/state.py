@@ -41,7 +41,14 @@ An elastic job ignores node ranks, as torchrun's c10d backend does (also said on
 Leaving. A member's ``Leave`` is answered with ``Left(job_continues)`` just before its
 connection is closed: whether the job goes on without the node (enough members remain or a
 spare took its place, its own workers had finished, or the job finished). The agent exits 0
-after a drain only then, so a scheduler that cancels the last node sees a failure.
+after a drain only then, so a scheduler that cancels the last node sees a failure. A node that
+drains first says so when it starts stopping its workers (``Leave(workers_stopping=True)``):
+the round stops for everyone at once, as for a Leave, but the node stays a member, not ready,
+until its Leave comes after its workers have exited. So no round starts while a worker of the
+previous one is alive (a rank 0 saving the checkpoint the next round loads).
+
+After a restart from the state log (``recover``) members whose agents have not come back are
+AWAY, and not ready: a round completes only with members that are connected.
 """
 
 from __future__ import annotations
@@ -455,9 +462,10 @@ class Rendezvous:
 
         Joined nodes become AWAY: their members keep their places (the round goes on) for a
         resume window, in which each agent reconnects and sends ``Resume`` (or ``Join`` if it
-        was between rounds). A node not back in time is lost, as if its connection had
-        dropped. A job that was itself being rebuilt from its agents is forgotten: the
-        agents' Resumes rebuild it again.
+        was between rounds). A member that was ready for the next round is not while it is
+        away (WAITING): a round completes only with members that are back. A node not back in
+        time is lost, as if its connection had dropped. A job that was itself being rebuilt
+        from its agents is forgotten: the agents' Resumes rebuild it again.
         """
         out: list[Effect] = []
         self.draining = False
@@ -473,6 +481,11 @@ class Rendezvous:
             if conn.phase in (ConnPhase.JOINED, ConnPhase.AWAY) and known and job is not None:
                 conn.phase = ConnPhase.AWAY
                 away[job.id] += 1
+                member = job.members.get(conn.node_id or "")
+                if member is not None and member.conn == conn.id and member.state is MemberState.READY:
+                    # Joined, but its agent must come back (and join again) before a round may
+                    # count on it: an assignment to the old connection would never arrive.
+                    _set_state(job, member, MemberState.WAITING)
                 window = max(window, RESUME_WINDOW, 2 * job.settings.heartbeat_timeout)
             else:
                 del self.conns[conn.id]
@@ -548,6 +561,8 @@ class Rendezvous:
             self._on_failed(job, member, msg, now, out)
         elif isinstance(msg, WorkersSucceeded):
             self._on_succeeded(job, member, msg, now, out)
+        elif isinstance(msg, Leave) and msg.workers_stopping:
+            self._on_leaving_soon(job, member, msg, now, out)
         elif isinstance(msg, Leave):
             self._on_leave(conn, job, member, msg, now, out)
         else:
@@ -687,8 +702,22 @@ class Rendezvous:
                 out,
             )
             return
+        # The job ended meanwhile (it is kept until its last node is gone): say how, rather
+        # than "join again" and a refusal of that join.
+        if job.phase is JobPhase.FAILED:
+            root = job.failures[-1] if job.failures else None
+            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root)))
+            return
+        if job.phase is JobPhase.FINISHED:
+            out.append(Send(conn.id, JobDone()))
+            return
         why = f"the server dropped node {j.node_id} from job {job.id!r} while it was away; join again"
         out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+
+    def _is_away(self, member: Member) -> bool:
+        """Whether the member's agent has not come back since the server restarted."""
+        conn = self.conns.get(member.conn)
+        return conn is not None and conn.phase is ConnPhase.AWAY
 
     def _away_member(self, job: Job, node_id: str) -> Member | None:
         """The node's member, if the server restarted and the node has not come back yet."""
@@ -830,7 +859,11 @@ class Rendezvous:
         job.order = [
             job.resume_slots[i] for i in sorted(job.resume_slots) if job.resume_slots[i] in job.members
         ]
-        job.order += [nid for nid in job.members if nid not in job.order]
+        # Nodes that came back holding a round but without a slot (they disagreed) were in it
+        # too; nodes that sent Join are newcomers: ready already, told nothing.
+        job.order += [
+            nid for nid, m in job.members.items() if nid not in job.order and m.state is not MemberState.READY
+        ]
         job.phase = JobPhase.RUNNING
         job.resume_slots.clear()
         job.resume_expect = None
@@ -1090,6 +1123,32 @@ class Rendezvous:
         out.append(Send(conn.id, Left(job_continues=goes_on, reason=why)))
         out.append(Close(conn.id, reason))
 
+    def _on_leaving_soon(self, job: Job, member: Member, msg: Leave, now: float, out: list[Effect]) -> None:
+        """A node stops its workers to leave (a drain): the others' round stops now, as it would
+        for its Leave, but the node keeps its place, not ready, until that Leave (sent once its
+        workers have exited), so the next round cannot start while they live."""
+        nid = member.node_id
+        if (
+            nid in job.spares
+            or job.phase not in (JobPhase.RUNNING, JobPhase.GATHERING)
+            or member.state is MemberState.SUCCEEDED
+        ):
+            return  # no workers to wait for, or a job being rebuilt or ended: the Leave decides
+        why = f" ({msg.reason})" if msg.reason else ""
+        in_round = job.phase is JobPhase.RUNNING and nid in job.order and member.state is MemberState.RUNNING
+        _set_state(job, member, MemberState.WAITING)
+        if not in_round:
+            return  # gathering, or a newcomer: not ready is all it takes
+        self._note(
+            job,
+            now,
+            "left",
+            f"node {nid} leaves once its workers have exited{why}; the others restart now",
+            out,
+            "warning",
+        )
+        self._regather(job, f"node {nid} ({member.addr}) is leaving{why}", now, out, quiet=nid)
+
     def _goes_on_without(self, job: Job, *, was_spare: bool, had_succeeded: bool) -> tuple[bool, str]:
         """After a node left: whether its job goes on, and why (for the node's exit code)."""
         if job.phase is JobPhase.FINISHED:
@@ -1107,8 +1166,9 @@ class Rendezvous:
             return True, f"{n} node(s) remain and the job needs {need}"
         return False, f"only {n} node(s) remain and the job needs {need}"
 
-    def _regather(self, job: Job, reason: str, now: float, out: list[Effect]) -> None:
-        """Stop the running round: every member restarts its workers and re-joins."""
+    def _regather(self, job: Job, reason: str, now: float, out: list[Effect], *, quiet: str = "") -> None:
+        """Stop the running round: every member restarts its workers and re-joins (all but
+        ``quiet``, a leaving node already stopping its own)."""
         abandoned = job.round
         job.round += 1
         job.phase = JobPhase.GATHERING
@@ -1120,7 +1180,8 @@ class Rendezvous:
         for m in job.members.values():
             if m.node_id in in_round:
                 _set_state(job, m, MemberState.WAITING)
-                out.append(Send(m.conn, restart))
+                if m.node_id != quiet:
+                    out.append(Send(m.conn, restart))
         # Newcomers joined while the round ran are ready already; promote spares if room.
         self._promote_spares(job, now, out)
         self._maybe_complete(job, now, out)
@@ -1141,9 +1202,11 @@ class Rendezvous:
 
     def _promote_spares(self, job: Job, now: float, out: list[Effect]) -> None:
         while job.spares and len(job.members) < job.settings.max_nodes:
-            nid = next(iter(job.spares))
+            # A connected spare first. One still away after a server restart takes the place
+            # too when it is the only one, but is not ready until it is back and joins.
+            nid = next((n for n, m in job.spares.items() if not self._is_away(m)), next(iter(job.spares)))
             m = job.spares.pop(nid)
-            m.state = MemberState.READY
+            m.state = MemberState.WAITING if self._is_away(m) else MemberState.READY
             _put_member(job, m)
             self._note(job, now, "spare", f"spare {nid} takes a place in the job", out)
 

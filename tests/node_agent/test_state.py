@@ -9,6 +9,7 @@ import pytest
 from node_agent import state as st
 from protocol import (
     Assignment,
+    Drain,
     Error,
     Failure,
     JobDone,
@@ -16,6 +17,7 @@ from protocol import (
     Leave,
     Left,
     Restart,
+    Resumed,
     Waiting,
     WorkersFailed,
     WorkersSucceeded,
@@ -144,13 +146,18 @@ def test_waiting_is_logged_once_per_change() -> None:
 def test_sigterm_forwards_and_exits_after_stop() -> None:
     m = running()
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
-    # workers get the signal first, then the server hears we leave
+    # workers get the signal first, then the server hears we are about to leave
     assert kinds(eff) == [st.StopWorkers, st.Send]
-    stop = eff[0]
+    stop, notice = eff
     assert isinstance(stop, st.StopWorkers) and stop.signum == signal.SIGTERM and stop.grace == 5.0
+    assert isinstance(notice, st.Send) and notice.msg == Leave(
+        reason="agent received SIGTERM", workers_stopping=True
+    )
     # a second signal escalates
     assert kinds(m.handle(st.SignalReceived(signal.SIGINT), 3.1)) == [st.ForwardSignal]
-    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    # our Leave goes once the workers are down
+    leave, ex = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(leave, st.Send) and leave.msg == Leave(reason="agent received SIGTERM")
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "SIGTERM" in ex.reason
 
 
@@ -183,23 +190,55 @@ def test_spawn_failure_is_reported_as_worker_failure() -> None:
     assert m.phase is st.Phase.VERDICT
 
 
-def test_assignment_outside_joining_is_a_local_error() -> None:
+def test_an_assignment_we_did_not_join_for_is_the_servers_protocol_error() -> None:
     m = running()
-    with pytest.raises(st.UnexpectedEvent, match="phase running"):
-        m.handle(st.ServerSent(assignment(1)), 2.0)
+    eff = m.handle(st.ServerSent(assignment(1)), 2.0)
+    assert kinds(eff) == [st.StopWorkers]
+    (note,) = [e for e in eff if isinstance(e, st.Log)]
+    assert note.level == "error" and "protocol error by the rendezvous server" in note.text
+    assert (
+        "an assignment for round 1, but this node did not join for one (it was running round 0)" in note.text
+    )
+    (ex,) = m.handle(st.WorkersStopped(), 2.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_RDZV and "round 1" in ex.reason
+    # the same assignment again is harmless: said, and ignored
+    m = running()
+    (note,) = m.handle(st.ServerSent(assignment(0)), 2.0)
+    assert isinstance(note, st.Log) and "again; ignored" in note.text and m.phase is st.Phase.RUNNING
+
+
+def test_an_unknown_event_is_our_own_bug() -> None:
+    with pytest.raises(st.UnexpectedEvent, match="unknown event"):
+        running().handle("not an event", 2.0)  # type: ignore[arg-type]
 
 
 def test_sigterm_in_elastic_job_drains_and_exits_zero_when_the_job_goes_on() -> None:
     m = running(st.AgentMachine(settings(elastic=True)))
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
-    assert isinstance(eff[-1], st.Send) and isinstance(eff[-1].msg, Leave)
-    # the server answers, then closes our connection once we have left: expected, not an error
-    assert m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.05) == []
-    assert m.handle(st.ConnectionLost("closed"), 3.1) == []
-    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    # the server hears at once that we leave once our workers are down (it restarts the others)
+    assert isinstance(eff[-1], st.Send) and eff[-1].msg == Leave(
+        reason="drain: received SIGTERM", workers_stopping=True
+    )
+    # our Leave itself waits for the workers: the next round must not start while they live
+    (leave,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(leave, st.Send) and leave.msg == Leave(reason="drain: received SIGTERM")
+    assert m.phase is st.Phase.LEAVING
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.55)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
     assert "drained" in ex.reason and "goes on without this node (1 node(s) remain)" in ex.reason
+    # the server closes our connection once we have left: expected, not an error
+    assert m.handle(st.ConnectionLost("closed"), 3.6) == []
+
+
+def test_an_older_server_that_answers_the_notice_as_the_leave_itself() -> None:
+    # It drops us at once, answers Left and closes: we exit with its answer once the workers are down.
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    assert m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.05) == []
+    assert m.handle(st.ConnectionLost("closed"), 3.1) == []  # no reconnect: our course is set
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)  # and no second Leave
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "1 node(s) remain" in ex.reason
 
 
 def test_sigterm_to_the_last_node_of_an_elastic_job_exits_as_torchrun() -> None:
@@ -215,7 +254,7 @@ def test_sigterm_to_the_last_node_of_an_elastic_job_exits_as_torchrun() -> None:
 def test_a_drain_answered_after_the_workers_stopped_waits_in_leaving() -> None:
     m = running(st.AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
-    assert m.handle(st.WorkersStopped(), 3.5) == []
+    assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.Send]
     assert m.phase is st.Phase.LEAVING and m.next_deadline() == 3.5 + st.LEAVE_ANSWER_TIMEOUT
     # an assignment that crossed our Leave changes nothing
     assert m.handle(st.ServerSent(assignment(1)), 3.6) == []
@@ -245,13 +284,26 @@ def test_a_drain_without_an_answer_is_conservative() -> None:
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
 
 
-def test_a_drain_while_the_server_is_unreachable_sends_nothing_and_fails() -> None:
+def test_a_drain_while_the_server_is_unreachable_asks_it_once_it_is_back() -> None:
     m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     assert kinds(m.handle(st.ConnectionLost("reset"), 2.0)) == [st.Reconnect]
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
-    assert kinds(eff) == [st.StopWorkers]
-    assert m.handle(st.Reconnected(), 3.2) == []  # no join, no resume: we are on our way out
-    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert kinds(eff) == [st.StopWorkers]  # nothing to send it to
+    assert m.handle(st.WorkersStopped(), 3.5) == []
+    assert m.phase is st.Phase.LEAVING and m.next_deadline() is None  # the reconnect window bounds it
+    assert kinds(m.handle(st.Reconnected(), 4.0)) == [st.SendResume]  # our place back first
+    assert m.next_deadline() == 4.0 + st.LEAVE_ANSWER_TIMEOUT
+    eff = m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 4.1)
+    assert sent(eff) == [Leave(reason="drain: received SIGTERM")]  # then leave it
+    assert m.next_deadline() == 4.1 + st.LEAVE_ANSWER_TIMEOUT
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 4.2)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+    # Never back: nobody confirmed that the job goes on without us.
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m.handle(st.ConnectionLost("reset"), 2.0)
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.WorkersStopped(), 3.5)
+    (ex,) = m.handle(st.ReconnectFailed("connection refused"), 32.0)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "unreachable" in ex.reason
 
 
@@ -284,8 +336,12 @@ def test_sigterm_in_a_fixed_size_job_exits_nonzero_whatever_the_server_answers()
     m = running()  # elastic=False
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
+    # (an older server, or the static backend, answers the notice as a Leave)
     assert m.handle(st.ServerSent(Left(job_continues=True, reason="a spare took its place")), 3.1) == []
-    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.Send, st.Exit]
+    m = running()
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    _, ex = m.handle(st.WorkersStopped(), 3.5)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "received SIGTERM" in ex.reason
 
 
@@ -296,8 +352,8 @@ def test_drain_message_from_server_is_a_clean_leave() -> None:
     eff = m.handle(st.ServerSent(Drain(reason="maintenance")), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
     assert m.handle(st.ServerSent(Drain(reason="again")), 3.1) == []
-    m.handle(st.ServerSent(Left(job_continues=True, reason="a spare took its place")), 3.2)
-    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.Send]
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="a spare took its place")), 3.6)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and "maintenance" in ex.reason
 
 
@@ -351,7 +407,7 @@ def test_first_reason_to_exit_wins_over_the_connection_closing() -> None:
 
 
 def test_server_going_away_keeps_workers_and_the_lost_connection_reconnects() -> None:
-    from protocol import GoingAway, Resumed
+    from protocol import GoingAway
 
     m = running(st.AgentMachine(settings(reconnect_timeout=30.0)))
     effects = m.handle(st.ServerSent(GoingAway(reason="received SIGTERM")), 2.0)
@@ -379,3 +435,348 @@ def test_the_job_finishing_while_our_workers_stop_for_a_drain_is_a_success() -> 
     assert m.handle(st.ServerSent(JobDone()), 3.1) == []
     (ex,) = m.handle(st.WorkersStopped(), 3.5)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK and ex.reason == "all nodes finished"
+
+
+# --- a lost connection, in every phase ------------------------------------------------------
+#
+# With a reconnect window every phase rides out a lost connection and picks up what it was
+# doing once back; what the workers do meanwhile is each test's first assertion.
+
+
+def rejoining() -> st.AgentMachine:
+    return running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+
+
+def sent(effects: list[st.Effect]) -> list[object]:
+    return [e.msg for e in effects if isinstance(e, st.Send)]
+
+
+def test_a_restart_cut_off_by_the_server_going_away_finishes_stopping_then_joins_once_back() -> None:
+    from protocol import GoingAway
+
+    m = rejoining()
+    m.handle(st.ServerSent(Restart(round=0, reason="node n3 joined", restart_count=0)), 2.0)
+    assert m.phase is st.Phase.STOPPING
+    (note,) = m.handle(st.ServerSent(GoingAway(reason="received SIGTERM")), 2.1)
+    assert (
+        isinstance(note, st.Log) and "workers are being stopped; this node joins the next round" in note.text
+    )
+    eff = m.handle(st.ConnectionLost("the server closed the connection"), 2.2)
+    assert kinds(eff) == [st.Reconnect]  # the workers go on stopping, nobody exits
+    # Back before the workers are down: the join waits for them.
+    assert kinds(m.handle(st.Reconnected(), 3.0)) == []
+    assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.SendJoin]
+    assert kinds(m.handle(st.ServerSent(assignment(1)), 4.0)) == [st.StartWorkers]
+
+
+def test_a_restart_queued_behind_a_frozen_agent_ends_in_a_rejoin_once_it_is_back() -> None:
+    # SIGSTOP past the heartbeat timeout: the server dropped us, but a Restart it sent first
+    # is still in our socket. SIGCONT: we read it, then the closed connection.
+    m = rejoining()
+    assert kinds(m.handle(st.ServerSent(Restart(round=0, reason="rank 2 failed", restart_count=1)), 9.0)) == [
+        st.StopWorkers
+    ]
+    assert kinds(m.handle(st.ConnectionLost("connection reset"), 9.0)) == [st.Reconnect]
+    # Workers down while still away: joining, once there is someone to join.
+    assert m.handle(st.WorkersStopped(), 9.5) == []
+    assert m.phase is st.Phase.JOINING and m.next_deadline() == 9.5 + 10.0
+    assert kinds(m.handle(st.Reconnected(), 10.0)) == [st.SendJoin]
+
+
+def test_our_failure_waiting_for_its_verdict_is_reported_again_once_back() -> None:
+    m = rejoining()
+    first = m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    report = WorkersFailed(round=0, failure=failure())
+    assert sent(first) == [report]
+    m.handle(st.WorkersStopped(), 5.2)
+    assert m.phase is st.Phase.VERDICT
+    (note, reconnect) = m.handle(st.ConnectionLost("reset"), 5.3)
+    assert isinstance(reconnect, st.Reconnect) and "their failure is reported again" in note.text
+    eff = m.handle(st.Reconnected(), 6.0)
+    # Take the round back, then report: the server's answer is the verdict.
+    assert kinds(eff) == [st.SendResume]
+    resume = eff[1]
+    assert isinstance(resume, st.SendResume) and resume.assignment == assignment() and not resume.succeeded
+    assert sent(m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 6.1)) == [report]
+    assert m.phase is st.Phase.VERDICT
+    assert kinds(
+        m.handle(st.ServerSent(Restart(round=0, reason="worker failure", restart_count=1)), 6.2)
+    ) == [st.SendJoin]
+
+
+def test_our_failure_already_decided_before_the_server_restarted() -> None:
+    # The server had restarted the round (our member waits to re-join): its Restart answers our
+    # Resume, and is the verdict: nothing is reported again.
+    m = rejoining()
+    m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    m.handle(st.ConnectionLost("reset"), 5.1)
+    assert kinds(m.handle(st.Reconnected(), 6.0)) == [st.SendResume]
+    restart = Restart(round=0, reason="stopped while the server restarted", restart_count=1)
+    assert kinds(m.handle(st.ServerSent(restart), 6.1)) == []  # still stopping: the join follows
+    assert kinds(m.handle(st.WorkersStopped(), 6.2)) == [st.SendJoin]
+    # After a verdict nothing is reported again.
+    m.handle(st.ConnectionLost("reset"), 6.3)
+    assert kinds(m.handle(st.Reconnected(), 7.0)) == [st.SendJoin]
+
+
+def test_a_worker_failure_while_the_server_is_unreachable_is_reported_when_it_is_back() -> None:
+    m = rejoining()
+    m.handle(st.ConnectionLost("reset"), 4.0)
+    eff = m.handle(st.WorkersExited(failure(), (failure(),)), 5.0)
+    assert kinds(eff) == [st.StopWorkers]  # nobody to tell yet; the workers stop as for any failure
+    assert any(isinstance(e, st.Log) and "reported once reconnected" in e.text for e in eff)
+    assert m.handle(st.WorkersStopped(), 5.2) == []
+    assert m.phase is st.Phase.VERDICT
+    assert kinds(m.handle(st.Reconnected(), 8.0)) == [st.SendResume]
+    eff = m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 8.05)
+    assert sent(eff) == [WorkersFailed(round=0, failure=failure())]
+    root = failure(4.5)
+    (ex,) = m.handle(st.ServerSent(JobFailed(reason="no restarts left", failure=root)), 8.1)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and ex.failure == root
+
+
+def test_what_only_a_node_of_the_round_may_say_waits_for_the_answer_to_our_resume() -> None:
+    m = rejoining()
+    m.handle(st.ConnectionLost("reset"), 4.0)
+    assert kinds(m.handle(st.Reconnected(), 5.0)) == [st.SendResume]
+    # The workers fail before the server answers: if it dropped us, a report would be refused.
+    assert kinds(m.handle(st.WorkersExited(failure(), (failure(),)), 5.1)) == [st.StopWorkers]
+    assert sent(m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 5.2)) == [
+        WorkersFailed(round=0, failure=failure())
+    ]
+    # A draining server answers a Resume with a non-fatal error, then closes: we come back.
+    m = rejoining()
+    m.handle(st.ConnectionLost("reset"), 4.0)
+    m.handle(st.Reconnected(), 5.0)
+    draining = Error(code="server_draining", message="the server is shutting down", fatal=False)
+    assert kinds(m.handle(st.ServerSent(draining), 5.1)) == []
+    assert kinds(m.handle(st.ConnectionLost("closed"), 5.2)) == [st.Reconnect]
+    assert kinds(m.handle(st.Reconnected(), 6.0)) == [st.SendResume]
+
+
+def test_a_success_while_the_server_is_unreachable_is_said_by_the_resume() -> None:
+    m = rejoining()
+    m.handle(st.ConnectionLost("reset"), 4.0)
+    assert kinds(m.handle(st.WorkersExited(None), 5.0)) == []
+    assert m.phase is st.Phase.BARRIER
+    (_, resume) = m.handle(st.Reconnected(), 6.0)
+    assert isinstance(resume, st.SendResume) and resume.succeeded
+    (ex,) = m.handle(st.ServerSent(JobDone()), 6.1)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+
+
+def test_a_drain_cut_off_mid_stop_resumes_its_place_and_leaves_once_the_workers_are_down() -> None:
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    (note, reconnect) = m.handle(st.ConnectionLost("reset"), 3.1)
+    assert isinstance(reconnect, st.Reconnect) and "stopped for the drain" in note.text
+    # Our place back (the server counts us until our Leave), and the notice again.
+    assert kinds(m.handle(st.Reconnected(), 3.5)) == [st.SendResume]
+    eff = m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 3.6)
+    assert sent(eff) == [Leave(reason="drain: received SIGTERM", workers_stopping=True)]
+    assert sent(m.handle(st.WorkersStopped(), 4.0)) == [Leave(reason="drain: received SIGTERM")]
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 4.1)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
+
+
+def test_a_leave_cut_off_before_its_answer_is_asked_again() -> None:
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
+    m.handle(st.WorkersStopped(), 3.5)
+    assert m.phase is st.Phase.LEAVING
+    assert kinds(m.handle(st.ConnectionLost("reset"), 3.6)) == [st.Reconnect]
+    assert m.next_deadline() is None  # no answer can come before we are back
+    assert kinds(m.handle(st.Reconnected(), 4.0)) == [st.SendResume]
+    # A server that had dropped us: "join again"; our Leave goes all the same...
+    join_again = Restart(round=0, reason="the server dropped node n1 while it was away", restart_count=0)
+    assert sent(m.handle(st.ServerSent(join_again), 4.1)) == [Leave(reason="drain: received SIGTERM")]
+    # ...and is the Leave of a node not in its job: conservative.
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=False, reason="this node had not joined a job")), 4.2)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "had not joined" in ex.reason
+    # Drained while joining: no round to take back, only the Leave again.
+    m = st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0))
+    m.start(0.0)
+    m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
+    m.handle(st.ConnectionLost("reset"), 1.1)
+    assert kinds(m.handle(st.Reconnected(), 2.0)) == [st.Send]
+
+
+@pytest.mark.parametrize(
+    ("phase", "code"),
+    [
+        ("joining", st.EXIT_RDZV),
+        ("starting", st.EXIT_RDZV),
+        ("running", st.EXIT_RDZV),
+        ("stopping to rejoin", st.EXIT_RDZV),
+        ("stopping after our failure", st.EXIT_FAILED),
+        ("verdict", st.EXIT_FAILED),
+        ("barrier", st.EXIT_OK),
+        ("stopping to leave", st.EXIT_FAILED),
+        ("leaving", st.EXIT_FAILED),
+    ],
+)
+def test_every_phase_reconnects_and_exits_when_the_window_closes(phase: str, code: int) -> None:
+    m = in_phase(phase, elastic=True)
+    eff = m.handle(st.ConnectionLost("reset"), 20.0)
+    assert kinds(eff) == [st.Reconnect], phase  # nobody exits, nothing stops that was not stopping
+    assert not any(isinstance(e, st.Send) for e in m.handle(st.WorkersStopped(), 20.5))
+    eff = m.handle(st.ReconnectFailed("connection refused"), 50.0)
+    eff += m.handle(st.WorkersStopped(), 50.5)
+    assert not any(isinstance(e, st.Send | st.SendJoin | st.SendResume) for e in eff)
+    (ex,) = [e for e in eff if isinstance(e, st.Exit)]
+    assert ex.code == code and m.phase is st.Phase.EXITED
+
+
+def test_an_agent_on_its_way_out_does_not_reconnect() -> None:
+    m = rejoining()
+    m.handle(st.ServerSent(JobFailed(reason="rank 3 failed; no restarts left")), 3.0)
+    assert m.handle(st.ConnectionLost("closed"), 3.1) == []
+    (ex,) = m.handle(st.WorkersStopped(), 3.5)
+    assert isinstance(ex, st.Exit) and "rank 3 failed" in ex.reason
+    m = rejoining()
+    m.handle(st.SignalReceived(signal.SIGINT), 3.0)
+    assert m.handle(st.ConnectionLost("closed"), 3.1) == []
+    eff = m.handle(st.WorkersStopped(), 3.5)
+    assert kinds(eff) == [st.Exit]  # the Leave has nowhere to go
+
+
+# --- every server message in every phase ----------------------------------------------------
+
+
+def in_phase(name: str, *, elastic: bool = False, link: str = "up") -> st.AgentMachine:
+    """A machine brought to a phase by the events that lead there; its connection ``up``,
+    lost (``away``), or back with our Resume not yet answered (``resuming``)."""
+    m = st.AgentMachine(settings(elastic=elastic, reconnect_timeout=30.0))
+    m.start(0.0)
+    steps: dict[str, list[st.Event]] = {
+        "joining": [],
+        "spare": [
+            st.ServerSent(
+                Waiting(job_id="j", round=0, joined=2, min_nodes=2, max_nodes=2, reason="spare: full")
+            )
+        ],
+        "starting": [st.ServerSent(assignment())],
+        "running": [st.ServerSent(assignment()), st.WorkersStarted((11,))],
+        "stopping to rejoin": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.ServerSent(Restart(round=0, reason="r", restart_count=0)),
+        ],
+        "stopping after our failure": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.WorkersExited(failure(), (failure(),)),
+        ],
+        "verdict": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.WorkersExited(failure(), (failure(),)),
+            st.WorkersStopped(),
+        ],
+        "barrier": [st.ServerSent(assignment()), st.WorkersStarted((11,)), st.WorkersExited(None)],
+        "stopping to leave": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.ServerSent(Drain(reason="maintenance")),
+        ],
+        "stopping to exit": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.SignalReceived(signal.SIGINT),
+        ],
+        "leaving": [
+            st.ServerSent(assignment()),
+            st.WorkersStarted((11,)),
+            st.ServerSent(Drain(reason="maintenance")),
+            st.WorkersStopped(),
+        ],
+        "leaving while joining": [st.ServerSent(Drain(reason="maintenance"))],
+    }
+    for i, event in enumerate(steps[name]):
+        m.handle(event, 1.0 + i / 10)
+    if link in ("away", "resuming"):
+        m.handle(st.ConnectionLost("reset"), 2.0)
+    if link == "resuming":
+        m.handle(st.Reconnected(), 2.5)
+    return m
+
+
+PHASES = [
+    "joining",
+    "spare",
+    "starting",
+    "running",
+    "stopping to rejoin",
+    "stopping after our failure",
+    "verdict",
+    "barrier",
+    "stopping to leave",
+    "stopping to exit",
+    "leaving",
+    "leaving while joining",
+]
+
+
+def server_messages() -> list[object]:
+    from protocol import SERVER_MESSAGES, GoingAway, Resumed, Welcome
+
+    msgs = [
+        Welcome(version=1, software="s"),
+        Waiting(job_id="j", round=1, joined=1, min_nodes=2, max_nodes=2),
+        assignment(0),
+        assignment(1, 1),
+        Restart(round=0, reason="r", restart_count=1),
+        JobFailed(reason="no restarts left", failure=failure()),
+        JobDone(),
+        Drain(reason="maintenance"),
+        Error(code="job_mismatch", message="refused"),
+        Error(code="server_draining", message="later", fatal=False),
+        Resumed(job_id="j", round=0),
+        Resumed(job_id="j", round=0, rebuilt=True),
+        GoingAway(reason="upgrade"),
+        Left(job_continues=True, reason="goes on"),
+        Left(job_continues=False, reason="does not"),
+    ]
+    assert {type(m) for m in msgs} == set(SERVER_MESSAGES.values())  # none forgotten
+    return msgs
+
+
+@pytest.mark.parametrize("link", ["up", "away", "resuming"])
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_server_message_in_every_phase_has_a_defined_outcome(phase: str, link: str) -> None:
+    for msg in server_messages():
+        m = in_phase(phase, elastic=phase != "stopping to exit", link=link)
+        before = m.phase
+        eff = m.handle(st.ServerSent(msg), 3.0)  # type: ignore[arg-type]
+        for e in eff:
+            assert isinstance(
+                e, st.SendJoin | st.Send | st.SendResume | st.StartWorkers | st.StopWorkers | st.Log | st.Exit
+            )
+            if isinstance(e, st.Exit):
+                assert e.reason and m.phase is st.Phase.EXITED
+        for e in eff:
+            if isinstance(e, st.Log) and "protocol error" in e.text:
+                assert e.level == "error"
+        if isinstance(msg, Assignment) and before is not st.Phase.JOINING and msg != assignment(0):
+            # An assignment we did not join for: the server's mistake, said, and fatal.
+            assert m.phase in (st.Phase.STOPPING, st.Phase.EXITED) or before is st.Phase.LEAVING, (phase, msg)
+        # Whatever it was, the machine still ends: workers stop, the last deadlines pass.
+        m.handle(st.WorkersStopped(), 4.0)
+        m.handle(st.ConnectionLost("closed"), 4.5)
+        m.handle(st.ReconnectFailed("refused"), 40.0)
+        m.handle(st.WorkersStopped(), 41.0)
+        m.handle(st.Tick(), 1000.0)
+        assert m.phase is st.Phase.EXITED, (phase, msg, m.phase)
+
+
+def test_the_job_done_while_our_workers_run_stops_them_and_exits_nonzero() -> None:
+    # The server finishes a job without a node only after dropping it (frozen past the
+    # heartbeat timeout): the node's Resume is answered JobDone.
+    m = running()
+    eff = m.handle(st.ServerSent(JobDone()), 2.0)
+    assert kinds(eff) == [st.StopWorkers]
+    (note,) = [e for e in eff if isinstance(e, st.Log)]
+    assert note.level == "error" and "the job finished while this node was running round 0" in note.text
+    (ex,) = m.handle(st.WorkersStopped(), 2.5)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    assert ex.reason == "the job finished without this node (it was running round 0)"

@@ -93,7 +93,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE)},
     WorkersSucceeded: {"round": 2},
-    Leave: {"reason": "scale down"},
+    Leave: {"reason": "scale down", "workers_stopping": True},
     Welcome: {"version": 1, "software": "rdzv-server 0.1.0", "challenge": "cd" * 16},
     Waiting: {"job_id": "job-7", "round": 1, "joined": 1, "min_nodes": 2, "max_nodes": 4, "reason": "1 more"},
     Assignment: {
@@ -253,6 +253,7 @@ OUT_OF_RANGE = [
     (WorkersSucceeded, "round", -1, {}, None),
     (Leave, "reason", None, {}, None),
     (Leave, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
+    (Leave, "workers_stopping", 1, {}, None),
     (Welcome, "version", 0, {}, None),
     (Welcome, "software", "s" * (MAX_ID_LEN + 1), {}, None),
     (Waiting, "job_id", "", {}, None),
@@ -354,7 +355,7 @@ def test_lists_in_tuple_fields_become_tuples():
 
 
 def test_defaults():
-    assert Leave().reason == ""
+    assert Leave().reason == "" and Leave().workers_stopping is False
     assert Join(**{k: v for k, v in VALID[Join].items() if k != "spare"}).spare is False
     assert JobFailed(reason="x").failure is None
     error = Error(code="bad_magic", message="no")

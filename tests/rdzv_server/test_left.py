@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol import Leave, Left, Restart, WorkersFailed, WorkersSucceeded
+from protocol import Assignment, Leave, Left, Restart, WorkersFailed, WorkersSucceeded
 from rdzv_server.state import Close, Received, Send
 
 from .harness import Harness, failure
@@ -109,3 +109,44 @@ def test_leave_before_joining_is_answered_too() -> None:
     c = h.connect()
     left = leave(h, c, "health check failed")
     assert not left.job_continues and "had not joined" in left.reason
+
+
+def test_a_draining_node_keeps_its_place_until_its_workers_have_exited() -> None:
+    # Its agent says it leaves when it starts stopping its workers: the others restart at
+    # once (no restart counted), but the next round waits for the node's Leave, which comes
+    # once its workers are gone (one may be writing the checkpoint the next round loads).
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=3, last_call_timeout=1.0)
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(1.5)
+    assignments(h, [a, b])
+    h.send(b, Leave(reason="drain: received SIGTERM", workers_stopping=True))
+    rs = h.last(a, Restart)
+    assert rs is not None and "is leaving (drain: received SIGTERM)" in rs.reason
+    assert h.last(b, Restart) is None and b not in h.closed  # no answer: its Leave comes later
+    job = h.machine.jobs["job"]
+    assert job.restart_count == 0 and "node2" in job.members
+    h.inbox.clear()
+    h.join(a, **kw)
+    h.advance(5.0)
+    assert h.last(a, Assignment) is None  # not while node2's workers may live
+    left = leave(h, b)
+    assert left.job_continues and "1 node(s) remain" in left.reason
+    got = assignments(h, [a])
+    assert got[a].group_world_size == 1
+    assert [e.kind for e in job.history if e.kind in ("left", "round")][-3:] == ["left", "left", "round"]
+
+
+def test_a_spare_takes_a_draining_nodes_place_only_once_it_has_left() -> None:
+    h = Harness()
+    a, b = h.join(**FIXED), h.join(**FIXED)
+    assignments(h, [a, b])
+    spare = h.join(**FIXED)
+    h.send(b, Leave(reason="drain: maintenance", workers_stopping=True))
+    assert isinstance(h.last(a, Restart), Restart)
+    h.join(a, **FIXED)
+    assert h.last(spare, Assignment) is None and "node3" in h.machine.jobs["job"].spares
+    left = leave(h, b)
+    assert left.job_continues
+    got = assignments(h, [a, spare])
+    assert got[spare].group_world_size == 2

@@ -183,3 +183,88 @@ def test_going_away_tells_agents_and_refuses_joins_without_blame() -> None:
     assert err is not None and err.code == "server_draining" and not err.fatal
     assert ready not in h.closed
     assert len(h.machine.jobs["job"].members) == 1
+
+
+def elastic_running(h: Harness, **kw: object) -> dict[str, Assignment]:
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(float(kw["last_call_timeout"]) + 0.1)  # type: ignore[arg-type]
+    return {node: h.last(c, Assignment) for c, node in ((a, "node1"), (b, "node2"))}  # type: ignore[misc]
+
+
+def test_a_newcomer_away_after_the_restart_is_not_counted_on_until_it_is_back() -> None:
+    # node3 joined the running job and waited for its settle window when the server died. The
+    # window closes after the restart, node1 and node2 resume and re-join: the round must not
+    # complete while node3 is away (its assignment would go to a dead connection, and it would
+    # come back "without its round" and restart everyone again).
+    h = Harness()
+    kw = dict(min_nodes=2, max_nodes=4, last_call_timeout=2.0)
+    held = elastic_running(h, **kw)
+    c3 = h.join(**kw)
+    assert h.last(c3, Waiting) is not None
+    restart_server(h)
+    job = h.machine.jobs["job"]
+    assert job.members["node3"].state.value == "waiting"
+    new = {}
+    for node, a in held.items():
+        c = h.connect()
+        h.send(c, Resume(join=join_msg(c, node, **kw), assignment=a))
+        assert h.last(c, Resumed) is not None
+        new[node] = c
+    beat(h, list(new.values()), 2.5)  # the settle window closes: everyone restarts to admit node3
+    for node, c in new.items():
+        assert h.last(c, Restart) is not None
+        h.send(c, join_msg(c, node, **kw))
+    beat(h, list(new.values()), 2.0)
+    assert job.phase is JobPhase.GATHERING  # node3 is not back: no round yet
+    assert not any(isinstance(m, Assignment) for msgs in h.inbox.values() for m in msgs)
+    c3b = h.connect()
+    h.send(c3b, join_msg(c3b, "node3", **kw))
+    for c in [*new.values(), c3b]:
+        a = h.last(c, Assignment)
+        assert a is not None and a.group_world_size == 3 and a.round == 1
+    assert not any("came back without its round" in e.text for e in job.history)
+
+
+def test_a_member_not_back_in_time_is_dropped_and_the_round_goes_on_without_it() -> None:
+    h = Harness()
+    kw = dict(min_nodes=2, max_nodes=4, last_call_timeout=2.0)
+    held = elastic_running(h, **kw)
+    h.join(**kw)
+    restart_server(h)
+    new = {}
+    for node, a in held.items():
+        c = h.connect()
+        h.send(c, Resume(join=join_msg(c, node, **kw), assignment=a))
+        new[node] = c
+    beat(h, list(new.values()), 2.5)
+    for node, c in new.items():
+        h.send(c, join_msg(c, node, **kw))
+    beat(h, list(new.values()), RESUME_WINDOW)
+    for c in new.values():
+        a = h.last(c, Assignment)
+        assert a is not None and a.group_world_size == 2 and a.round == 1
+
+
+def test_a_spare_away_after_the_restart_is_not_ready_when_it_takes_a_place() -> None:
+    h = Harness()
+    kw = dict(max_restarts=3)
+    held = running(h, **kw)
+    spare = h.join(**kw)
+    assert h.last(spare, Waiting) is not None
+    restart_server(h)
+    new = {}
+    for node, a in held.items():
+        c = h.connect()
+        h.send(c, Resume(join=join_msg(c, node, **kw), assignment=a))
+        new[node] = c
+    h.drop(new["node2"])  # lost again before the spare is back: the spare takes its place...
+    job = h.machine.jobs["job"]
+    assert job.members["node3"].state.value == "waiting"  # ...but is not ready while away
+    c1 = new["node1"]
+    assert h.last(c1, Restart) is not None
+    h.send(c1, join_msg(c1, "node1", **kw))
+    assert h.last(c1, Assignment) is None
+    c3 = h.connect()
+    h.send(c3, join_msg(c3, "node3", **kw))
+    for c in (c1, c3):
+        assert h.last(c, Assignment) is not None

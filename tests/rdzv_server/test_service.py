@@ -158,3 +158,37 @@ async def test_connection_caps_refuse_the_excess_and_recover() -> None:
         assert isinstance(await d.recv(), Welcome)
     finally:
         await svc.close()
+
+
+async def test_going_away_ends_the_state_log_in_a_snapshot(tmp_path) -> None:
+    """The next server on the dir (an upgrade) loads the state, not a replay under its rules."""
+    from rdzv_server.journal import FILE_HEADER, LOG_NAME, SNAP_NAME, StateLog
+
+    state = tmp_path / "state"
+    log, _, _ = StateLog.open(state)
+    svc = RendezvousService()
+    svc.use_state_log(log)
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        agents = [await RawAgent.open(port) for _ in range(2)]
+        for i, a in enumerate(agents):
+            assert isinstance(await a.recv(), Welcome)
+            a.send(join(f"n{i}", 20001 + i))
+        for a in agents:
+            while not isinstance(await a.recv(), Assignment):
+                pass
+        await svc.go_away("received SIGTERM", grace=2.0)
+    finally:
+        await svc.close()
+        log.close()
+    assert (state / SNAP_NAME).exists()
+    assert (state / LOG_NAME).stat().st_size == FILE_HEADER.size  # nothing left to replay
+    again, found, _ = StateLog.open(state)
+    try:
+        assert found.replayed == 0 and found.jobs == 1
+        assert again.machine.jobs["j"].phase.value == "running" and again.machine.jobs["j"].order == [
+            "n0",
+            "n1",
+        ]
+    finally:
+        again.close()

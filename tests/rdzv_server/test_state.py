@@ -500,3 +500,50 @@ def test_joins_beyond_the_lines_of_a_second_are_summed_up_when_it_ends() -> None
     h.advance(0.25)
     h.join(min_nodes=1, max_nodes=200, last_call_timeout=30.0, node="late")
     assert h.logs[-1].startswith("job job: node late (") and h.logs[-1].endswith("joined (31 of 1:200)")
+
+
+def test_an_abandoned_rebuild_restarts_the_nodes_that_held_a_round_not_those_that_joined() -> None:
+    # A server without state: one agent comes back holding its round, the other (whose workers
+    # were stopping for a restart when the server died) joins. The rebuild cannot complete; the
+    # joined node is a newcomer, already ready: told nothing, it must not be waited for.
+    old = Harness()
+    a, b = old.join(min_nodes=1), old.join(min_nodes=1)
+    held = assignments(old, [a, b])
+    new = Harness()
+    a2, b2 = new.connect(), new.connect()
+    _resume(new, a2, held[a], "node1", min_nodes=1)
+    new.join(b2, node="node2", min_nodes=1)
+    for _ in range(11):
+        new.advance(1.0)
+        new.send(a2, Heartbeat())
+        new.send(b2, Heartbeat())
+    assert new.last(a2, Restart) is not None
+    assert new.last(b2, Restart) is None
+    new.join(a2, node="node1", min_nodes=1)
+    got = assignments(new, [a2, b2])
+    assert got[a2].group_world_size == 2 and got[a2].round == got[b2].round
+
+
+def test_resume_of_a_dropped_node_into_a_job_that_ended_says_how_it_ended() -> None:
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=2)
+    a, b = h.join(**kw), h.join(**kw)
+    held = assignments(h, [a, b])
+    h.drop(b)  # frozen past its heartbeat: dropped; a goes on alone and succeeds
+    h.join(a, **kw)
+    h.send(a, WorkersSucceeded(round=assignments(h, [a])[a].round))
+    assert h.machine.jobs["job"].phase is JobPhase.FINISHED
+    b2 = h.connect()
+    _resume(h, b2, held[b], "node2", **kw)
+    assert h.last(b2, JobDone) is not None and h.last(b2, Restart) is None
+
+    h = Harness()
+    a, b = h.join(**kw), h.join(**kw)
+    held = assignments(h, [a, b])
+    h.drop(b)
+    h.join(a, **kw)
+    h.send(a, WorkersFailed(round=assignments(h, [a])[a].round, failure=failure()))
+    b2 = h.connect()
+    _resume(h, b2, held[b], "node2", **kw)
+    f = h.last(b2, JobFailed)
+    assert f is not None and "max-restarts" in f.reason and f.failure == failure()
