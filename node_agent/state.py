@@ -670,8 +670,11 @@ class AgentMachine:
             # Not before the workers are down: the next round must not start while they live.
             return [Log("info", "reconnected; this node joins the next round once its workers are down")]
         if self.assignment is None:
-            if p is Phase.LEAVING:  # drained while joining: no round to take back, only our Leave
-                return [Log("info", "reconnected; leaving the job again"), *self._send_leave(now)]
+            if p is Phase.LEAVING:
+                # Drained between rounds: no round to take back, but the new connection must
+                # say which node it is before it leaves, or the server cannot tell whether the
+                # job goes on without us (and keeps our place waiting for us to come back).
+                return [Log("info", "reconnected; leaving the job again"), SendJoin(), *self._send_leave(now)]
             return []
         # Take our round back first; the server's answer tells what else to say (_on_resume_answer).
         self._resuming = True
