@@ -415,11 +415,15 @@ class Rendezvous:
         # After a restart from the state log: when members still AWAY are treated as lost.
         self.resume_deadline: float | None = None
         self.draining = False  # the server is going away: no joins
+        # Set by handle(): the event changed nothing worth logging (a stale or ignored
+        # message). The state log skips such events; the service counts them per connection.
+        self.unchanged = False
 
     # -- public API ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         out: list[Effect] = []
+        self.unchanged = False
         if isinstance(event, Received):
             self._on_received(event.conn, event.msg, now, out)
         elif isinstance(event, Connected):
@@ -447,6 +451,13 @@ class Rendezvous:
             return False
         conn.last_seen = now
         return True
+
+    def credit_stall(self, seconds: float) -> None:
+        """The server itself did not run for ``seconds`` (a stalled loop, a SIGSTOP): that is
+        no agent's silence, so every connection's last sign of life moves on by as much."""
+        if seconds > 0:
+            for conn in self.conns.values():
+                conn.last_seen += seconds
 
     def next_deadline(self) -> float | None:
         """The earliest time at which a Tick would change something."""
