@@ -21,7 +21,7 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
