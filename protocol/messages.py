@@ -26,6 +26,7 @@ working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
 - A new optional field, whose default means "not given": the codec ignores keys it does not
   know, so an older peer drops it, and a newer one decoding an older peer's frame gets the
   default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``;
+  ``Join.node_secret``, "": an agent that proves nothing about its node;
   ``Leave.workers_stopping``, False: a plain Leave.)
 - A new server -> agent message whose only use is in a moment where an older agent expects
   the connection to close anyway: the older agent fails to decode it, treats that as the lost
@@ -326,6 +327,10 @@ class Join(_Schema):
     # also refuses one that is out of range or taken: that is a rule of the job, not of
     # this message). Added within version 1: an older server ignores it.
     node_rank: int = field(default=-1, metadata=_integer(-1, MAX_NODES - 1))
+    # A random secret the agent picks once per run and sends in every Join (and the Join
+    # inside a Resume): only the holder may resume this node's place, since a job token
+    # proves the job, not the node. Never shown by the server. "": an older agent.
+    node_secret: str = field(default="", metadata=_text(128))
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
