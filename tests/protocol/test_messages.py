@@ -89,6 +89,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "exclude_after": 3,
         "proof": "ab" * 32,
         "node_rank": 3,
+        "node_secret": "0f" * 16,
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE)},
