@@ -9,12 +9,13 @@ applies it to its own lines; unset, the agent shows its INFO lines (rounds, work
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["AgentLog", "install"]
+__all__ = ["AgentLog", "install", "shown"]
 
 _RANK = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 DEFAULT_LEVEL = "INFO"
@@ -53,6 +54,26 @@ class AgentLog:
             print(line, file=self.stream, flush=True)
         except (OSError, ValueError):  # a closed or broken stderr must not take the agent down
             pass
+
+
+# What a peer's text may not carry onto our terminal as is: C0 and C1 controls (newline, CR,
+# ESC of an ANSI sequence, the C1 CSI), DEL and the Unicode line separators. In a multi-line
+# text (a worker's traceback) newlines and tabs stay, each line then gets our prefix.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+SHOWN_LEN = 2000  # a one-line text from a peer, as shown: enough for any reason a server builds
+
+
+def shown(text: str, *, limit: int | None = SHOWN_LEN, multiline: bool = False) -> str:
+    """A text from a peer (the rendezvous server, another node), fit for our terminal.
+
+    Control characters are written as Python escapes (``\\n``, ``\\x1b``), so the text can
+    neither forge a ``[node-agent]`` line nor drive the terminal; a one-line text longer than
+    ``limit`` (None: no limit) is cut, saying how much was left out."""
+    text = (_CONTROL_BUT_LINES if multiline else _CONTROL).sub(lambda m: repr(m.group())[1:-1], text)
+    if not multiline and limit is not None and len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+    return text
 
 
 def _threshold(level: str | None) -> int:

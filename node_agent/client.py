@@ -36,6 +36,8 @@ from protocol import (
 )
 from protocol.tls import verify_failure
 
+from .agent_log import shown
+
 SOFTWARE = "node-agent/0.1"
 READ_CHUNK = 1 << 16
 
@@ -50,6 +52,10 @@ class NotARendezvousServer(Exception):
 
 class RendezvousRefused(Exception):
     """The server answered the hello with an error (e.g. no common protocol version)."""
+
+
+class TokenNotAsked(RendezvousRefused):
+    """We hold a token, and the server asks for none: an open server (or the wrong one)."""
 
 
 class TLSFailed(RendezvousRefused):
@@ -131,6 +137,9 @@ async def retry_until(
             delay = min(delay * 2, 2.0)
 
 
+BUSY_RETRY = 1.0  # seconds between tries while the server says it is at its connection limit
+
+
 async def connect(
     host: str,
     port: int,
@@ -140,11 +149,43 @@ async def connect(
     log: Callable[[str], None],
     clock: Callable[[], float] = time.monotonic,
     tls: ssl.SSLContext | None = None,
+    need_token: bool = False,
 ) -> Connection:
     """Connect and exchange hellos, retrying refused or unreachable endpoints until deadline.
 
-    With ``tls``, the handshake verifies the server's certificate against ``host``.
+    With ``tls``, the handshake verifies the server's certificate against ``host``. With
+    ``need_token`` (the agent holds one), a server whose welcome asks for no token is refused.
+    A server that answers the hello with a non-fatal error (at its connection limit: busy) is
+    tried again every BUSY_RETRY seconds until the deadline.
     """
+    while True:
+        try:
+            return await _connect_once(
+                host, port, deadline=deadline, handshake_timeout=handshake_timeout, log=log,
+                clock=clock, tls=tls, need_token=need_token,
+            )  # fmt: skip
+        except _Busy as exc:
+            if clock() + BUSY_RETRY >= deadline:
+                raise RendezvousRefused(str(exc)) from None
+            log(f"{exc}; retrying in {BUSY_RETRY:g} s")
+            await asyncio.sleep(BUSY_RETRY)
+
+
+class _Busy(Exception):
+    """The server answered the hello with a non-fatal error: try again later."""
+
+
+async def _connect_once(
+    host: str,
+    port: int,
+    *,
+    deadline: float,
+    handshake_timeout: float,
+    log: Callable[[str], None],
+    clock: Callable[[], float],
+    tls: ssl.SSLContext | None,
+    need_token: bool,
+) -> Connection:
     reader, writer = await retry_until(
         lambda: asyncio.wait_for(asyncio.open_connection(host, port), timeout=max(0.1, deadline - clock())),
         retry_on=(OSError, asyncio.TimeoutError),
@@ -206,10 +247,20 @@ async def connect(
         ) from None
     if isinstance(first, Error):
         await conn.close()
-        raise RendezvousRefused(f"the rendezvous server at {host}:{port} refused us: {first.message}")
+        if not first.fatal:
+            raise _Busy(f"the rendezvous server at {host}:{port} is busy: {shown(first.message)}")
+        raise RendezvousRefused(f"the rendezvous server at {host}:{port} refused us: {shown(first.message)}")
     if not isinstance(first, Welcome):
         await conn.close()
         raise NotARendezvousServer(f"{host}:{port} answered the hello with {first.TYPE}")
+    if need_token and not first.challenge:
+        await conn.close()
+        raise TokenNotAsked(
+            f"the rendezvous server at {host}:{port} does not ask for a token, but this agent holds "
+            "one (--token-file, RDZV_TOKEN_FILE or RDZV_TOKEN): refusing it, since anyone who reaches "
+            "it can join the job. Start that rdzv-server with the job's token (--token-file), or run "
+            "this agent without one"
+        )
     conn.version = first.version
     conn.challenge = first.challenge
     return conn

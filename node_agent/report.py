@@ -2,7 +2,8 @@
 
 torchrun prints a ``ChildFailedError`` block: the entrypoint, this node's failures, and the
 root cause (the first failure by time). Ours names the root cause of the whole job, which the
-server knows, so every node prints the same first failure, not only its own.
+server knows, so every node prints the same first failure, not only its own. That failure comes
+from the server (and another node): its texts are shown escaped (``agent_log.shown``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from collections.abc import Sequence
 
 from protocol import Failure
+
+from .agent_log import shown
 
 WIDTH = 60
 
@@ -22,7 +25,7 @@ def _when(ts: float) -> str:
 def _how(f: Failure) -> str:
     pid = f" (pid: {f.pid})" if f.pid else ""
     if f.signal:
-        return f"{f.exitcode}{pid} (killed by {f.signal})"
+        return f"{f.exitcode}{pid} (killed by {shown(f.signal)})"
     return f"{f.exitcode}{pid}"
 
 
@@ -30,13 +33,13 @@ def _block(index: int, f: Failure) -> list[str]:
     lines = [
         f"[{index}]:",
         f"  time      : {_when(f.timestamp)}",
-        f"  host      : {f.addr} (node {f.node_id})",
+        f"  host      : {shown(f.addr)} (node {shown(f.node_id)})",
         f"  rank      : {f.rank} (local_rank: {f.local_rank})",
         f"  exitcode  : {_how(f)}",
-        f"  error_file: {f.error_file or '<N/A>'}",
+        f"  error_file: {shown(f.error_file, limit=None) or '<N/A>'}",
     ]
     if f.message:
-        msg = f.message.rstrip().splitlines()
+        msg = shown(f.message.rstrip(), multiline=True).split("\n")
         lines.append(f"  error     : {msg[0]}")
         lines.extend(f"              {line}" for line in msg[1:])
     return lines

@@ -23,7 +23,7 @@ from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Heartbeat,
 from protocol.auth import proof as auth_proof
 
 from . import state as st
-from .agent_log import AgentLog
+from .agent_log import AgentLog, shown
 from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
 from .config import AgentConfig
 from .events import EventLog
@@ -33,6 +33,7 @@ from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, 
 from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
 
 if TYPE_CHECKING:
+    from protocol.auth import TokenTable
     from rdzv_server.service import RendezvousService
 
 HANDSHAKE_TIMEOUT_CAP = 10.0
@@ -125,6 +126,11 @@ class Agent:
         self.stderr = stderr or sys.stderr
         self.log = AgentLog(self.stderr, config.log_format, level=config.log_level)
         self.node_id = make_node_id()
+        # Sent in every Join (and the Join of a Resume) so that, after a server restart, only
+        # this process can take its node's place back: the job's token proves the job, not the
+        # node. Picked once per run (os.urandom is what secrets.token_hex uses, without its
+        # imports); never logged, never in a worker's environment.
+        self.node_secret = os.urandom(16).hex()
         self.log.node = self.node_id
         self.log.job = config.rdzv_id
         self.events: asyncio.Queue[st.Event] = asyncio.Queue()
@@ -173,7 +179,7 @@ class Agent:
         if cfg.hosts_rendezvous:
             from rdzv_server.service import RendezvousService
 
-            service = RendezvousService(http=False)
+            service = RendezvousService(http=False, tokens=self._hosted_tokens())
             try:
                 port = await service.start(host, port)
             except OSError as exc:
@@ -225,7 +231,8 @@ class Agent:
 
         if await _something_listens(host, port):
             return None
-        service = RendezvousService(http=False)  # the agent stays free of aiohttp
+        # The agent stays free of aiohttp; with a token, what we host asks for it too.
+        service = RendezvousService(http=False, tokens=self._hosted_tokens())
         bind = host if _is_loopback(host) else None  # peers on other machines must reach it
         try:
             await service.start(bind, port)
@@ -233,6 +240,22 @@ class Agent:
             return None  # another agent won the race, or the port is taken: connect as a client
         self.log(f"no rendezvous server was listening on port {port}: this agent hosts it")
         return service
+
+    def _hosted_tokens(self) -> TokenTable | None:
+        """The tokens of a rendezvous this agent hosts: none without a token, else ours.
+
+        An agent that holds a token never hosts an open rendezvous (anyone could join it, and
+        the real rdzv-server could no longer bind its port). It hosts one that asks for the
+        same token, rather than not hosting at all: a job started with a token then runs as
+        one started without (torchrun's c10d hosting) and gains the gate. The token is every
+        job's (a default line), as ``RDZV_TOKEN=... rdzv-server`` would have it: whoever holds
+        it may join, as on a real server given that token, and nobody else."""
+        token = self.config.token
+        if not token:
+            return None
+        from protocol.auth import TokenTable
+
+        return TokenTable(default=token)
 
     async def _linger(self, service: RendezvousService) -> None:
         """Keep serving until our job's other nodes are gone, so our early exit does not strand
@@ -270,6 +293,10 @@ class Agent:
                 reconnect_timeout=0.0 if cfg.rdzv_backend == "static" else cfg.rdzv_conf.reconnect_timeout,
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
                 nproc=cfg.nproc_per_node,
+                job_id=cfg.rdzv_id,
+                max_restarts=cfg.max_restarts,
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
             )
         )
         notice = omp_threads_notice(cfg, os.environ)
@@ -306,7 +333,26 @@ class Agent:
                 event = await asyncio.wait_for(self.events.get(), timeout)
             except asyncio.TimeoutError:
                 event = st.Tick()
-            await self._apply(machine.handle(event, self.clock()))
+            try:
+                await self._apply(machine.handle(event, self.clock()))
+            except Exception as exc:
+                await self._internal_error(event, exc)
+
+    async def _internal_error(self, event: st.Event, exc: Exception) -> None:
+        """A bug of ours (nothing a peer sends may get here): said loudly, with its traceback,
+        and the workers stopped as on any failure, SIGTERM first, never a SIGKILL out of the blue."""
+        import traceback
+
+        what = f"{type(event).__name__}" + (
+            f" ({event.msg.TYPE})" if isinstance(event, st.ServerSent) else ""
+        )
+        self.log(
+            f"internal error while handling {what}: {exc!r} (a bug in node-agent; please report it)\n"
+            + "".join(traceback.format_exception(exc)).rstrip(),
+            "error",
+        )
+        self._exit = st.Exit(st.EXIT_FAILED, f"internal error: {exc!r}")
+        await self.group.stop(grace=self.config.shutdown_timeout, sig=signal.SIGTERM)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A background task owned by the run's task group, cancelled when the run ends."""
@@ -368,6 +414,9 @@ class Agent:
             proof=self._proof(),
             # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
             node_rank=cfg.node_rank if cfg.node_rank_given else -1,
+            # Not with etcd: the Join is stored there for every agent of the job to read, and
+            # nothing there can be resumed by a secret (any agent may write any entry).
+            node_secret="" if cfg.rdzv_backend in ("etcd", "etcd-v2") else self.node_secret,
         )
 
     def _proof(self) -> str:
@@ -534,6 +583,9 @@ class Agent:
             log=self.log,
             clock=self.clock,
             tls=self.tls,
+            # Holding a token, we refuse a server that asks for none: whoever reaches it can
+            # join our job, or it is not the server the token was meant for.
+            need_token=bool(self.config.token),
         )
 
     async def _reconnect(self, deadline: float) -> None:
@@ -567,7 +619,7 @@ class Agent:
         except (ConnectionError, OSError) as exc:
             self.events.put_nowait(st.ConnectionLost(str(exc) or type(exc).__name__))
         except Exception as exc:  # a protocol error from the server: report it, do not crash
-            self.events.put_nowait(st.ConnectionLost(f"bad message from the server: {exc}"))
+            self.events.put_nowait(st.ConnectionLost(f"bad message from the server: {shown(str(exc))}"))
 
     async def _heartbeat(self) -> None:
         interval = self.config.rdzv_conf.heartbeat_interval

@@ -13,7 +13,10 @@ Phases, in the order of one successful run::
 Restarts loop back to JOINING: a ``Restart`` from the server (another node failed, a node came
 or went) stops the workers (STOPPING) and re-joins. Our own worker failure is reported to the
 server, the workers are stopped, and the server's verdict (``Restart`` or ``JobFailed``) decides
-what follows (VERDICT). The server counts the restart budget; the agent never does.
+what follows (VERDICT, at most ``join_timeout``). The server counts the restart budget; the
+agent checks its word: an assignment for another job, past this node's ``--max-restarts``,
+outside its ``--nnodes`` or with ranks its world does not hold (and a restart past the budget)
+is the server's protocol error, and the agent stops its workers and exits 1.
 
 Leaving. A drain (SIGTERM in an elastic job, or the server's ``Drain``) stops the workers with
 SIGTERM and tells the server at once (``Leave(workers_stopping=True)``): it restarts the other
@@ -49,10 +52,16 @@ only a node of the round may say (the failure report, the drain's notice) waits 
 (the job ended, the server refused it, SIGINT) does not reconnect. When the window closes the
 workers are stopped and the agent exits 1 (0 at the exit barrier, where its part is done).
 
+Every wait on the server ends by itself: joining at ``join_timeout``, the verdict at
+``join_timeout``, the exit barrier at ``exit_barrier_timeout``, leaving at
+``LEAVE_ANSWER_TIMEOUT``, and any of them while the connection is down at the reconnect window.
+
 The server's messages. Every message has an outcome in every phase. One that makes no sense in
 ours (an assignment we did not join for, the job "done" while our workers run) is the server's
 mistake: a protocol error, logged, and where the agent cannot go on it stops its workers and
 exits 1 with that message. ``UnexpectedEvent`` is kept for our own bugs (an unknown event).
+Its texts are shown escaped (``agent_log.shown``), so they cannot forge our lines or drive the
+terminal, and what we send built from them (a drain's Leave) is cut to fit its field.
 
 The job ending while this node waits to join (a hot spare beyond --nnodes, or a newcomer that
 was not yet in a round): ``JobDone`` exits ``EXIT_NOT_NEEDED`` (0) and ``JobFailed`` exits 1
@@ -65,6 +74,8 @@ import enum
 import signal
 
 from protocol import (
+    MAX_NODES,
+    MAX_TEXT_LEN,
     Assignment,
     Drain,
     Error,
@@ -83,6 +94,8 @@ from protocol import (
     WorkersSucceeded,
 )
 from protocol.records import record
+
+from .agent_log import shown
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
@@ -265,6 +278,13 @@ class AgentSettings:
     forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
     nproc: int = 1  # this node's workers, for the round line's rank range
+    # What this node was started with, checked against every assignment: a server's word
+    # never runs this node for another job, past its --max-restarts, or outside its --nnodes.
+    # The defaults check nothing (a test's machine that does not care).
+    job_id: str = ""
+    max_restarts: int | None = None
+    min_nodes: int = 1
+    max_nodes: int = MAX_NODES
 
 
 @record
@@ -346,11 +366,15 @@ class AgentMachine:
             return self._on_error(msg)
         if isinstance(msg, GoingAway):
             # The server closes the connection next; we reconnect as after any lost connection.
-            why = f" ({msg.reason})" if msg.reason else ""
+            why = f" ({shown(msg.reason)})" if msg.reason else ""
             return [
                 Log("warning", f"the rendezvous server is going away{why}; {self._what_now()}will reconnect")
             ]
         if isinstance(msg, Resumed):
+            if self.settings.job_id and msg.job_id != self.settings.job_id:
+                mine = self.settings.job_id
+                text = f"took this node back into job {shown(msg.job_id)!r}, but it runs job {mine!r}"
+                return self._protocol_error(text, fatal=True)
             how = "rebuilt by the server from its agents" if msg.rebuilt else "the server kept it"
             if self.phase in (Phase.STARTING, Phase.RUNNING, Phase.BARRIER):
                 return [Log("info", f"resumed round {msg.round} ({how}); workers were not restarted")]
@@ -370,7 +394,7 @@ class AgentMachine:
         if isinstance(msg, Drain):
             if self._leaving or self._exit is not None:
                 return []  # already on our way out
-            why = f"asked to drain by the server: {msg.reason}" if msg.reason else "asked to drain"
+            why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
             return self._drain(why, now)
         return self._protocol_error(
             f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
@@ -429,6 +453,9 @@ class AgentMachine:
                 f"(it {self._doing()})"
             )
             return self._protocol_error(text, fatal=True)
+        problem = self._contradiction(msg)
+        if problem is not None:
+            return self._protocol_error(problem, fatal=True)
         self.assignment = msg
         self.phase = Phase.STARTING
         self.deadline = None
@@ -438,14 +465,47 @@ class AgentMachine:
                 "info",
                 f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
                 f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
-                f"master {msg.master_addr}:{msg.master_port}, restart {msg.restart_count}",
+                f"master {shown(msg.master_addr)}:{msg.master_port}, restart {msg.restart_count}",
             ),
             StartWorkers(msg),
         ]
 
+    def _contradiction(self, a: Assignment) -> str | None:
+        """How an assignment contradicts what this node was started with, or None.
+
+        The server counts restarts and sizes the world; the agent does not trust it to: a
+        buggy or hostile one could run this node for another job, restart it for ever past
+        its --max-restarts, or give it ranks that do not exist."""
+        s = self.settings
+        if s.job_id and a.job_id != s.job_id:
+            return f"an assignment for job {shown(a.job_id)!r}, but this node runs job {s.job_id!r}"
+        if s.max_restarts is not None:
+            if a.max_restarts != s.max_restarts:
+                return (
+                    f"an assignment that says --max-restarts {a.max_restarts}, but this node has "
+                    f"--max-restarts {s.max_restarts}"
+                )
+            if a.restart_count > s.max_restarts:
+                return (
+                    f"an assignment for restart {a.restart_count}, past this node's budget "
+                    f"(--max-restarts {s.max_restarts})"
+                )
+        if not s.min_nodes <= a.group_world_size <= s.max_nodes:
+            return (
+                f"an assignment for a round of {a.group_world_size} nodes, but this node has "
+                f"--nnodes {_range(s.min_nodes, s.max_nodes)}"
+            )
+        if a.rank_offset + s.nproc > a.world_size or a.world_size < a.group_world_size:
+            return (
+                f"an assignment whose ranks do not fit its world: {_ranks(a.rank_offset, s.nproc)} "
+                f"of this node's {s.nproc} worker(s) in a world size {a.world_size} of "
+                f"{a.group_world_size} nodes"
+            )
+        return None
+
     def _on_job_failed(self, msg: JobFailed) -> list[Effect]:
         where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
-        exit_ = Exit(EXIT_FAILED, f"job failed{where}: {msg.reason}", msg.failure, self.local_failures)
+        exit_ = Exit(EXIT_FAILED, f"job failed{where}: {shown(msg.reason)}", msg.failure, self.local_failures)
         # The job's failure is the reason to report, not a pending drain's; nothing is left to
         # report or leave.
         self._awaiting_left, self._report, self._leave = False, None, None
@@ -486,9 +546,9 @@ class AgentMachine:
 
     def _on_error(self, msg: Error) -> list[Effect]:
         if not msg.fatal:
-            return [Log("warning", f"rendezvous server: {msg.message} ({msg.code})")]
+            return [Log("warning", f"rendezvous server: {shown(msg.message)} ({shown(msg.code)})")]
         self._awaiting_left, self._report, self._leave = False, None, None
-        return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {msg.message}"))
+        return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {shown(msg.message)}"))
 
     def _on_waiting(self, msg: Waiting) -> list[Effect]:
         key = (msg.joined, msg.round, msg.reason)
@@ -496,10 +556,14 @@ class AgentMachine:
             return []
         self._last_waiting = key
         what = f"waiting for nodes: {msg.joined} of {_range(msg.min_nodes, msg.max_nodes)} joined"
-        return [Log("info", f"{what} ({msg.reason})" if msg.reason else what)]
+        return [Log("info", f"{what} ({shown(msg.reason)})" if msg.reason else what)]
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
-        note = Log("warning", f"re-rendezvous after round {msg.round}: {msg.reason}")
+        budget = self.settings.max_restarts
+        if budget is not None and msg.restart_count > budget and not self._leaving and self._exit is None:
+            text = f"a restart {msg.restart_count}, past this node's budget (--max-restarts {budget})"
+            return self._protocol_error(text, fatal=True)
+        note = Log("warning", f"re-rendezvous after round {msg.round}: {shown(msg.reason)}")
         self._report = None  # if we reported a failure, this is the verdict
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
@@ -535,7 +599,7 @@ class AgentMachine:
             message=event.reason,
         )
         self.local_failures = (failure,)
-        self.phase = Phase.VERDICT
+        self._await_verdict(now)
         self._report = WorkersFailed(round=a.round, failure=failure)
         return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self._report)]
 
@@ -566,6 +630,16 @@ class AgentMachine:
             ]
         return [*note, *self._send(self._report), StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
 
+    def _await_verdict(self, now: float) -> None:
+        """Workers down after our failure: the server's verdict decides (Restart or JobFailed).
+
+        It answers a report in the step that handles it, but after a restart it may first
+        rebuild the round from every node's Resume: join_timeout, the longest we would wait for
+        a round to form, bounds the wait (while the connection is down the reconnect window
+        does, and the wait starts again once back)."""
+        self.phase = Phase.VERDICT
+        self.deadline = None if self.away else now + self.settings.join_timeout
+
     def _on_stopped(self, event: WorkersStopped, now: float) -> list[Effect]:
         if self.phase is not Phase.STOPPING:
             return []
@@ -575,7 +649,7 @@ class AgentMachine:
         if after == "rejoin":
             return self._rejoin(now)
         if after == "verdict":
-            self.phase = Phase.VERDICT
+            self._await_verdict(now)
             return []
         if after == "leave":
             return self._send_leave(now)
@@ -645,7 +719,7 @@ class AgentMachine:
             return [] if self.phase is Phase.STOPPING else self._exit_now(self._exit)
         if self.settings.reconnect_timeout <= 0:
             return self._gone(f"{event.reason}")
-        if self.phase is Phase.LEAVING:
+        if self.phase in (Phase.LEAVING, Phase.VERDICT):
             self.deadline = None  # the answer can only come on the next connection
         return [
             Log(
@@ -680,6 +754,8 @@ class AgentMachine:
         self._resuming = True
         if p is Phase.LEAVING:
             self.deadline = now + LEAVE_ANSWER_TIMEOUT  # bounded, answer and Left alike
+        elif p is Phase.VERDICT:
+            self.deadline = now + self.settings.join_timeout
         what = {
             Phase.STOPPING: "resuming our round while our workers stop",
             Phase.VERDICT: "resuming our round to report our workers' failure again",
@@ -759,7 +835,7 @@ class AgentMachine:
         self._leaving = True
         self._drain_why = why
         self._awaiting_left = True
-        self._leave = Leave(reason=f"drain: {why}")
+        self._leave = Leave(reason=_fit(f"drain: {why}"))
         note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             stop: list[Effect] = []
@@ -776,9 +852,9 @@ class AgentMachine:
         if self.away or self._leave is None:
             self.deadline = None  # sent once reconnected; the reconnect window bounds the wait
             return []
+        self.deadline = now + LEAVE_ANSWER_TIMEOUT  # the answer to a Resume still out, too
         if self._resuming:
-            return []  # sent with the answer to our Resume, whose wait is bounded already
-        self.deadline = now + LEAVE_ANSWER_TIMEOUT
+            return []  # sent with the answer to our Resume (which restarts this wait)
         return [Send(self._leave)]
 
     def _on_left(self, msg: Left) -> list[Effect]:
@@ -791,12 +867,13 @@ class AgentMachine:
         why = self._drain_why
         if msg.job_continues:
             exit_ = Exit(
-                EXIT_OK, f"drained: {why}; left the job, which goes on without this node ({msg.reason})"
+                EXIT_OK,
+                f"drained: {why}; left the job, which goes on without this node ({shown(msg.reason)})",
             )
         else:
             exit_ = Exit(
                 EXIT_FAILED,
-                f"drained: {why}; left the job, which does not go on without this node ({msg.reason})",
+                f"drained: {why}; left the job, which does not go on without this node ({shown(msg.reason)})",
             )
         if self.phase is Phase.LEAVING:
             return self._exit_now(exit_)
@@ -823,6 +900,18 @@ class AgentMachine:
         if self.phase is Phase.BARRIER:
             return self._exit_now(
                 Exit(EXIT_OK, f"exit barrier timed out after {self.settings.exit_barrier_timeout:g} s")
+            )
+        if self.phase is Phase.VERDICT:
+            a = self.assignment
+            held = f" of round {a.round}" if a is not None else ""
+            self._report = None
+            return self._exit_now(
+                Exit(
+                    EXIT_FAILED,
+                    f"the rendezvous server did not answer the report of this node's worker failure"
+                    f"{held} within {self.settings.join_timeout:g} s (join_timeout): no verdict, "
+                    "so this node gives up; its workers are stopped",
+                )
             )
         if self.phase is Phase.LEAVING:
             self._awaiting_left = False
@@ -865,6 +954,12 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures)
         return [exit_]
+
+
+def _fit(text: str) -> str:
+    """A text we send, cut to its field: what we build from a server's text must never fail
+    validation (an exception there would take the agent down, and SIGKILL its workers)."""
+    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
 
 
 def _ranks(first: int, count: int) -> str:

@@ -18,6 +18,11 @@ compares, key by key. Values that differ on purpose:
 
 Not set, as torchrun sets them only for features we do not have: ``TORCHELASTIC_TIMER_FILE``
 (the file-timer watchdog).
+
+Not inherited, unlike everything else of the agent's environment: ``RDZV_TOKEN``, the job's
+rendezvous token (``SECRETS``). A worker runs the user's code and whatever it imports; with the
+token it could join the job as another node. Paths (``RDZV_TOKEN_FILE``, the TLS files) are not
+secrets and pass, as torchrun passes everything.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ _OMP_NOTICE = (
     "*****************************************"
 )
 _DEFAULT_OMP_THREADS = 1
+# What the agent reads from its environment that a worker must never see.
+SECRETS: tuple[str, ...] = ("RDZV_TOKEN",)
 
 # --run-path: torchrun calls runpy.run_path in a function worker wrapped by @record. We run a
 # fresh interpreter instead and do the same: sys.argv = [script, *args], run_name="__main__",
@@ -111,7 +118,7 @@ def worker_env(
             f">= world_size {node.world_size}"
         )
 
-    env = dict(base_env)
+    env = {k: v for k, v in base_env.items() if k not in SECRETS}
     # torchrun writes these two into its own os.environ before starting workers, so every
     # worker inherits them; the worker-specific variables below then take precedence.
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(config.signals_to_handle)

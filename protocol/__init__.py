@@ -13,9 +13,11 @@ from protocol.codec import (
     MAGIC,
     MAX_FRAME_SIZE,
     FrameDecoder,
+    FrameLimits,
     decode_payload,
     encode,
     encode_many,
+    frame_limits,
 )
 from protocol.errors import (
     BadMagic,
@@ -96,6 +98,7 @@ __all__ = [
     "Error",
     "Failure",
     "FrameDecoder",
+    "FrameLimits",
     "FrameTooLarge",
     "GoingAway",
     "Heartbeat",
@@ -126,5 +129,6 @@ __all__ = [
     "encode",
     "encode_many",
     "error_message",
+    "frame_limits",
     "negotiate_version",
 ]

@@ -19,25 +19,32 @@ version 1 has had and why each needs no new version. Failure travels as a nested
 the same rules.
 
 Hostile input. A length header above the limit is refused as soon as its four
-bytes arrive, before any body is buffered. msgpack's own length limits are set
-to the payload size, so a five-byte frame cannot announce a four-billion-entry
-array. Anything at all that goes wrong inside msgpack, a RecursionError
-included, becomes a MalformedFrame: the caller only ever sees messages or a
-ProtocolError. After an error the decoder is dead, because the stream is no
-longer aligned on frame boundaries; it raises the same error on every feed.
+bytes arrive, before any body is buffered. The limit can change as a connection
+moves on (``FrameLimits``: a peer that has not said hello may send 2 KiB, not the
+size of the largest message of a joined member). msgpack's own limits fit our
+schema rather than the frame (``MAX_MAP_LEN``, ``MAX_ARRAY_LEN``, ``MAX_STR_BYTES``,
+no bin or ext), and a payload may hold at most ``MAX_CONTAINERS`` maps and arrays
+in all, so a frame of a million empty maps is refused after a few dozen, in
+microseconds, instead of costing 55 ms and 73 MB to decode. Anything at all that
+goes wrong inside msgpack, a RecursionError included, becomes a MalformedFrame:
+the caller only ever sees messages or a ProtocolError. After an error the
+decoder is dead, because the stream is no longer aligned on frame boundaries; it
+raises the same error on every feed.
 
-Buffering. ``feed`` appends to one bytearray and walks it with an offset, so a
-chunk holding thousands of frames is cut without re-copying the tail after each
-frame, and it compacts once per call, only when it consumed something, so a large
-frame arriving a byte at a time is not copied again and again.
+Buffering. ``feed`` appends to one bytearray and walks it with an offset kept
+between calls, so a chunk holding thousands of frames is cut without re-copying
+the tail after each frame, and a caller may take them a few at a time
+(``limit``); it compacts only once the consumed part is large, so a large frame
+arriving a byte at a time is not copied again and again.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -51,16 +58,42 @@ from protocol.errors import (
     UnknownMessageType,
     describe,
 )
-from protocol.messages import MESSAGE_TYPES, Failure, Heartbeat, Join, Message, negotiate_version
+from protocol.messages import (
+    CLIENT_MESSAGES,
+    MAX_ADDR_LEN,
+    MAX_CODE_LEN,
+    MAX_COUNT,
+    MAX_ID_LEN,
+    MAX_NODES,
+    MAX_NPROC,
+    MAX_PATH_LEN,
+    MAX_TEXT_LEN,
+    MAX_TIMEOUT,
+    MAX_VERSIONS,
+    MESSAGE_TYPES,
+    Assignment,
+    Failure,
+    Heartbeat,
+    Hello,
+    Join,
+    Leave,
+    Message,
+    Resume,
+    WorkersFailed,
+    WorkersSucceeded,
+    negotiate_version,
+)
 
 __all__ = [
     "HEADER",
     "MAGIC",
     "MAX_FRAME_SIZE",
     "FrameDecoder",
+    "FrameLimits",
     "decode_payload",
     "encode",
     "encode_many",
+    "frame_limits",
     "negotiate_version",
 ]
 
@@ -69,6 +102,21 @@ __all__ = [
 MAGIC = b"\x89RDZV\r\n\x1a"
 MAX_FRAME_SIZE = 1 << 20
 HEADER = struct.Struct("!I")
+
+# msgpack's limits, sized to the schema. The widest map is a message's fields plus "t"; the
+# slack lets a newer minor revision of version 1 add fields (which we then ignore). The
+# longest array is Hello.versions. A text field holds up to MAX_TEXT_LEN characters, each at
+# most 4 bytes of UTF-8. No message holds bytes or ext types: a short one is let through to be
+# refused by its field's rule, which names the field.
+_MOST_FIELDS = max(len(fields(cls)) for cls in (*MESSAGE_TYPES.values(), Failure)) + 1
+MAX_MAP_LEN = _MOST_FIELDS + 32
+MAX_ARRAY_LEN = MAX_VERSIONS + 48
+MAX_STR_BYTES = 4 * max(MAX_TEXT_LEN, MAX_PATH_LEN, MAX_ID_LEN, MAX_ADDR_LEN)
+# Maps and arrays in one payload, nested ones included: the most any message has is four
+# (Resume: itself, its Join and its Assignment; Hello: itself and its versions).
+MAX_CONTAINERS = 32
+_MAX_BIN_LEN = 256
+_MAX_EXT_LEN = 16
 
 
 # --- per-class plans, computed once ------------------------------------------
@@ -127,6 +175,104 @@ def encode_many(msgs: Iterable[Message]) -> bytes:
     return b"".join(encode(msg) for msg in msgs)
 
 
+# --- frame limits per stage of a connection --------------------------------------------
+
+# The widest character UTF-8 has (4 bytes): the largest legal message fills every text field
+# with it. Printable, so no rule about control characters refuses it.
+_WIDE = "\U0001f600"
+_BIG_INT = MAX_COUNT  # msgpack's largest int encoding (9 bytes)
+
+
+def _largest_join() -> Join:
+    return Join(
+        job_id=_WIDE * MAX_ID_LEN,
+        node_id=_WIDE * MAX_ID_LEN,
+        addr=_WIDE * MAX_ADDR_LEN,
+        nproc=MAX_NPROC,
+        min_nodes=MAX_NODES,
+        max_nodes=MAX_NODES,
+        entrypoint=_WIDE * MAX_TEXT_LEN,
+        master_port=65535,
+        max_restarts=_BIG_INT,
+        last_call_timeout=MAX_TIMEOUT,
+        heartbeat_interval=MAX_TIMEOUT,
+        heartbeat_timeout=MAX_TIMEOUT,
+        spare=False,
+        exclude_after=_BIG_INT,
+        proof="f" * 128,
+        node_rank=MAX_NODES - 1,
+        node_secret="f" * 128,
+    )
+
+
+def largest_client_messages() -> dict[type, Message]:
+    """The largest legal message of each kind an agent sends (every field at its limit).
+
+    tests/protocol/test_codec.py proves each is the largest (no field may grow) and fits the
+    frame limit of the stages in which it is sent.
+    """
+    join = _largest_join()
+    assignment = Assignment(
+        job_id=join.job_id,
+        round=_BIG_INT,
+        group_rank=MAX_NODES - 1,
+        group_world_size=MAX_NODES,
+        rank_offset=_BIG_INT - 1,
+        world_size=_BIG_INT,
+        master_addr=_WIDE * MAX_ADDR_LEN,
+        master_port=65535,
+        restart_count=_BIG_INT,
+        max_restarts=_BIG_INT,
+    )
+    failure = Failure(
+        node_id=_WIDE * MAX_ID_LEN,
+        addr=_WIDE * MAX_ADDR_LEN,
+        rank=_BIG_INT,
+        local_rank=_BIG_INT,
+        exitcode=-(2**63),
+        signal=_WIDE * MAX_CODE_LEN,
+        timestamp=float(2**53),
+        message=_WIDE * MAX_TEXT_LEN,
+        pid=_BIG_INT,
+        error_file=_WIDE * MAX_PATH_LEN,
+    )
+    return {
+        Hello: Hello(versions=(_BIG_INT,) * MAX_VERSIONS, software=_WIDE * MAX_ID_LEN),
+        Join: join,
+        Resume: Resume(join=join, assignment=assignment, succeeded=True),
+        Heartbeat: Heartbeat(),
+        WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure),
+        WorkersSucceeded: WorkersSucceeded(round=_BIG_INT),
+        Leave: Leave(reason=_WIDE * MAX_TEXT_LEN, workers_stopping=True),
+    }
+
+
+class FrameLimits(NamedTuple):
+    """The largest frame the server accepts from a connection at each stage."""
+
+    hello: int  # before its hello is accepted: it has proved nothing yet
+    join: int  # after the hello, until it joined: a Join or a Resume (or a Leave)
+    member: int  # once joined: any message an agent sends
+
+
+def _room(size: int) -> int:
+    # A quarter more than the largest legal frame (for fields a newer minor revision adds),
+    # rounded up to a power of two.
+    return 1 << (size + size // 4 - 1).bit_length()
+
+
+@functools.cache
+def frame_limits() -> FrameLimits:
+    """Frame limits computed from the schema's field limits (once, on first use: ~1 ms)."""
+    sizes = {cls: len(encode(msg)) for cls, msg in largest_client_messages().items()}
+    assert set(sizes) == set(CLIENT_MESSAGES.values()), "a client message has no largest example"
+    return FrameLimits(
+        hello=_room(sizes[Hello]),
+        join=_room(max(sizes[Join], sizes[Resume], sizes[Leave], sizes[Heartbeat])),
+        member=_room(max(sizes.values())),
+    )
+
+
 # Every agent sends one a second, and it has no fields: a frame of exactly these bytes decodes
 # to one shared instance (frozen, so sharing is safe) without msgpack or a constructor.
 _HEARTBEAT = Heartbeat()
@@ -160,24 +306,42 @@ def _build(cls: type, m: dict[Any, Any], path: str) -> Any:
         raise InvalidField(path + exc.field[len(own) :], exc.reason) from None
 
 
+class _TooManyContainers(Exception):
+    pass
+
+
 def decode_payload(payload: bytes, *, allowed: Mapping[str, type] | None = None) -> Message:
     """Decode one frame's payload (without its header) into a message.
 
     ``allowed`` maps tags to the classes this side accepts (``CLIENT_MESSAGES`` on
     the server); any other tag is an UnknownMessageType. Default: every message.
     """
-    n = len(payload)
+    left = MAX_CONTAINERS
+
+    def count(obj: Any) -> Any:
+        # Called by msgpack for each map and array as it completes: a payload of a million
+        # tiny containers is stopped after a few dozen, not decoded in full.
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise _TooManyContainers
+        return obj
+
     try:
         obj = msgpack.unpackb(
             payload,
             raw=False,
             strict_map_key=True,
-            max_str_len=n,
-            max_bin_len=n,
-            max_array_len=n,
-            max_map_len=n,
-            max_ext_len=n,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=_MAX_BIN_LEN,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=_MAX_EXT_LEN,
+            object_hook=count,
+            list_hook=count,
         )
+    except _TooManyContainers:
+        raise MalformedFrame(f"payload holds more than {MAX_CONTAINERS} maps and arrays") from None
     except Exception as exc:  # any failure inside msgpack, RecursionError included
         raise MalformedFrame(f"payload is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
@@ -204,16 +368,11 @@ class FrameDecoder:
         allowed: Mapping[str, type] | None = None,
         expect_magic: bool = False,
     ) -> None:
-        # These are our own settings, so mistakes are ValueErrors, not ProtocolErrors.
-        if isinstance(max_frame_size, bool) or not isinstance(max_frame_size, int):
-            raise TypeError(f"max_frame_size must be an int, got {type(max_frame_size).__name__}")
-        if not 0 < max_frame_size <= 2**32 - 1:
-            raise ValueError(f"max_frame_size must be in 1..{2**32 - 1}, got {max_frame_size}")
         if allowed is not None:
             for tag, cls in allowed.items():
                 if MESSAGE_TYPES.get(tag) is not cls:
                     raise ValueError(f"allowed maps {tag!r} to {cls!r}, which is not that message class")
-        self._max = max_frame_size
+        self.max_frame_size = max_frame_size
         self._allowed = allowed
         self._heartbeat_allowed = allowed is None or allowed.get(Heartbeat.TYPE) is Heartbeat
         # A node sends the same Join every round: its bytes again decode to the same (frozen)
@@ -223,24 +382,43 @@ class FrameDecoder:
         self._join: Message | None = None
         self._need_magic = expect_magic
         self._buf = bytearray()
+        self._pos = 0  # where the next frame starts in _buf
         self._error: ProtocolError | None = None
 
     @property
-    def buffered(self) -> int:
-        """Bytes received but not yet part of a complete frame."""
-        return len(self._buf)
+    def max_frame_size(self) -> int:
+        """The largest payload accepted; a caller may change it between frames (per stage)."""
+        return self._max
 
-    def feed(self, data: bytes) -> list[Message]:
-        """Add received bytes; return every message they complete (maybe none).
+    @max_frame_size.setter
+    def max_frame_size(self, value: int) -> None:
+        # These are our own settings, so mistakes are ValueErrors, not ProtocolErrors.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"max_frame_size must be an int, got {type(value).__name__}")
+        if not 0 < value <= 2**32 - 1:
+            raise ValueError(f"max_frame_size must be in 1..{2**32 - 1}, got {value}")
+        self._max = value
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as messages."""
+        return len(self._buf) - self._pos
+
+    def feed(self, data: bytes = b"", *, limit: int | None = None) -> list[Message]:
+        """Add received bytes; return the messages they complete (maybe none).
+
+        With ``limit``, at most that many: the rest stay buffered for the next call (which
+        may bring no new bytes), so a caller can spread a burst over several turns and
+        change ``max_frame_size`` between frames.
 
         Raises ProtocolError on the first bad frame. Messages that came before it
-        in the same ``data`` are dropped with the stream: the caller is about to
+        in the same call are dropped with the stream: the caller is about to
         reply with an Error and close the connection anyway.
         """
         if self._error is not None:
             raise self._error.with_traceback(None)
         try:
-            return self._feed(data)
+            return self._feed(data, limit)
         except ProtocolError as exc:
             # Keep the error but not what it was raised through: the inner frames hold the
             # whole buffer and whatever msgpack decoded (up to a frame's worth, and more as
@@ -249,12 +427,19 @@ class FrameDecoder:
             exc.__context__ = None
             self._error = exc
             self._buf = bytearray()
+            self._pos = 0
             raise exc.with_traceback(None) from None
 
-    def _feed(self, data: bytes) -> list[Message]:
+    def _feed(self, data: bytes, limit: int | None) -> list[Message]:
         buf = self._buf
-        buf += data
-        pos = 0
+        pos = self._pos
+        if pos and (pos >= len(buf) or pos > 65536):
+            # Drop what was consumed: at once when it is all of it, otherwise only when it is
+            # large, so frames taken a few at a time do not copy the tail each time.
+            del buf[:pos]
+            pos = 0
+        if data:
+            buf += data
         if self._need_magic:
             head = bytes(buf[: len(MAGIC)])
             # Refuse as soon as the bytes so far differ, so an HTTP client that
@@ -269,7 +454,8 @@ class FrameDecoder:
         out: list[Message] = []
         end = len(buf)
         size = HEADER.size
-        while end - pos >= size:
+        room = -1 if limit is None else limit
+        while end - pos >= size and room != 0:
             (length,) = HEADER.unpack_from(buf, pos)
             if length > self._max:
                 raise FrameTooLarge(length, self._max)
@@ -287,6 +473,6 @@ class FrameDecoder:
                     self._join_payload, self._join = bytes(payload), msg
                 out.append(msg)
             pos = start + length
-        if pos:
-            del buf[:pos]
+            room -= 1
+        self._pos = pos
         return out

@@ -37,6 +37,7 @@ working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import field, fields
 from typing import Any, ClassVar, TypeAlias
@@ -76,6 +77,7 @@ __all__ = [
     "Welcome",
     "WorkersFailed",
     "WorkersSucceeded",
+    "clip_text",
     "negotiate_version",
 ]
 
@@ -147,7 +149,24 @@ def _number(*, positive: bool = False, hi: float = MAX_TIMEOUT) -> dict[str, Any
     return _rule(check)
 
 
-def _text(max_len: int, *, nonempty: bool = False, optional: bool = False) -> dict[str, Any]:
+# C0 controls (ESC among them, so no ANSI sequence), DEL and C1 controls: an id holding one
+# could forge lines in a log or rows in a terminal table. Free texts may hold them (a worker's
+# stderr tail has newlines); whoever shows a text escapes it.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _text(
+    max_len: int,
+    *,
+    nonempty: bool = False,
+    optional: bool = False,
+    plain: bool = False,
+    ascii_only: bool = False,
+) -> dict[str, Any]:
+    """A string of at most ``max_len`` characters; ``plain``: no control characters (ids,
+    addresses, codes); ``ascii_only``: printable ASCII only (proofs and secrets, which are hex or
+    base64 and compared byte for byte)."""
+
     def check(value: Any) -> str | None:
         if value is None and optional:
             return None
@@ -158,6 +177,10 @@ def _text(max_len: int, *, nonempty: bool = False, optional: bool = False) -> di
             raise _Reject("must not be empty")
         if len(value) > max_len:
             raise _Reject(f"must be at most {max_len} characters, got {len(value)}")
+        if ascii_only and not (value.isascii() and value.isprintable()):
+            raise _Reject("must be printable ASCII")
+        if plain and (bad := _CONTROL.search(value)) is not None:
+            raise _Reject(f"must not hold control characters, got {bad.group()!r} at {bad.start()}")
         # A lone surrogate passes isinstance but cannot be sent as UTF-8; catch it
         # here, with the field's name, rather than as a UnicodeEncodeError in encode.
         if not value.isascii():
@@ -215,10 +238,11 @@ def _nested(cls: type) -> dict[str, Any]:
     return _rule(check, nested=cls)
 
 
-_ID = _text(MAX_ID_LEN, nonempty=True)
-_ADDR = _text(MAX_ADDR_LEN)
+_ID = _text(MAX_ID_LEN, nonempty=True, plain=True)
+_ADDR = _text(MAX_ADDR_LEN, plain=True)
 _TEXT = _text(MAX_TEXT_LEN)
-_SOFTWARE = _text(MAX_ID_LEN)
+_SOFTWARE = _text(MAX_ID_LEN, plain=True)
+_SECRET = _text(128, ascii_only=True)  # proofs, challenges and node secrets
 _COUNT = _integer(0, MAX_COUNT)
 _PORT = _integer(1, 65535)
 _TIMEOUT = _number()
@@ -278,7 +302,7 @@ class Failure(_Schema):
     local_rank: int = field(metadata=_COUNT)
     # Negative means the worker was killed by signal -exitcode, as in subprocess.
     exitcode: int = field(metadata=_integer(_MIN_INT64, MAX_COUNT))
-    signal: str = field(default="", metadata=_text(MAX_CODE_LEN))
+    signal: str = field(default="", metadata=_text(MAX_CODE_LEN, plain=True))
     # Wall-clock time on the failing node; informational only, never compared.
     timestamp: float = field(metadata=_number(hi=_MAX_TIMESTAMP))
     message: str = field(default="", metadata=_TEXT)
@@ -321,7 +345,7 @@ class Join(_Schema):
     # A node whose workers failed this many times is excluded from the job (0: never).
     exclude_after: int = field(default=0, metadata=_COUNT)
     # HMAC of the server's challenge with the job's token (protocol.auth); "" without a token.
-    proof: str = field(default="", metadata=_text(128))
+    proof: str = field(default="", metadata=_SECRET)
     # --node-rank, when the agent was given one (-1: not given). In a fixed-size job whose
     # nodes all give one the server orders group ranks by it (rdzv_server/state.py, which
     # also refuses one that is out of range or taken: that is a rule of the job, not of
@@ -330,7 +354,7 @@ class Join(_Schema):
     # A random secret the agent picks once per run and sends in every Join (and the Join
     # inside a Resume): only the holder may resume this node's place, since a job token
     # proves the job, not the node. Never shown by the server. "": an older agent.
-    node_secret: str = field(default="", metadata=_text(128))
+    node_secret: str = field(default="", metadata=_SECRET)
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -389,7 +413,7 @@ class Welcome(_Schema):
     software: str = field(metadata=_SOFTWARE)
     # A fresh random nonce per connection; a Join must prove the token over it (so a proof
     # seen on one connection is worthless on another). "" when the server needs no token.
-    challenge: str = field(default="", metadata=_text(128))
+    challenge: str = field(default="", metadata=_SECRET)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -420,7 +444,7 @@ class Assignment(_Schema):
     group_world_size: int = field(metadata=_integer(1, MAX_NODES))
     rank_offset: int = field(metadata=_COUNT)
     world_size: int = field(metadata=_integer(1, MAX_COUNT))
-    master_addr: str = field(metadata=_text(MAX_ADDR_LEN, nonempty=True))
+    master_addr: str = field(metadata=_text(MAX_ADDR_LEN, nonempty=True, plain=True))
     master_port: int = field(metadata=_PORT)
     restart_count: int = field(metadata=_COUNT)
     max_restarts: int = field(metadata=_COUNT)
@@ -533,11 +557,11 @@ class Error(_Schema):
     """The peer broke the protocol; ``code`` is a ProtocolError code."""
 
     TYPE: ClassVar[str] = "error"
-    code: str = field(metadata=_text(MAX_CODE_LEN, nonempty=True))
+    code: str = field(metadata=_text(MAX_CODE_LEN, nonempty=True, plain=True))
     message: str = field(metadata=_TEXT)
     # Spelled dataclasses.field here: the attribute named ``field`` shadows the
     # function inside this class body.
-    field: str | None = dataclasses.field(default=None, metadata=_text(MAX_ID_LEN, optional=True))
+    field: str | None = dataclasses.field(default=None, metadata=_text(MAX_ID_LEN, optional=True, plain=True))
     fatal: bool = dataclasses.field(default=True, metadata=_flag())
 
 
@@ -597,6 +621,18 @@ _compile(Failure, "failure")
 for _cls in MESSAGE_TYPES.values():
     _compile(_cls, _cls.TYPE)
 del _cls
+
+
+def clip_text(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, saying how much was cut, so a text built
+    from a peer's (a reason quoting another, a list of names) always fits its field."""
+    if len(text) <= limit:
+        return text
+    marker = f" ... [{len(text) - limit:,}+ more characters]"
+    if limit <= len(marker):
+        return text[:limit]
+    keep = limit - len(marker)
+    return text[:keep] + f" ... [{len(text) - keep:,} more characters]"[: limit - keep]
 
 
 def negotiate_version(theirs: Sequence[int], *, ours: Sequence[int] = SUPPORTED_VERSIONS) -> int:

@@ -5,12 +5,18 @@ and ``--tls-key``, TLS only, and the subcommands need ``--tls-ca``). The subcomm
 running server over its HTTP API:
 
 - ``rdzv-server status --endpoint H:P [--job ID] [--json]``: its jobs, or one job's members and
-  recent history, as tables (or the API's JSON).
+  recent history, as tables (or the API's JSON). A server with tokens shows a job's detail
+  only for a token (``--token-file``: the job's; ``--read-token-file``: the read token).
 - ``rdzv-server drain --endpoint H:P --job ID --node NODE [--reason TEXT]``: ask a node to leave
   its job cleanly.
 
 The subcommands use only the standard library (urllib) and never import the server, so they
 start fast.
+
+Texts that came from peers (node and job ids, reasons, failure messages, history) are shown
+with control characters escaped (``shown``): in the server's log (``SafeFormatter``) and in
+the tables, so a newline or a terminal escape in a peer's text cannot forge a line or
+rewrite the operator's terminal.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import ssl
 import sys
 import time
@@ -40,6 +47,7 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3  # the server has no such job or node
 DEFAULT_PORT = 29500
 DEFAULT_ENDPOINT = f"127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_MIN_FREE_MIB = 128
 HISTORY_SHOWN = 15
 
 
@@ -94,6 +102,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="log every change of job state to DIR and restore it on start (default: memory only)",
     )
     p.add_argument(
+        "--state-min-free-mib",
+        type=int,
+        default=DEFAULT_MIN_FREE_MIB,
+        metavar="MIB",
+        help="with --state-dir: below this much free space on its disk, refuse new nodes (running jobs "
+        f"are still served) until space is freed (default {DEFAULT_MIN_FREE_MIB})",
+    )
+    p.add_argument(
+        "--read-token-file",
+        default=None,
+        metavar="PATH",
+        help="with tokens: a file holding a token that may read every job's detail over HTTP "
+        "(and nothing else); a job's own token reads that job",
+    )
+    p.add_argument(
+        "--http-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name this server is reached by over HTTP (repeatable); requests whose Host header names "
+        "anything else but an IP, localhost or this machine's name are refused (DNS rebinding)",
+    )
+    p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -127,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     st = client("status", "show a running server's jobs, or one job in detail")
     st.add_argument("--job", help="show this job: its members, failures and recent history")
     st.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+    st.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="for a server with tokens: the job's token, to see its detail "
+        "(also RDZV_TOKEN_FILE, RDZV_TOKEN)",
+    )
+    st.add_argument(
+        "--read-token-file",
+        default=None,
+        metavar="PATH",
+        help="the server's read token, which shows every job's detail (also RDZV_READ_TOKEN)",
+    )
     dr = client("drain", "ask a node to leave its job cleanly (its workers get SIGTERM first)")
     dr.add_argument("--job", required=True, help="the job's rdzv id")
     dr.add_argument("--node", required=True, help="the node's id")
@@ -201,10 +245,14 @@ async def serve(
     auth_timeout: float | None = None,
     tls: ssl.SSLContext | None = None,
     state_dir: str | None = None,
+    state_min_free: int = DEFAULT_MIN_FREE_MIB << 20,
+    read_token: str | None = None,
+    http_hosts: Sequence[str] = (),
 ) -> int:
     import asyncio
     import signal
 
+    from .http_app import Access
     from .listeners import kernel_accept_cap, listeners_for
     from .service import RendezvousService
 
@@ -214,7 +262,8 @@ async def serve(
         service.hello_timeout = hello_timeout
     if auth_timeout is not None:
         service.auth_timeout = auth_timeout
-    state_log = open_state_dir(state_dir, tokens) if state_dir is not None else None
+    service.http_access = Access(read_token=read_token, hosts=tuple(http_hosts))
+    state_log = open_state_dir(state_dir, tokens, state_min_free) if state_dir is not None else None
     if state_dir is not None and state_log is None:
         return EXIT_ERROR
     if state_log is not None:
@@ -274,14 +323,16 @@ async def serve(
     return EXIT_ERROR if why and why[0].startswith("fatal: ") else EXIT_OK
 
 
-def open_state_dir(state_dir: str, tokens: TokenTable | None) -> StateLog | None:
+def open_state_dir(
+    state_dir: str, tokens: TokenTable | None, min_free: int = DEFAULT_MIN_FREE_MIB << 20
+) -> StateLog | None:
     """Restore the machine from --state-dir, saying what was found; None (logged) if unusable."""
     from .journal import StateLog, StateLogError
     from .state import Log
 
     log = logging.getLogger("rdzv_server")
     try:
-        state_log, found, effects = StateLog.open(Path(state_dir), tokens=tokens)
+        state_log, found, effects = StateLog.open(Path(state_dir), tokens=tokens, min_free=min_free)
     except (StateLogError, OSError) as exc:
         log.error("cannot use --state-dir %s: %s", state_dir, exc)
         return None
@@ -343,7 +394,9 @@ def call(
     """One request; (status, decoded JSON). Unreachable or not our API -> CommandError."""
     url = base_url(endpoint, tls=tls is not None) + path
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Accept": "application/json"})
+    # X-Rdzv-Request: what a server without tokens wants of a state-changing request (http_app.py).
+    headers = {"Accept": "application/json", "X-Rdzv-Request": "1"}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     if data is not None:
@@ -388,14 +441,52 @@ def _message(doc: Any, fallback: str) -> str:
     return fallback
 
 
+def read_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """status: the read token (--read-token-file, RDZV_READ_TOKEN), else the job's token."""
+    if args.read_token_file:
+        try:
+            return load_read_token(args.read_token_file)
+        except ValueError as exc:
+            raise CommandError(str(exc), EXIT_USAGE) from None
+    if environ.get("RDZV_READ_TOKEN"):
+        return environ["RDZV_READ_TOKEN"].strip()
+    if args.job is None:
+        return None  # the summary is open
+    try:
+        tokens = load_tokens(args.token_file, environ)
+    except ValueError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    return None if tokens is None else tokens.for_job(args.job)
+
+
+def load_read_token(path: str) -> str:
+    """--read-token-file: one token, alone on its line (comments and blank lines aside)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the read-token file {path!r}: {exc.strerror or exc}") from None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    if len(lines) != 1 or len(lines[0].split()) != 1:
+        raise ValueError(f"read-token file {path!r}: want one token on one line")
+    return lines[0]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     quoted = urllib.parse.quote(args.job, safe="") if args.job is not None else None
     path = "/v1/jobs" if quoted is None else f"/v1/jobs/{quoted}"
-    status, doc = call(args.endpoint, "GET", path, args.timeout, tls=client_tls(args, os.environ))
+    token = read_token(args, os.environ)
+    status, doc = call(
+        args.endpoint, "GET", path, args.timeout, token=token, tls=client_tls(args, os.environ)
+    )
+    if status in (401, 403):
+        hint = "" if token else " (see --token-file or --read-token-file)"
+        raise CommandError(f"{args.endpoint} answered HTTP {status}: {shown(_message(doc, ''))}{hint}")
     if status == 404:
-        raise CommandError(f"{_message(doc, f'no job {args.job!r}')} on {args.endpoint}", EXIT_NOT_FOUND)
+        raise CommandError(
+            f"{shown(_message(doc, f'no job {args.job!r}'))} on {args.endpoint}", EXIT_NOT_FOUND
+        )
     if status != 200:
-        raise CommandError(f"{args.endpoint} answered HTTP {status}: {_message(doc, '')}")
+        raise CommandError(f"{args.endpoint} answered HTTP {status}: {shown(_message(doc, ''))}")
     if args.json:
         print(json.dumps(doc, indent=2))
     elif args.job is None:
@@ -418,14 +509,14 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if status in (401, 403):
         no_cert = isinstance(doc, dict) and doc.get("error") == "client_certificate_required"
         hint = "" if no_cert else " (see --token-file)"  # the message already names the TLS flags
-        raise CommandError(f"cannot drain: {_message(doc, 'not allowed')}{hint}")
+        raise CommandError(f"cannot drain: {shown(_message(doc, 'not allowed'))}{hint}")
     if status == 404:
-        raise CommandError(f"cannot drain: {_message(doc, 'not found')}", EXIT_NOT_FOUND)
+        raise CommandError(f"cannot drain: {shown(_message(doc, 'not found'))}", EXIT_NOT_FOUND)
     if status != 202:
-        raise CommandError(f"cannot drain: the server answered HTTP {status}: {_message(doc, '')}")
+        raise CommandError(f"cannot drain: the server answered HTTP {status}: {shown(_message(doc, ''))}")
     why = f" ({args.reason})" if args.reason else ""
     print(
-        f"asked node {args.node} of job {args.job} to drain{why}: "
+        f"asked node {shown(args.node)} of job {shown(args.job)} to drain{shown(why)}: "
         "its agent stops its workers and leaves the job"
     )
     return EXIT_OK
@@ -434,8 +525,27 @@ def cmd_drain(args: argparse.Namespace) -> int:
 # --- formatting ---------------------------------------------------------------------------
 
 
+# C0 and C1 controls, DEL, and the bidirectional overrides that reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: object) -> str:
+    """A peer's text, safe to print on one line: control characters become visible escapes."""
+    return _CONTROL.sub(lambda m: ascii(m[0])[1:-1], str(text))
+
+
+class SafeFormatter(logging.Formatter):
+    """The server's log lines, with control characters in the message escaped: a node id or a
+    reason holding a newline or a terminal escape cannot forge a line. Our own tracebacks
+    (``exc_info``) keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = shown(record.message)
+        return super().formatMessage(record)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(c) for c in headers], *([("" if c is None else str(c)) for c in r] for r in rows)]
+    cells = [[str(c) for c in headers], *([("" if c is None else shown(c)) for c in r] for r in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
@@ -495,25 +605,30 @@ def format_jobs(doc: dict[str, Any]) -> str:
                 j["round"],
                 f"{j['restart_count']}/{j['max_restarts']}",
                 _age(j["age"]),
-                j["outcome"],
             )
         )
-    return head + "\n\n" + table(("JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE", "OUTCOME"), rows)
+    out = head + "\n\n" + table(("JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE"), rows)
+    if doc.get("truncated"):
+        out += (
+            f"\n({len(doc['jobs'])} of {doc['jobs_total']} jobs shown: the active ones first, newest first)"
+        )
+    return out
 
 
 def format_job(job: dict[str, Any]) -> str:
     s = job["settings"]
     lines = [
-        f"job {job['id']}: {job['phase']}"
+        f"job {shown(job['id'])}: {job['phase']}"
         + (" (forgotten: every node has left)" if job["forgotten"] else ""),
         f"  round {job['round']} ({job['rounds_completed']} completed), "
         f"restarts {job['restart_count']}/{job['max_restarts']}, nodes {_nodes(job)}"
         + (f", world size {job['world_size']}" if job["world_size"] is not None else "")
-        + (f", master {job['master']['addr']}:{job['master']['port']}" if job["master"] else ""),
-        f"  entrypoint {s['entrypoint']}; created {_clock(job['created_at'], True)} ({_age(job['age'])} ago)",
+        + (f", master {shown(job['master']['addr'])}:{job['master']['port']}" if job["master"] else ""),
+        f"  entrypoint {shown(s['entrypoint'])}; "
+        f"created {_clock(job['created_at'], True)} ({_age(job['age'])} ago)",
     ]
     if job["outcome"]:
-        lines.append(f"  outcome: {job['outcome']}")
+        lines.append(f"  outcome: {shown(job['outcome'])}")
     rows = []
     for m in job["members"]:
         departed = m["role"] == "departed"
@@ -548,15 +663,20 @@ def format_job(job: dict[str, Any]) -> str:
         lines += ["", "failures (the root cause of each restart):"]
         for f in job["failures"]:
             where = "" if f["round"] is None else f"round {f['round']}: "
-            lines.append(f"  {where}{f['description']}" + (f": {f['message']}" if f["message"] else ""))
+            text = f["description"] + (f": {f['message']}" if f["message"] else "")
+            lines.append(f"  {where}{shown(text)}")
     if job["excluded"]:
-        lines += ["", "excluded:"] + [f"  {x['node_id']}: {x['reason']}" for x in job["excluded"]]
+        lines += ["", "excluded:"] + [
+            f"  {shown(x['node_id'])}: {shown(x['reason'])}" for x in job["excluded"]
+        ]
     recent = job["history"][-HISTORY_SHOWN:]
     if recent:
-        shown = f"last {len(recent)} of {len(job['history'])}" if len(job["history"]) > len(recent) else ""
-        lines += ["", f"history{' (' + shown + ')' if shown else ''}:"]
+        part = f"last {len(recent)} of {len(job['history'])}" if len(job["history"]) > len(recent) else ""
+        lines += ["", f"history{' (' + part + ')' if part else ''}:"]
         width = max(len(e["kind"]) for e in recent)
-        lines += [f"  {_clock(e['time'])}  {e['kind'].ljust(width)}  {e['text']}" for e in recent]
+        lines += [
+            f"  {_clock(e['time'])}  {shown(e['kind']).ljust(width)}  {shown(e['text'])}" for e in recent
+        ]
     return "\n".join(lines)
 
 
@@ -590,13 +710,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"rdzv-server: error: --port must be 0..65535, got {args.port}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     try:
         tokens = load_tokens(args.token_file, os.environ)
+        read = load_read_token(args.read_token_file) if args.read_token_file else None
     except ValueError as exc:
         print(f"rdzv-server: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if read is not None and tokens is None:
+        print(
+            "rdzv-server: error: --read-token-file needs tokens (--token-file): without them reads are open",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.state_min_free_mib < 0:
+        print(
+            f"rdzv-server: error: --state-min-free-mib must be >= 0, got {args.state_min_free_mib}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     for flag, value in (("--hello-timeout", args.hello_timeout), ("--auth-timeout", args.auth_timeout)):
         if value is not None and not 0 < value <= 3600:
@@ -610,7 +743,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .loop import run_loop  # uvloop where installed
 
     limits = {"hello_timeout": args.hello_timeout, "auth_timeout": args.auth_timeout}
-    return run_loop(serve(args.host, args.port, tokens=tokens, tls=tls, state_dir=args.state_dir, **limits))
+    http = {"read_token": read, "http_hosts": tuple(args.http_host)}
+    return run_loop(
+        serve(
+            args.host,
+            args.port,
+            tokens=tokens,
+            tls=tls,
+            state_dir=args.state_dir,
+            state_min_free=args.state_min_free_mib << 20,
+            **limits,
+            **http,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -5,25 +5,41 @@ use aiohttp's server protocol without a site of its own.
 
 | route | what |
 |---|---|
-| ``GET /`` | the dashboard: one static page that polls ``/v1/jobs`` |
+| ``GET /`` | the dashboard: one static page that polls ``/v1/jobs`` and the jobs it shows |
 | ``GET /healthz`` | liveness, with job and connection counts |
-| ``GET /v1/jobs``, ``GET /v1/jobs/{id}`` | the status API (``status.py``; ``docs/openapi.yaml``) |
+| ``GET /v1/jobs`` | a bounded summary of the jobs: numbers only, no node ids or addresses |
+| ``GET /v1/jobs/{id}`` | one job in detail (``status.py``; ``docs/openapi.yaml``) |
 | ``POST /v1/jobs/{id}/nodes/{node}/drain`` | ask a node to leave cleanly (202; 404 names what is missing) |
 | ``GET /metrics`` | Prometheus (``metrics.py``) |
 
 Handlers only read the machine and format it; the one write, drain, goes through the service
 like any other event. Errors under ``/v1/`` are JSON: ``{"error": code, "message": text}``.
 
-Every mutating handler calls ``authorize(request, action)`` first. A server started with
-tokens requires ``Authorization: Bearer TOKEN`` holding the job's token (401 without one, 403
-with a wrong one); reads stay open, as ``/healthz`` and the dashboard must.
+Who may do what (``Access``):
+
+- Host. Every request but ``/healthz`` and ``/metrics`` (counts only; probes and scrapers
+  use IPs and service names) must name this server in its ``Host`` header: an IP literal,
+  ``localhost``, the machine's host name or FQDN, or a name given with ``--http-host``.
+  Anything else is 421: a web page that rebinds its own DNS name to this server's address
+  (DNS rebinding) cannot read or drain through the visitor's browser.
+- Drain (every state-changing request). With tokens: ``Authorization: Bearer TOKEN``
+  holding the job's token (401 without one, 403 with a wrong one). Without tokens: the
+  request must be one a web page cannot send cross-site without the server's consent (a
+  CORS preflight, which this server never grants): ``Content-Type: application/json`` or an
+  ``X-Rdzv-Request`` header; a "simple" form POST is refused (403).
+- Reads. ``/``, ``/healthz``, ``/metrics`` and the ``/v1/jobs`` summary are open. With
+  tokens, a job's detail (members, addresses, the master's address and port, failures with
+  workers' stderr tails, history) needs a bearer token: the read token
+  (``--read-token-file``) or that job's own token.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -33,6 +49,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from protocol import Drain, ProtocolError
+from protocol.records import record
 
 from . import metrics, status
 
@@ -72,26 +89,94 @@ _http_log = logging.getLogger("rdzv_server.http")
 _http_log.addFilter(_PeerMistakes())
 
 
+# The header a non-browser client may send instead of a JSON content type (``rdzv-server drain``
+# sends both): a page cannot add it cross-site without a CORS preflight we never grant.
+REQUEST_HEADER = "X-Rdzv-Request"
+
+
+@record(frozen=True, slots=True)
+class Access:
+    """What the HTTP side lets through, beyond tokens: set by ``rdzv-server`` as
+    ``service.http_access`` before the service starts."""
+
+    read_token: str | None = None  # --read-token-file: may read every job's detail, nothing else
+    hosts: tuple[str, ...] = ()  # --http-host: more names of this server, for the Host check
+
+
 async def allow_all(request: web.Request, action: str) -> None:
-    """A server without tokens: anyone who reaches the port may act."""
+    """A server without tokens: anyone who reaches the port may act, with a request a web
+    page cannot forge cross-site (a JSON body or our header: both need a CORS preflight)."""
+    media = request.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and REQUEST_HEADER not in request.headers:
+        raise web.HTTPForbidden(
+            text=f"{action} needs Content-Type: application/json or a {REQUEST_HEADER}: 1 header "
+            "(a plain form POST, which any web page can make a browser send, is refused)"
+        )
+
+
+def _bearer(request: web.Request, what: str) -> str:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise web.HTTPUnauthorized(
+            text=f"{what}: Authorization: Bearer TOKEN",
+            headers={"WWW-Authenticate": 'Bearer realm="rdzv-server"'},
+        )
+    return given.strip()
+
+
+def _same(expected: str | None, given: str) -> bool:
+    return expected is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
 def token_authorizer(tokens: TokenTable) -> Authorizer:
     """Require the bearer token of the job named in the path."""
 
     async def authorize(request: web.Request, action: str) -> None:
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise web.HTTPUnauthorized(
-                text=f"{action} needs the job's token: Authorization: Bearer TOKEN",
-                headers={"WWW-Authenticate": 'Bearer realm="rdzv-server"'},
-            )
-        expected = tokens.for_job(request.match_info.get("job_id", ""))
-        if expected is None or not hmac.compare_digest(expected.encode(), given.strip().encode()):
+        given = _bearer(request, f"{action} needs the job's token")
+        if not _same(tokens.for_job(request.match_info.get("job_id", "")), given):
             raise web.HTTPForbidden(text=f"{action}: the token is not this job's token")
 
     return authorize
+
+
+def read_authorizer(tokens: TokenTable | None, read_token: str | None) -> Callable[[web.Request, str], None]:
+    """With tokens, a job's detail needs the read token or that job's own token."""
+
+    def check(request: web.Request, job_id: str) -> None:
+        if tokens is None:
+            return
+        given = _bearer(request, "a job's detail needs a token (the read token or the job's own)")
+        if not (_same(read_token, given) or _same(tokens.for_job(job_id), given)):
+            raise web.HTTPForbidden(
+                text="a job's detail: the token is neither the read token nor this job's token"
+            )
+
+    return check
+
+
+def own_names(extra: tuple[str, ...] = ()) -> frozenset[str]:
+    """The names a Host header may give for this server (IP literals are always fine)."""
+    names = {"localhost", socket.gethostname(), socket.getfqdn(), *extra}
+    return frozenset(n.lower().rstrip(".") for n in names if n)
+
+
+def host_names_server(host: str | None, names: frozenset[str]) -> bool:
+    """Whether a Host header (``name``, ``name:port``, ``[v6]:port``) names this server."""
+    if host is None:
+        return True  # no Host at all: HTTP/1.0, never a browser
+    text = host.strip().lower()
+    if text.startswith("["):
+        name = text[1 : text.find("]")] if "]" in text else text
+    elif text.count(":") == 1:
+        name = text.partition(":")[0]
+    else:
+        name = text  # a bare IPv6 literal, or a name
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name.rstrip(".") in names
 
 
 def _error(status_code: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -101,10 +186,12 @@ def _error(status_code: int, code: str, message: str, headers: dict[str, str] | 
 
 
 _ERROR_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
-_ERROR_CODES |= {405: "method_not_allowed", 413: "too_large", 503: "stopped"}
+_ERROR_CODES |= {405: "method_not_allowed", 413: "too_large", 421: "misdirected", 503: "stopped"}
+_UNCHECKED_HOST = frozenset({"/healthz", "/metrics"})  # counts only: probes and scrapers
 
 
 STOPPED: web.AppKey[list[bool]] = web.AppKey("stopped")
+HOST_NAMES: web.AppKey[frozenset[str]] = web.AppKey("host_names")
 
 
 @web.middleware
@@ -116,6 +203,15 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         resp = _error(503, "stopped", "the rendezvous server has shut down")
         resp.force_close()
         return resp
+    host = request.headers.get("Host")
+    if request.path not in _UNCHECKED_HOST and not host_names_server(host, request.app[HOST_NAMES]):
+        shown = ascii(host[:100]) if host is not None else "?"
+        return _error(
+            421,
+            "misdirected",
+            f"Host {shown} does not name this server: use its address, or start it with "
+            "--http-host NAME for each name it is reached by (a guard against DNS rebinding)",
+        )
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -126,10 +222,15 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         return _error(exc.status, code, exc.text or exc.reason, headers)
 
 
-def build_app(service: RendezvousService, *, authorize: Authorizer = allow_all) -> web.Application:
+def build_app(
+    service: RendezvousService, *, authorize: Authorizer = allow_all, access: Access | None = None
+) -> web.Application:
+    access = access or Access()
     app = web.Application(middlewares=[_json_errors])
     app[SERVICE] = service
     app[STOPPED] = stopped = [False]
+    app[HOST_NAMES] = own_names(access.hosts)
+    may_read = read_authorizer(service.tokens, access.read_token)
 
     async def mark_stopped(app: web.Application) -> None:
         stopped[0] = True
@@ -153,6 +254,7 @@ def build_app(service: RendezvousService, *, authorize: Authorizer = allow_all) 
 
     async def get_job(request: web.Request) -> web.Response:
         job_id = request.match_info["job_id"]
+        may_read(request, job_id)
         view = status.find_job(service.machine, job_id, **clocks())
         if view is None:
             return _error(404, "not_found", f"no job {job_id!r}")
@@ -217,8 +319,12 @@ async def make_http_runner(
     """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
     if authorize is None:
         authorize = allow_all if service.tokens is None else token_authorizer(service.tokens)
+    access = service.http_access  # set from rdzv-server's flags
     runner = web.AppRunner(
-        build_app(service, authorize=authorize), handle_signals=False, access_log=None, logger=_http_log
+        build_app(service, authorize=authorize, access=access),
+        handle_signals=False,
+        access_log=None,
+        logger=_http_log,
     )
     await runner.setup()
     return runner

@@ -6,12 +6,14 @@ rank order, failures, exclusions, restart counts, history and counters, with no 
 description of each state change to keep in step with ``state.py``. Three kinds of input
 are rewritten so that replay needs nothing but the log:
 
-- heartbeats are not logged: they only move a connection's "last seen" time;
+- heartbeats, and any event the machine marks ``unchanged`` (a stale or ignored message),
+  are not logged: they change nothing replay needs (at most a connection's "last seen" time),
+  so a member repeating such frames cannot grow the log;
 - a Tick's heartbeat sweep depends on those times, so the log keeps the Tick and, as
   separate disconnections, the silent nodes the sweep dropped; replay runs the machine with
   ``expire_silent=False`` and gets the same drops from the log;
-- a join refused for its token is logged as the disconnection it caused (replay has no
-  tokens, which are configuration, not state).
+- a join refused for its token, or while the disk is nearly full, is logged as the
+  disconnection it caused (replay has no tokens and no disk: configuration, not state).
 
 Order. The service appends the records of every event it handled in one turn of the loop,
 writes and fsyncs them once, and only then carries out their effects: nothing an agent is
@@ -27,9 +29,20 @@ A payload is a msgpack map (never pickle): ``k`` (kind), ``t`` (the machine's cl
 ``w`` (wall clock), and the event's fields; a message travels as its protocol payload and
 is decoded by the protocol codec, with its validation. The log's header names the sequence
 number it starts after; the snapshot names the last record it includes. Every
-``snapshot_every`` records the state is snapshotted (tmp, fsync, rename, fsync the
-directory) and the log starts again; a crash between the two steps leaves records the
-snapshot already holds, which replay skips by number.
+``snapshot_every`` records, or once the log since the last snapshot holds more than
+``max(COMPACT_MIN_BYTES, COMPACT_RATIO x the snapshot's size)`` bytes, the state is
+snapshotted (tmp, fsync, rename, fsync the directory) and the log starts again; a crash
+between the two steps leaves records the snapshot already holds, which replay skips by
+number. Replay reads the log a record at a time, so restarting on a large log needs the
+memory of the state it rebuilds, not of the file.
+
+Disk space. A state log that cannot be written stops the server (nothing may be
+acknowledged that is not durable). So before the disk is full, the log checks the free
+space of DIR's file system (``statvfs``; every ``SPACE_CHECK_BYTES`` written or
+``SPACE_CHECK_SECONDS``, not per record) and, below ``min_free`` (``--state-min-free-mib``,
+and at least twice the last snapshot, which compaction rewrites), sets the machine's
+``refuse_joins``: new nodes are refused with a clear error while running jobs are served.
+It is cleared when space returns.
 
 A crash mid-write leaves a torn last record: too short for its length, or (on a file system
 that extended the file before writing its data) complete but failing its CRC. Either is
@@ -53,7 +66,7 @@ import stat
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +78,7 @@ from protocol.records import record
 
 from . import snapshot
 from .state import (
+    SERVER_BUSY,
     Close,
     Connected,
     Disconnected,
@@ -88,6 +102,11 @@ FILE_HEADER = struct.Struct("!8sQ")  # magic, sequence number the file starts af
 RECORD_HEADER = struct.Struct("!II")  # payload length, CRC32 of (length bytes + payload)
 MAX_RECORD = 256 << 20  # a length above this is damage, not a record
 SNAPSHOT_EVERY = 50_000  # records between snapshots
+COMPACT_MIN_BYTES = 16 << 20  # the log may grow to this much after a snapshot...
+COMPACT_RATIO = 4  # ...or to this many times the snapshot's size, before it is compacted
+MIN_FREE_BYTES = 128 << 20  # below this much free space in DIR, new nodes are refused
+SPACE_CHECK_BYTES = 1 << 20  # statvfs after this much was written...
+SPACE_CHECK_SECONDS = 1.0  # ...or this long after the last check (when an event comes)
 
 
 class StateLogError(Exception):
@@ -144,13 +163,23 @@ def _rest_is_filler(view: memoryview, pos: int) -> bool:
 # --- events as records --------------------------------------------------------------------
 
 
-def event_record(event: Event, effects: list[Effect]) -> dict[str, Any] | None:
-    """What the log keeps of one handled event (None: nothing that replay needs)."""
+# Joins refused for something replay does not have (tokens, free disk): logged as the
+# disconnection they caused.
+_REFUSED_BY_CONFIG = frozenset({"auth_failed", SERVER_BUSY})
+
+
+def event_record(event: Event, effects: list[Effect], *, unchanged: bool = False) -> dict[str, Any] | None:
+    """What the log keeps of one handled event (None: nothing that replay needs).
+
+    ``unchanged``: the machine said the event changed no state (``Rendezvous.unchanged``).
+    """
+    if unchanged:
+        return None
     if isinstance(event, Received):
         if isinstance(event.msg, Heartbeat):
             return None
         for eff in effects:
-            if isinstance(eff, Send) and isinstance(eff.msg, Error) and eff.msg.code == "auth_failed":
+            if isinstance(eff, Send) and isinstance(eff.msg, Error) and eff.msg.code in _REFUSED_BY_CONFIG:
                 why = next((e.reason for e in effects if isinstance(e, Close) and e.conn == event.conn), "")
                 return {"k": "disconnected", "conn": event.conn, "why": why}
         return {"k": "received", "conn": event.conn, "msg": encode(event.msg)[HEADER.size :]}
@@ -220,6 +249,7 @@ class StateLog:
         snapshot_every: int = SNAPSHOT_EVERY,
         fsync: bool = True,
         lock_fd: int = -1,
+        min_free: int = MIN_FREE_BYTES,
     ) -> None:
         self.dir = directory
         self.machine = machine
@@ -234,6 +264,12 @@ class StateLog:
         self._urgent = False  # the buffer holds a record whose effects need it durable first
         self.syncs = 0  # fsyncs done, and the time they took (for operators and benchmarks)
         self.sync_seconds = 0.0
+        self.log_bytes = max(0, _size(directory / LOG_NAME) - FILE_HEADER.size)  # records since the snapshot
+        self.snapshot_bytes = _size(directory / SNAP_NAME)
+        self.min_free = min_free
+        self._unchecked_bytes = 0  # written since the last free-space check
+        self._space_checked = -float("inf")  # time.monotonic() of that check
+        self.check_space(force=True)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -247,6 +283,7 @@ class StateLog:
         wall: Callable[[], float] = time.time,
         snapshot_every: int = SNAPSHOT_EVERY,
         fsync: bool = True,
+        min_free: int = MIN_FREE_BYTES,
     ) -> tuple[StateLog, Restored, list[Effect]]:
         """Lock DIR, load its snapshot, replay its log, drop a torn tail; then ``recover``.
 
@@ -275,6 +312,7 @@ class StateLog:
                 snapshot_every=snapshot_every,
                 fsync=fsync,
                 lock_fd=lock_fd,
+                min_free=min_free,
             )
         except BaseException:
             os.close(lock_fd)
@@ -294,7 +332,9 @@ class StateLog:
         return time.monotonic() + self._offset
 
     def record(self, event: Event, effects: list[Effect], now: float) -> None:
-        rec = event_record(event, effects)
+        """Log one event the machine just handled, unless it changed nothing (``unchanged``)."""
+        self.check_space()
+        rec = event_record(event, effects, unchanged=self.machine.unchanged)
         if rec is not None:
             # A connection and its hello change no job state, and what they are told (the
             # welcome) promises nothing: their records ride on the next fsync. Replay needs
@@ -307,7 +347,10 @@ class StateLog:
     def append(self, rec: dict[str, Any], now: float, *, urgent: bool = True) -> None:
         """Buffer one record; it is durable after the next ``sync``."""
         rec["t"], rec["w"] = now, time.time()
-        self._buf.append(frame(msgpack.packb(rec, use_bin_type=True)))
+        framed = frame(msgpack.packb(rec, use_bin_type=True))
+        self._buf.append(framed)
+        self.log_bytes += len(framed)
+        self._unchecked_bytes += len(framed)
         self._urgent = self._urgent or urgent
         self.seq += 1
         self._since_snapshot += 1
@@ -342,7 +385,8 @@ class StateLog:
         self.syncs += 1
 
     def maybe_compact(self) -> None:
-        if self._since_snapshot >= self.snapshot_every:
+        too_big = self.log_bytes > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self.snapshot_bytes)
+        if self._since_snapshot >= self.snapshot_every or too_big:
             self.compact()
 
     def compact(self) -> None:
@@ -353,13 +397,55 @@ class StateLog:
             {"seq": self.seq, "t": now, "w": time.time(), "state": snapshot.dump(self.machine)},
             use_bin_type=True,
         )
-        _replace(self.dir / SNAP_NAME, FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body), self.fsync)
+        snap = FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body)
+        _replace(self.dir / SNAP_NAME, snap, self.fsync)
+        self.snapshot_bytes = len(snap)
         # The log restarts after the snapshot; a crash before this rename only leaves
         # records that replay skips by number.
         _replace(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync)
         os.close(self._fd)
         self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND | _NOFOLLOW)
         self._since_snapshot = 0
+        self.log_bytes = 0
+        self.check_space(force=True)
+
+    def check_space(self, *, force: bool = False) -> None:
+        """Refuse new nodes (``machine.refuse_joins``) while DIR's disk is nearly full.
+
+        Cheap to call per event: it runs ``statvfs`` only after ``SPACE_CHECK_BYTES`` were
+        written or ``SPACE_CHECK_SECONDS`` passed. The margin is ``min_free`` and at least two
+        snapshots' worth, since compaction writes a new snapshot beside the old one.
+        """
+        mono = time.monotonic()
+        if (
+            not force
+            and self._unchecked_bytes < SPACE_CHECK_BYTES
+            and mono - self._space_checked < SPACE_CHECK_SECONDS
+        ):
+            return
+        self._unchecked_bytes, self._space_checked = 0, mono
+        try:
+            st = os.statvfs(self.dir)
+        except OSError as exc:
+            logger.warning("cannot check the free space of %s: %s", self.dir, exc.strerror or exc)
+            return
+        free = st.f_bavail * st.f_frsize
+        need = max(self.min_free, 2 * self.snapshot_bytes)
+        if free < need:
+            text = (
+                f"the server's state disk is nearly full ({free / (1 << 20):.1f} MiB free in {self.dir}): "
+                "no new nodes until space is freed"
+            )
+            if not self.machine.refuse_joins:
+                logger.warning(
+                    "%s (running jobs are still served; want %.0f MiB free)", text, need / (1 << 20)
+                )
+            self.machine.refuse_joins = text
+        elif self.machine.refuse_joins:
+            logger.info(
+                "state disk: %.1f MiB free in %s again: new nodes are accepted", free / (1 << 20), self.dir
+            )
+            self.machine.refuse_joins = ""
 
     def close(self) -> None:
         self.sync()
@@ -402,13 +488,15 @@ def _private_dir(directory: Path) -> None:
         )
 
 
-def _read(path: Path) -> bytes:
+def _size(path: Path) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError as exc:
-        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise StateLogError(f"cannot read {path}: {why}") from None
-    with os.fdopen(fd, "rb") as f:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read(path: Path) -> bytes:
+    with _open_read(path) as f:
         return f.read()
 
 
@@ -478,46 +566,117 @@ def _load_snapshot(path: Path, machine: Rendezvous) -> tuple[int, float | None, 
 def replay_log(
     path: Path, machine: Rendezvous, snap_seq: int
 ) -> tuple[int, int, int, tuple[float, float] | None]:
-    """Replay the log after the snapshot: (last seq, records replayed, bytes dropped, last times)."""
-    if not os.path.lexists(path):  # a symlink is refused by _read, not taken for no file
+    """Replay the log after the snapshot: (last seq, records replayed, bytes dropped, last times).
+
+    The log is read a record at a time: replaying a large log costs the memory of the state
+    it rebuilds, not of the file.
+    """
+    if not os.path.lexists(path):  # a symlink is refused by _open_read, not taken for no file
         _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
         return snap_seq, 0, 0, None
-    data = _read(path)
-    if len(data) < FILE_HEADER.size:
-        # Torn while being created (compaction writes it whole, so only a first start).
-        if snap_seq:
-            raise StateLogError(f"{path} has no header but a snapshot exists")
-        _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
-        return snap_seq, 0, 0, None
-    magic, base = FILE_HEADER.unpack_from(data)
-    if magic != LOG_MAGIC:
-        raise StateLogError(f"{path} is not a rdzv-server state log")
-    if base > snap_seq:
-        raise StateLogError(f"{path} starts after record {base}, but the snapshot ends at {snap_seq}")
-    try:
-        found = scan(data, FILE_HEADER.size)
-    except StateLogError as exc:
-        raise StateLogError(f"{path}: {exc}; refusing to drop the records after it") from None
-    dropped = len(data) - found.good_end
-    if found.torn:
+    with _open_read(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(FILE_HEADER.size)
+        if len(head) < FILE_HEADER.size:
+            # Torn while being created (compaction writes it whole, so only a first start).
+            if snap_seq:
+                raise StateLogError(f"{path} has no header but a snapshot exists")
+            _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
+            return snap_seq, 0, 0, None
+        magic, base = FILE_HEADER.unpack(head)
+        if magic != LOG_MAGIC:
+            raise StateLogError(f"{path} is not a rdzv-server state log")
+        if base > snap_seq:
+            raise StateLogError(f"{path} starts after record {base}, but the snapshot ends at {snap_seq}")
+        reader = _RecordReader(f, size, FILE_HEADER.size)
+        seq, replayed, last = base, 0, None
+        try:
+            for payload in reader:
+                seq += 1
+                try:
+                    rec = _unpack(payload)
+                    if seq <= snap_seq:
+                        continue  # already in the snapshot (a crash during compaction)
+                    last = (float(rec["t"]), float(rec["w"]))
+                    apply_record(machine, rec)
+                except (LocalError, ProtocolError, KeyError, TypeError, ValueError) as exc:
+                    raise StateLogError(
+                        f"{path}: record {seq} does not replay: {type(exc).__name__}: {exc}"
+                    ) from None
+                replayed += 1
+        except _Damage as exc:
+            raise StateLogError(f"{path}: {exc}; refusing to drop the records after it") from None
+    dropped = size - reader.good_end
+    if reader.torn:
         logger.warning(
             "state log: dropped a torn last record (%d bytes at offset %d, a crash mid-write)",
             dropped,
-            found.good_end,
+            reader.good_end,
         )
-        os.truncate(path, found.good_end)
-    seq, replayed, last = base, 0, None
-    for payload in found.records:
-        seq += 1
-        try:
-            rec = _unpack(payload)
-            if seq <= snap_seq:
-                continue  # already in the snapshot (a crash during compaction)
-            last = (float(rec["t"]), float(rec["w"]))
-            apply_record(machine, rec)
-        except (LocalError, ProtocolError, KeyError, TypeError, ValueError) as exc:
-            raise StateLogError(
-                f"{path}: record {seq} does not replay: {type(exc).__name__}: {exc}"
-            ) from None
-        replayed += 1
+        os.truncate(path, reader.good_end)
     return max(seq, snap_seq), replayed, dropped, last
+
+
+class _Damage(Exception):
+    """A bad record followed by more data: damage, not a torn write."""
+
+
+class _RecordReader:
+    """The record payloads of an open log file, one at a time (``scan``'s rules, streamed).
+
+    After iteration: ``good_end`` is the offset just past the last good record, and ``torn``
+    says the bytes after it are a torn last record (to be dropped). Raises _Damage.
+    """
+
+    def __init__(self, f: Any, size: int, start: int) -> None:
+        self._f, self._size = f, size
+        self.good_end = start
+        self.torn = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        f, size = self._f, self._size
+        pos = self.good_end
+        while pos < size:
+            head = f.read(RECORD_HEADER.size)
+            if len(head) < RECORD_HEADER.size:
+                self.torn = True
+                return
+            length, crc = RECORD_HEADER.unpack(head)
+            body = pos + RECORD_HEADER.size
+            if length == 0 or length > MAX_RECORD:
+                if self._rest_is_filler(pos):
+                    self.torn = True
+                    return
+                raise _Damage(f"bad record length {length} at offset {pos}")
+            if size - body < length:
+                self.torn = True  # runs past the end of the file
+                return
+            payload = f.read(length)
+            if len(payload) < length:  # the file shrank under us
+                self.torn = True
+                return
+            if zlib.crc32(payload, zlib.crc32(head[:4])) != crc:
+                if body + length == size or self._rest_is_filler(body + length):
+                    self.torn = True
+                    return
+                raise _Damage(f"record at offset {pos} fails its checksum and more records follow")
+            pos = body + length
+            self.good_end = pos
+            yield payload
+
+    def _rest_is_filler(self, pos: int) -> bool:
+        """Whether everything from ``pos`` to the end is zeros (read in chunks)."""
+        self._f.seek(pos)
+        while chunk := self._f.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return False
+        return True
+
+
+def _open_read(path: Path) -> Any:
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as exc:
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise StateLogError(f"cannot read {path}: {why}") from None
+    return os.fdopen(fd, "rb", buffering=1 << 20)

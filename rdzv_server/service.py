@@ -3,10 +3,29 @@
 One TCP port carries both protocols. The first bytes of a connection decide: our magic means
 an agent speaking framed msgpack (handled here, as an ``asyncio.Protocol``: no stream or task
 per connection, which keeps 10,000 agents cheap); an HTTP request line means a person or a
-monitoring system, and the connection is handed, bytes and all, to aiohttp's server protocol.
+monitoring system, and the connection's bytes are relayed to aiohttp's server protocol.
 aiohttp is imported only when HTTP is enabled, so an agent's embedded server starts fast.
 With an ``ssl.SSLContext`` the port speaks only TLS, and the same routing runs on the
 decrypted bytes once the handshake is done (see ``protocol/tls.py``).
+
+What a stranger can make the server hold, and for how long, is bounded:
+
+- Caps on open connections, in all and per address, fit under the process's file
+  descriptor limit (``limits.py``). Every connection holds its place from the accept (after
+  its TLS handshake, which ``hello_timeout`` bounds) until it closes, HTTP ones too. A connection over a cap
+  is told "server busy" in its own protocol (an ``Error`` frame, or a 503), not just closed.
+- Each stage has a deadline: the hello (and a TLS handshake) within ``hello_timeout``, the
+  join within ``auth_timeout`` after it, each HTTP request head within ``hello_timeout`` of
+  the accept and then ``http_idle_timeout`` of the previous one.
+- Each stage has a frame limit (``protocol.frame_limits``): 2 KiB before the hello, the
+  largest legal Join or Resume until joined, the largest legal client message after.
+- Each connection decodes at most ``FRAMES_PER_TURN`` frames (``BYTES_PER_TURN`` bytes) in
+  one turn of the event loop, then pauses reading until the next; one that sends faster than
+  ``FRAME_RATE`` frames a second (past a burst), or keeps sending messages that change nothing,
+  is closed with an Error saying so.
+- A stall of the server itself (a long turn of the loop, a SIGSTOP) is measured by a
+  watchdog timer and credited to every agent (``Rendezvous.credit_stall``) before the
+  heartbeat sweep can run, so it never counts as the agents' silence.
 
 Everything the machine decides comes back as effects; this module only carries them out.
 """
@@ -29,20 +48,33 @@ from protocol import (
     Error,
     FrameDecoder,
     Heartbeat,
-    Hello,
-    Join,
+    Message,
     ProtocolError,
-    Resume,
     classify_preface,
     encode,
     error_message,
+    frame_limits,
 )
 from protocol.auth import TokenTable
 
+from . import limits
 from .listeners import check_port_free
-from .state import Close, Connected, Disconnected, Effect, Log, Received, Rendezvous, Send, Tick
+from .state import (
+    SERVER_BUSY,
+    Close,
+    Connected,
+    ConnPhase,
+    Disconnected,
+    Effect,
+    Log,
+    Received,
+    Rendezvous,
+    Send,
+    Tick,
+)
 
 if TYPE_CHECKING:
+    from .http_app import Access
     from .journal import StateLog
 
 logger = logging.getLogger("rdzv_server")
@@ -53,23 +85,51 @@ HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
 # ... and one that said hello but has not joined (proved its token) by then. Longer: an agent
 # runs its --health-check (up to 60 s, node_agent.runner.HEALTH_CHECK_TIMEOUT) before joining.
 AUTH_TIMEOUT = 90.0
+HTTP_IDLE_TIMEOUT = 30.0  # an HTTP connection with no complete request head for this long
+BUSY_TIMEOUT = 2.0  # a connection over the caps that has not said what it speaks by then
 PREFACE_LIMIT = 64  # bytes we look at before deciding what a connection speaks
 WRITE_BUFFER_LIMIT = 4 << 20  # a peer that reads slower than this much backlog is dropped
-MAX_CONNECTIONS = 60_000  # open sockets in all (each agent holds one)
-MAX_PER_ADDRESS = 20_000  # from one address (benchmarks run 10,000 agents from loopback)
+# One connection's share of a turn of the event loop: then reading pauses until the next turn.
+FRAMES_PER_TURN = 64
+BYTES_PER_TURN = 256 << 10
+# Frames a connection may send: a burst, then this many a second. An agent sends about one a
+# second (its heartbeat) and a few per round; a backlog after a stall of the server is allowed.
+FRAME_RATE = 50
+FRAME_BURST = 300
+# Messages that change nothing (stale, repeated, ignored) a connection may send: a burst, then
+# this many a second, before it is closed.
+IGNORED_RATE = 0.5
+IGNORED_BURST = 20
+# The watchdog: how often it looks, and the lateness that counts as a stall of the server.
+WATCHDOG_INTERVAL = 0.25
+STALL_MIN = 0.2
+_monotonic = time.monotonic
 
 
 class _Connection(asyncio.Protocol):
-    """One accepted socket, until we know what it speaks, and then an agent connection."""
+    """One accepted socket: until we know what it speaks, then an agent connection (frames
+    decoded here) or an HTTP one (bytes relayed to aiohttp's protocol, so that its close still
+    comes here and returns its place in the caps)."""
 
     __slots__ = (
         "_buf",
         "_decoder",
-        "_hello_timer",
+        "_http",
+        "_ignored",
+        "_ignored_at",
+        "_lost",
         "_magic_due",
+        "_paused",
+        "_stall_seen",
+        "_tail",
+        "_timer",
+        "_timer_kind",
+        "_tokens",
+        "_tokens_at",
         "admitted",
         "conn_id",
         "host",
+        "refusing",
         "service",
         "transport",
     )
@@ -80,39 +140,59 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._decoder: FrameDecoder | None = None
-        self._hello_timer: asyncio.TimerHandle | None = None
-        self.admitted = False
+        self._http: asyncio.Protocol | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
+        self.admitted = False  # holds a place in the caps
+        self.refusing = False  # over the caps: held only to be told "server busy"
         self._magic_due = False  # our MAGIC goes out with the first frame: one write, not two
+        self._lost = False
+        self._paused = False  # reading paused: the frames of this turn's budget are spent
+        self._tail = b""  # the last bytes relayed to HTTP, to find a head's end across reads
+        self._tokens = float(FRAME_BURST)
+        self._tokens_at = _monotonic()
+        self._stall_seen = service._stall_total
+        self._ignored = 0.0
+        self._ignored_at = 0.0
         self.host = ""
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
-        if not self.service._admit(self):
-            transport.close()
+        svc = self.service
+        if not svc._admit(self):
+            transport.abort()
             self.transport = None
             return
-        self._hello_timer = asyncio.get_running_loop().call_later(
-            self.service.hello_timeout, self._hello_expired
-        )
+        self._arm(svc.hello_timeout if self.admitted else svc.busy_timeout, "hello")
 
     def data_received(self, data: bytes) -> None:
+        if self._http is not None:
+            self._relay_http(data)
+            return
         if self._decoder is None:
             self._buf += data
             kind = classify_preface(bytes(self._buf[:PREFACE_LIMIT]))
             if kind == "more" and len(self._buf) < PREFACE_LIMIT:
+                return
+            if self.refusing and kind in ("rdzv", "http"):
+                self._refuse_busy(kind)
                 return
             if kind in ("rdzv", "http") and self.service._lacks_client_cert(self):
                 self._refuse_without_cert(kind)
                 return
             if kind == "rdzv":
                 self._decoder = FrameDecoder(
-                    max_frame_size=self.service.max_frame_size, allowed=CLIENT_MESSAGES, expect_magic=True
+                    max_frame_size=self.service._frame_limit(ConnPhase.HELLO),
+                    allowed=CLIENT_MESSAGES,
+                    expect_magic=True,
                 )
                 self.service._agent_connected(self)
                 data, self._buf = bytes(self._buf), bytearray()
             elif kind == "http" and self.service.http_factory is not None:
-                self._cancel_hello_timer()
                 self.service._hand_to_http(self, bytes(self._buf))
+                self._buf = bytearray()
                 return
             elif kind == "tls":
                 # A TLS client on a plain port; it will see the connection close mid-handshake.
@@ -123,43 +203,213 @@ class _Connection(asyncio.Protocol):
                 logger.warning("closing %s: it speaks neither our protocol nor HTTP", self.peer)
                 self._close_now()
                 return
-        if data == HEARTBEAT_FRAME and not self._decoder.buffered and self.service._heartbeat(self.conn_id):
-            return  # the common case, every second from every agent: no decoding, no dispatch
-        try:
-            messages = self._decoder.feed(data)
-        except ProtocolError as exc:
-            # The peer broke the protocol: tell it why, close, keep serving everyone else.
-            logger.warning("closing %s: %s", self.peer, exc)
-            self.write(encode(error_message(exc)))
-            self._close_now()
+        decoder = self._decoder
+        if self._paused:
+            decoder.feed(data, limit=0)  # kept for the turn already scheduled
             return
-        for msg in messages:
-            # A heartbeat that came in one read with other frames (a busy server reads late).
-            if type(msg) is Heartbeat and self.service._heartbeat(self.conn_id):
-                continue
-            self.service._dispatch(Received(self.conn_id, msg))
-            if self.transport is None or self.transport.is_closing():
-                return
-            # The machine refuses (and closes) a bad hello or join; one it kept moves the timer
-            # on: after the hello, the join must come within auth_timeout; after it, no limit.
-            if self._hello_timer is not None and isinstance(msg, Hello | Join | Resume):
-                self._cancel_hello_timer()
-                if isinstance(msg, Hello):
-                    self._hello_timer = asyncio.get_running_loop().call_later(
-                        self.service.auth_timeout, self._auth_expired
-                    )
+        if data == HEARTBEAT_FRAME and not decoder.buffered and self.service._heartbeat(self.conn_id):
+            # The common case, every second from every agent: no decoding, no dispatch.
+            if not self._spend():
+                self._flooded()
+            return
+        self._work(data)
+
+    def eof_received(self) -> bool | None:
+        if self._http is not None:
+            return self._http.eof_received()
+        return None
+
+    def pause_writing(self) -> None:
+        if self._http is not None:
+            self._http.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._http is not None:
+            self._http.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_hello_timer()
+        if self._lost:
+            return
+        self._lost = True
+        self._cancel_timer()
         self.service._release(self)
         self.transport = None
+        if self._http is not None:
+            http, self._http = self._http, None
+            http.connection_lost(exc)
         if self._decoder is not None:
             self.service._agent_disconnected(self, "connection lost" if exc else "connection closed")
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _work(self, data: bytes = b"") -> None:
+        """Decode and dispatch the frames buffered so far, up to this turn's budget; the rest
+        waits for a later turn with reading paused, so one connection cannot hold the loop."""
+        svc = self.service
+        decoder = self._decoder
+        assert decoder is not None
+        frames = 0
+        taken = 0
+        while True:
+            if frames >= FRAMES_PER_TURN or taken >= BYTES_PER_TURN:
+                if decoder.buffered:
+                    self._pause()
+                return
+            before = decoder.buffered + len(data)
+            try:
+                msgs = decoder.feed(data, limit=1)
+            except ProtocolError as exc:
+                # The peer broke the protocol: tell it why, close, keep serving everyone else.
+                logger.warning("closing %s: %s", self.peer, exc)
+                self.write(encode(error_message(exc)))
+                self._close_now()
+                return
+            data = b""
+            if not msgs:
+                return
+            frames += 1
+            taken += before - decoder.buffered
+            if not self._spend():
+                self._flooded()
+                return
+            msg = msgs[0]
+            # A heartbeat that came in one read with other frames (a busy server reads late).
+            if type(msg) is Heartbeat and svc._heartbeat(self.conn_id):
+                continue
+            handled = svc._dispatch(Received(self.conn_id, msg))
+            if not handled or self.transport is None or self.transport.is_closing():
+                return
+            self._after(msg)
+            if self.transport is None or self.transport.is_closing():
+                return
+
+    def _after(self, msg: Message) -> None:
+        """What the machine made of a message: the connection's stage, timer and frame limit;
+        and whether it keeps sending what changes nothing."""
+        svc = self.service
+        if svc.machine.unchanged and type(msg) is not Heartbeat:
+            now = _monotonic()
+            level = max(0.0, self._ignored - (now - self._ignored_at) * IGNORED_RATE) + 1
+            self._ignored, self._ignored_at = level, now
+            if level > IGNORED_BURST:
+                self._close_with_error(
+                    "flooding",
+                    f"closing the connection: it sent more than {IGNORED_BURST} messages that change "
+                    f"nothing (sustained limit {IGNORED_RATE:g} a second); the last was {msg.TYPE}",
+                )
+                return
+        conn = svc.machine.conns.get(self.conn_id)
+        phase = conn.phase if conn is not None else None
+        if phase is not None:
+            assert self._decoder is not None
+            self._decoder.max_frame_size = svc._frame_limit(phase)
+        # The machine refuses (and closes) a bad hello or join. After the hello, the join must
+        # come within auth_timeout; once the connection is joined (not merely answered: a
+        # Resume may be told to Restart and stay unjoined), no limit.
+        if phase is ConnPhase.JOINED:
+            if self._timer_kind in ("hello", "auth"):
+                self._cancel_timer()
+        elif phase is ConnPhase.READY and self._timer_kind != "auth":
+            self._arm(svc.auth_timeout, "auth")
+
+    def _spend(self) -> bool:
+        """One frame from this connection's allowance (a token bucket); False: it floods."""
+        now = _monotonic()
+        cap = float(FRAME_BURST)
+        stalled = self.service._stall_total - self._stall_seen
+        if stalled:
+            # The server stood still: the agent's heartbeats of that time arrive at once.
+            self._stall_seen = self.service._stall_total
+            cap += stalled * FRAME_RATE
+            self._tokens += stalled * FRAME_RATE
+        tokens = min(max(cap, self._tokens), self._tokens + (now - self._tokens_at) * FRAME_RATE)
+        self._tokens_at = now
+        if tokens < 1.0:
+            self._tokens = tokens
+            return False
+        self._tokens = tokens - 1.0
+        return True
+
+    def _flooded(self) -> None:
+        self._close_with_error(
+            "flooding",
+            f"closing the connection: it sent frames faster than {FRAME_RATE} a second "
+            f"(after a burst of {FRAME_BURST}); an agent sends about one a second",
+        )
+
+    def _close_with_error(self, code: str, text: str) -> None:
+        logger.warning("closing %s: %s", self.peer, text.removeprefix("closing the connection: "))
+        self.write(encode(Error(code=code, message=text, fatal=True)))
+        self.close()
+        self._cancel_timer()
+
+    def _pause(self) -> None:
+        if self._paused or self.transport is None:
+            return
+        self._paused = True
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._work()
+        if not self._paused and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _relay_http(self, data: bytes) -> None:
+        """Bytes for aiohttp. Each request head must be complete within the deadline: the
+        first within hello_timeout of the accept, each next one within http_idle_timeout of
+        the previous (an idle keep-alive connection is closed then too)."""
+        seen = self._tail + data
+        if b"\r\n\r\n" in seen:
+            self._arm(self.service.http_idle_timeout, "http")
+        self._tail = seen[-3:]
+        assert self._http is not None
+        self._http.data_received(data)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def _arm(self, delay: float, kind: str) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._expired)
+        self._timer_kind = kind
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_kind = ""
+
+    def _expired(self) -> None:
+        kind, self._timer, self._timer_kind = self._timer_kind, None, ""
+        svc = self.service
+        if self.refusing:
+            logger.debug("closing %s: over the connection limit, and it said nothing", self.peer)
+        elif kind == "auth":
+            logger.warning("closing %s: no join within %g s of its hello", self.peer, svc.auth_timeout)
+        elif kind == "http":
+            logger.warning(
+                "closing %s: no complete HTTP request within %g s (an idle keep-alive, or a "
+                "request sent too slowly)",
+                self.peer,
+                svc.http_idle_timeout,
+            )
+        elif self._http is not None:
+            logger.warning("closing %s: no complete HTTP request within %g s", self.peer, svc.hello_timeout)
+        else:
+            logger.warning("closing %s: no hello within %g s", self.peer, svc.hello_timeout)
+        self._close_now()
+
+    # -- writing and closing ---------------------------------------------------------------
 
     @property
     def peer(self) -> str:
         if self.transport is None:
-            return "?"
+            return self.host or "?"
         addr = self.transport.get_extra_info("peername")
         if isinstance(addr, tuple) and len(addr) >= 2:
             return f"{addr[0]}:{addr[1]}"
@@ -184,9 +434,19 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def _refuse_busy(self, kind: str) -> None:
+        """Over the caps: say so, in the peer's own protocol, and close."""
+        self._cancel_timer()
+        text = self.service._busy_text()
+        if kind == "rdzv":
+            self.write(MAGIC + encode(Error(code=SERVER_BUSY, message=text, fatal=False)))
+        else:
+            self._write_http_error(503, "Service Unavailable", SERVER_BUSY, text, "Retry-After: 5\r\n")
+        self.close()
+
     def _refuse_without_cert(self, kind: str) -> None:
         """Tell a peer that sent no client certificate so, in its own protocol, and close."""
-        self._cancel_hello_timer()
+        self._cancel_timer()
         logger.warning("closing %s: no client certificate (this server has --tls-client-ca)", self.peer)
         text = (
             "this server requires a client certificate signed by its --tls-client-ca: "
@@ -194,28 +454,20 @@ class _Connection(asyncio.Protocol):
         )
         if kind == "rdzv":
             self.write(MAGIC + encode(Error(code="auth_failed", message=text, fatal=True)))
-        else:  # the error shape of the HTTP API, written by hand: aiohttp never sees this peer
-            import json  # only for this refusal: 2 ms of every launch otherwise
-
-            body = json.dumps({"error": "client_certificate_required", "message": text}).encode()
-            head = f"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
-            self.write(head.encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        else:
+            self._write_http_error(403, "Forbidden", "client_certificate_required", text)
         self.close()  # after the write is flushed
 
-    def _hello_expired(self) -> None:
-        self._hello_timer = None
-        logger.warning("closing %s: no hello within %g s", self.peer, self.service.hello_timeout)
-        self._close_now()
+    def _write_http_error(self, status: int, phrase: str, code: str, text: str, extra: str = "") -> None:
+        # The error shape of the HTTP API, written by hand: aiohttp never sees this peer.
+        import json  # only for these refusals: 2 ms of every launch otherwise
 
-    def _auth_expired(self) -> None:
-        self._hello_timer = None
-        logger.warning("closing %s: no join within %g s of its hello", self.peer, self.service.auth_timeout)
-        self._close_now()
-
-    def _cancel_hello_timer(self) -> None:
-        if self._hello_timer is not None:
-            self._hello_timer.cancel()
-            self._hello_timer = None
+        body = json.dumps({"error": code, "message": text}).encode()
+        head = (
+            f"HTTP/1.1 {status} {phrase}\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        self.write(head.encode() + body)
 
 
 class RendezvousService:
@@ -228,31 +480,48 @@ class RendezvousService:
         http: bool = False,
         max_frame_size: int = MAX_FRAME_SIZE,
         tokens: TokenTable | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        max_per_address: int = MAX_PER_ADDRESS,
+        max_connections: int | None = None,
+        max_per_address: int | None = None,
         hello_timeout: float = HELLO_TIMEOUT,
         auth_timeout: float = AUTH_TIMEOUT,
         write_buffer_limit: int = WRITE_BUFFER_LIMIT,
         tls: ssl.SSLContext | None = None,
         listeners: int = 1,
+        raise_fd_limit: bool | None = None,
+        http_idle_timeout: float = HTTP_IDLE_TIMEOUT,
     ) -> None:
+        """``max_connections``/``max_per_address``: None fits them under the open-files limit
+        (``limits.py``), which ``start`` first raises to the hard limit when
+        ``raise_fd_limit`` (default: with ``http``, i.e. a standalone server; an agent's
+        embedded server keeps its limit, which its workers inherit)."""
         self.tls = tls  # None: plain TCP; else the port speaks only TLS
         # Sockets sharing the port (SO_REUSEPORT), for an accept queue a join storm of
         # thousands fits in (listeners.py). Embedded servers keep 1: agents racing to host
         # one must see a plain bind fail.
         self.listeners = listeners
-        self.max_connections = max_connections
-        self.max_per_address = max_per_address
+        self._raise_fd_limit = http if raise_fd_limit is None else raise_fd_limit
+        self._given_caps = (max_connections, max_per_address)
+        self._set_caps(limits.fd_limit())
         self.hello_timeout = hello_timeout
         self.auth_timeout = auth_timeout
+        self.http_idle_timeout = http_idle_timeout
+        self.busy_timeout = min(BUSY_TIMEOUT, hello_timeout)
         self.write_buffer_limit = write_buffer_limit
         self._open = 0
+        self._refusing = 0
         self._per_host: dict[str, int] = {}
+        self._refused = 0  # connections refused since the last warning about it
+        self._refused_logged = -1e9
+        # The watchdog (see the module docstring): when it is due, and the stalls so far.
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watch_due = 0.0
+        self._stall_total = 0.0
         self.machine = Rendezvous(tokens)
         self.tokens = tokens
         self.clock = clock
         self.max_frame_size = max_frame_size
         self.http_enabled = http
+        self.http_access: Access | None = None  # the HTTP API's read token and Host names (cli)
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
         self._http_runner: object | None = None
         self._servers: list[asyncio.Server] = []
@@ -291,8 +560,19 @@ class RendezvousService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def _set_caps(self, fd_limit: int | None) -> None:
+        derived = limits.caps_for(fd_limit)
+        given_total, given_per_address = self._given_caps
+        self.max_connections = derived.max_connections if given_total is None else given_total
+        self.max_per_address = derived.max_per_address if given_per_address is None else given_per_address
+        self.max_refusing = derived.max_refusing
+        self.fd_limit = fd_limit
+
     async def start(self, host: str | None, port: int) -> int:
         """Listen on host:port (port 0 picks a free one); returns the bound port."""
+        if self._raise_fd_limit:
+            self._set_caps(limits.raise_fd_limit())
+        self._frame_limits = frame_limits()
         if self.http_enabled:
             from .http_app import make_http_runner
 
@@ -309,6 +589,8 @@ class RendezvousService:
         except BaseException:
             self._close_listeners()
             raise
+        self._watch_due = _monotonic() + WATCHDOG_INTERVAL
+        self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
         return self.port
 
     async def _listen(self, host: str | None, port: int, shared: bool) -> asyncio.Server:
@@ -347,6 +629,9 @@ class RendezvousService:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         servers, self._servers = self._servers, []
         for server in servers:
             await server.wait_closed()
@@ -358,16 +643,50 @@ class RendezvousService:
     # -- connections -----------------------------------------------------------------------
 
     def _admit(self, conn: _Connection) -> bool:
-        """Caps on open connections, in all and per address, so no one peer can exhaust us."""
+        """Caps on open connections, in all and per address, so no one peer can exhaust us.
+
+        Over a cap, a connection is held a moment (``busy_timeout``) to be told "server
+        busy", while few enough are (``max_refusing``); beyond that it is closed at once.
+        """
         peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
         host = peer[0] if isinstance(peer, tuple) else str(peer)
-        if self._open >= self.max_connections or self._per_host.get(host, 0) >= self.max_per_address:
-            logger.warning("refusing a connection from %s: connection limit reached", host)
+        conn.host = host
+        if self._open < self.max_connections and self._per_host.get(host, 0) < self.max_per_address:
+            conn.admitted = True
+            self._open += 1
+            self._per_host[host] = self._per_host.get(host, 0) + 1
+            return True
+        self._refused += 1
+        now = _monotonic()
+        if now - self._refused_logged >= 10.0:  # one line per 10 s, not one per connection
+            logger.warning(
+                "refusing connections: at the connection limit (%d open, at most %d, %d per address; "
+                "open-files limit %s); %d refused since the last such line, the latest from %s",
+                self._open,
+                self.max_connections,
+                self.max_per_address,
+                self.fd_limit if self.fd_limit is not None else "none",
+                self._refused,
+                host,
+            )
+            self._refused, self._refused_logged = 0, now
+        if self._refusing >= self.max_refusing:
             return False
-        conn.admitted, conn.host = True, host
-        self._open += 1
-        self._per_host[host] = self._per_host.get(host, 0) + 1
+        conn.refusing = True
+        self._refusing += 1
         return True
+
+    def _busy_text(self) -> str:
+        return (
+            f"the rendezvous server is at its connection limit ({self.max_connections} connections, "
+            f"{self.max_per_address} per address); try again later"
+        )
+
+    def _frame_limit(self, phase: ConnPhase) -> int:
+        """The largest frame a connection in ``phase`` may send."""
+        fl = self._frame_limits
+        stage = fl.hello if phase is ConnPhase.HELLO else fl.join if phase is ConnPhase.READY else fl.member
+        return min(stage, self.max_frame_size)
 
     def _lacks_client_cert(self, conn: _Connection) -> bool:
         """With --tls-client-ca the handshake lets a certificate-less peer in; we refuse it."""
@@ -376,6 +695,9 @@ class RendezvousService:
         return not conn.transport.get_extra_info("peercert")
 
     def _release(self, conn: _Connection) -> None:
+        if conn.refusing:
+            conn.refusing = False
+            self._refusing -= 1
         if not conn.admitted:
             return
         conn.admitted = False
@@ -421,12 +743,16 @@ class RendezvousService:
             await waiter
 
     def _hand_to_http(self, conn: _Connection, preface: bytes) -> None:
+        """From now on the connection relays its bytes to aiohttp's protocol. It stays the
+        transport's protocol (not swapped for aiohttp's), so its close releases its place in
+        the caps; its hello timer becomes the deadline for the first request head."""
         assert self.http_factory is not None and conn.transport is not None
-        transport = conn.transport
         proto = self.http_factory()
-        transport.set_protocol(proto)
-        proto.connection_made(transport)
-        proto.data_received(preface)
+        conn._http = proto
+        if conn._timer_kind == "hello":
+            conn._timer_kind = "http-first"
+        proto.connection_made(conn.transport)
+        conn._relay_http(preface)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -490,21 +816,24 @@ class RendezvousService:
         """A heartbeat frame, alone in its read: just note the agent is alive."""
         return not self._gone and self.machine.heartbeat(conn_id, self.clock())
 
-    def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> None:
+    def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> bool:
+        """Hand the machine an event; False when it was not handed (we are going away, or
+        the machine already closed the connection)."""
         if self._gone:
-            return
+            return False
         if (
             isinstance(event, Received)
             and self.state_log is not None
             and event.conn not in self.machine.conns
         ):
-            return  # the machine closed it; the Close waits for the batch's fsync
+            return False  # the machine closed it; the Close waits for the batch's fsync
         now = self.clock()
         effects = self.machine.handle(event, now)
         if self.state_log is not None:
             self.state_log.record(event, effects, now)
         self._carry_out(effects)
         self._schedule()
+        return True
 
     def _carry_out(self, effects: list[Effect]) -> None:
         """Now, or with a state log once the batch's records are durable."""
@@ -611,7 +940,33 @@ class RendezvousService:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
+        self._check_stall()  # before the sweep: a stall of ours is no agent's silence
         self._dispatch(Tick())
+
+    def _watch(self) -> None:
+        self._check_stall()
+        self._watch_due = _monotonic() + WATCHDOG_INTERVAL
+        self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
+
+    def _check_stall(self) -> None:
+        """Credit the agents with the time the server itself did not run: the watchdog fires
+        every WATCHDOG_INTERVAL, so its lateness is how long the loop (or the process) stood
+        still."""
+        if self._watchdog is None:
+            return  # not started (a restored machine's timer armed before start)
+        now = _monotonic()
+        late = now - self._watch_due
+        if late < STALL_MIN:
+            return
+        self._watch_due = now  # counted once, whichever of the watchdog and the sweep saw it
+        self._stall_total += late
+        self.machine.credit_stall(late)
+        if late >= 1.0:
+            logger.warning(
+                "the server did not run for %.1f s (a stalled event loop, or a stopped process); "
+                "agents are not held to their heartbeats for that time",
+                late,
+            )
 
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}

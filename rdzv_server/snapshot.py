@@ -5,7 +5,10 @@
 (never pickle, never ``asdict``): a change to the machine's state shows up as a change to
 this file, with ``VERSION`` bumped when old snapshots can no longer be read as they are.
 A field added since is read with its default when missing (``Member.node_rank``,
-``Job.ranks_noted``), so version 1 snapshots of every age still load.
+``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``), so version 1 snapshots
+of every age still load. Loading applies the machine's bounds (``state.py``) to what an older
+server kept without them: a job's failures (the first, the last few and a count), its history
+texts, exclusions and entrypoint.
 
 What is kept: connections (a member is bound to one; after a restart they become AWAY),
 jobs (settings, members, spares, rank order, round, restart count, exclusions, failures,
@@ -21,19 +24,23 @@ from dataclasses import asdict
 from typing import Any
 
 from protocol import Failure
-from protocol.errors import ProtocolError
+from protocol.errors import InvalidField, ProtocolError
+from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, clip_text
 
 from .state import (
+    FAILURE_PATH_LEN,
+    FAILURE_TEXT_LEN,
     Conn,
     ConnPhase,
     Job,
-    JobEvent,
     JobPhase,
     JobSettings,
     Member,
     MemberState,
     Rendezvous,
     Stats,
+    entrypoint_key,
+    escape,
 )
 
 FORMAT = "rdzv-server state"
@@ -96,6 +103,7 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "state": m.state.value,
         "failures": m.failures,
         "node_rank": m.node_rank,
+        "node_secret": m.node_secret,  # the state dir is private (only the server reads it)
     }
 
 
@@ -120,6 +128,7 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "order": list(j.order),
         "last_call_deadline": j.last_call_deadline,
         "failures": [asdict(f) for f in j.failures],  # Failure(**d) loads it back, validated
+        "failures_total": j.failures_total,
         "next_seq": j.next_seq,
         "created_at": j.created_at,
         "gathering_since": j.gathering_since,
@@ -205,6 +214,7 @@ def _load_member(d: dict[str, Any]) -> Member:
         state=MemberState(d["state"]),
         failures=_int(d["failures"]),
         node_rank=_int(d.get("node_rank", -1)),  # absent from snapshots before node ranks
+        node_secret=str(d.get("node_secret", "")),  # absent before node secrets
     )
 
 
@@ -215,7 +225,7 @@ def _load_job(d: dict[str, Any]) -> Job:
         settings=JobSettings(
             min_nodes=_int(s["min_nodes"]),
             max_nodes=_int(s["max_nodes"]),
-            entrypoint=str(s["entrypoint"]),
+            entrypoint=entrypoint_key(str(s["entrypoint"])),  # older servers kept it whole
             max_restarts=_int(s["max_restarts"]),
             last_call_timeout=float(s["last_call_timeout"]),
             heartbeat_timeout=float(s["heartbeat_timeout"]),
@@ -228,19 +238,40 @@ def _load_job(d: dict[str, Any]) -> Job:
         spares={m.node_id: m for m in map(_load_member, d["spares"])},
         order=[str(x) for x in d["order"]],
         last_call_deadline=_opt_float(d["last_call_deadline"]),
-        failures=[Failure(**f) for f in d["failures"]],  # the message's own validation
         next_seq=_int(d["next_seq"]),
         created_at=float(d["created_at"]),
         gathering_since=float(d["gathering_since"]),
         rounds_completed=_int(d["rounds_completed"]),
         outcome=str(d["outcome"]),
-        excluded={str(nid): str(why) for nid, why in d["excluded"]},
         resume_slots={_int(rank): str(nid) for rank, nid in d["resume_slots"]},
         ranks_noted=bool(d.get("ranks_noted", False)),
     )
-    job.history.extend(JobEvent(float(t), str(kind), str(text)) for t, kind, text in d["history"])
+    failures = [_load_failure(f) for f in d["failures"]]
+    for f in failures:
+        job.add_failure(f)  # an older server kept them all: keep the first and the last few
+    job.failures_total = max(_int(d.get("failures_total", 0)), len(failures))
+    for nid, why in d["excluded"]:
+        job.exclude(str(nid), str(why))
+    for t, kind, text in d["history"]:
+        job.record(float(t), str(kind), str(text))
     expect = d["resume_expect"]
     if expect is not None:
         r, n, world, addr, port = expect
         job.resume_expect = (_int(r), _int(n), _int(world), str(addr), _int(port))
     return job
+
+
+def _load_failure(d: dict[str, Any]) -> Failure:
+    """The message's own validation. An older server kept messages of any length (cut now) and
+    ids with control characters (escaped now, as the log shows them), so its snapshots load."""
+    d = {
+        **d,
+        "message": clip_text(str(d.get("message", "")), FAILURE_TEXT_LEN),
+        "error_file": clip_text(str(d.get("error_file", "")), FAILURE_PATH_LEN),
+    }
+    try:
+        return Failure(**d)
+    except InvalidField:
+        limits = {"node_id": MAX_ID_LEN, "addr": MAX_ADDR_LEN, "signal": MAX_CODE_LEN}
+        plain = {k: escape(v)[:n] for k, n in limits.items() if isinstance(v := d.get(k), str)}
+        return Failure(**{**d, **plain})

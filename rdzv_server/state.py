@@ -48,16 +48,26 @@ until its Leave comes after its workers have exited. So no round starts while a 
 previous one is alive (a rank 0 saving the checkpoint the next round loads).
 
 After a restart from the state log (``recover``) members whose agents have not come back are
-AWAY, and not ready: a round completes only with members that are connected.
+AWAY, and not ready: a round completes only with members that are connected. A job token
+proves the job, not the node: each member keeps the ``node_secret`` of its Join, and only a
+Join or Resume showing it may take an away member's place back.
+
+Bounds. Whatever peers send, a job keeps at most its first failure, the last FAILURES_KEPT and
+a count, HISTORY_LEN history lines of HISTORY_TEXT_LEN characters, MAX_EXCLUDED exclusions,
+min(max_nodes, MAX_SPARES) spares and ENTRYPOINT_KEPT characters of entrypoint; a server holds
+at most ``max_jobs`` jobs. Every text built from a peer's is clipped to its field, and every
+reply is built before the state it reports changes; should a peer's event still raise,
+``handle`` logs it, refuses that peer and goes on (``_contain``).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
+import re
 from collections import Counter, deque
-from collections.abc import Iterable
-from dataclasses import field
+from collections.abc import Iterable, Sequence
+from dataclasses import field, replace
 
 from protocol import (
     Assignment,
@@ -84,9 +94,31 @@ from protocol import (
     negotiate_version,
 )
 from protocol.auth import TokenTable, verify
+from protocol.messages import clip_text
 from protocol.records import record
 
 SOFTWARE = "rdzv-server/0.1"
+# The Error code of a join refused while ``Rendezvous.refuse_joins`` is set.
+SERVER_BUSY = "server_busy"
+
+# Bounds on what one job and one server keep, whatever their peers send (the README's
+# per-job memory bound is computed from these; tests/rdzv_server/test_state_bounds.py checks it).
+HISTORY_TEXT_LEN = 512  # characters of one history line
+FAILURES_KEPT = 8  # a job's last failures, besides its first one and a count of all
+FAILURE_TEXT_LEN = 2048  # characters of a failure's message (the worker's error) kept
+FAILURE_PATH_LEN = 1024  # characters of a failure's error file path kept
+PEER_TEXT_LEN = 1024  # characters of a peer's free text (a Leave or drain reason) quoted
+REASON_LEN = 4096  # characters of a reason the server sends (Restart, JobFailed, Error, ...)
+LOG_TEXT_LEN = 2048  # characters of one line the server logs
+ENTRYPOINT_KEPT = 1024  # characters of a job's entrypoint (longer ones: cut, with a digest)
+NAMES_SHOWN = 10  # node ids named in one text; the rest are counted
+MAX_JOBS = 1000  # jobs one server holds at once; a new one beyond is refused
+MAX_SPARES = 1024  # spares per job (and at most max_nodes): more nodes are refused
+MAX_EXCLUDED = 128  # excluded node ids a job remembers (the oldest is forgotten first)
+# A job's restart budget: a larger --max-restarts is taken as this (the server alone counts
+# restarts). A clamp, not a protocol limit, so an agent given "effectively unlimited" is
+# still served, by any server.
+MAX_RESTARTS = 1_000_000
 
 
 # --- events -------------------------------------------------------------------------------
@@ -200,6 +232,9 @@ class Member:
     state: MemberState = MemberState.READY
     failures: int = 0
     node_rank: int = -1  # --node-rank as the agent gave it; -1: not given
+    # Join.node_secret: only an agent that shows it may take this node's place back after
+    # the server restarted. Kept in the state log; never shown.
+    node_secret: str = ""
 
 
 @record(frozen=True, slots=True)
@@ -217,8 +252,8 @@ class JobSettings:
         return cls(
             min_nodes=msg.min_nodes,
             max_nodes=msg.max_nodes,
-            entrypoint=msg.entrypoint,
-            max_restarts=msg.max_restarts,
+            entrypoint=entrypoint_key(msg.entrypoint),
+            max_restarts=min(msg.max_restarts, MAX_RESTARTS),
             last_call_timeout=msg.last_call_timeout,
             heartbeat_timeout=msg.heartbeat_timeout,
             exclude_after=msg.exclude_after,
@@ -243,6 +278,35 @@ class JobSettings:
 
 def _range(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}:{hi}"
+
+
+def entrypoint_key(entrypoint: str) -> str:
+    """What a job keeps of its entrypoint: the text itself up to ENTRYPOINT_KEPT characters;
+    a longer one is cut, with its length and SHA-256, so two agents still agree on it exactly
+    while a 64 KiB command line costs the job 1 KiB."""
+    if len(entrypoint) <= ENTRYPOINT_KEPT:
+        return entrypoint
+    import hashlib  # only for a long entrypoint: OpenSSL's start is ~5 ms of every launch
+
+    digest = hashlib.sha256(entrypoint.encode("utf-8", "surrogatepass")).hexdigest()
+    tail = f" ... ({len(entrypoint):,} characters, sha256 {digest})"
+    return entrypoint[: ENTRYPOINT_KEPT - len(tail)] + tail
+
+
+def summarise(names: Sequence[str], shown: int = NAMES_SHOWN) -> str:
+    """``n1, n2, ... and 1,098 more``: a list of node ids that fits any text field."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} ... and {len(names) - shown:,} more"
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape(text: str) -> str:
+    """``text`` with control characters written as Python escapes (``\\n``, ``\\x1b``), so
+    a peer's text cannot forge a line in the server's log or drive a terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 HISTORY_LEN = 200
@@ -300,7 +364,9 @@ class Job:
     spares: dict[str, Member] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # node ids of the last completed round, by rank
     last_call_deadline: float | None = None
+    # The first failure, then the last FAILURES_KEPT (add them with add_failure).
     failures: list[Failure] = field(default_factory=list)
+    failures_total: int = 0  # every failure recorded, including those no longer kept
     next_seq: int = 0
     created_at: float = 0.0
     gathering_since: float = 0.0  # when the round being gathered started (rendezvous latency)
@@ -334,7 +400,19 @@ class Job:
                     self.rank_holders[m.node_rank] = m.node_id
 
     def record(self, now: float, kind: str, text: str) -> None:
-        self.history.append(JobEvent(now, kind, text))
+        self.history.append(JobEvent(now, kind, clip_text(text, HISTORY_TEXT_LEN)))
+
+    def add_failure(self, failure: Failure) -> None:
+        """Keep the first failure (often the root cause), the last few, and a count."""
+        self.failures_total += 1
+        self.failures.append(failure)
+        if len(self.failures) > FAILURES_KEPT + 1:
+            del self.failures[1]
+
+    def exclude(self, node_id: str, why: str) -> None:
+        self.excluded[node_id] = why
+        while len(self.excluded) > MAX_EXCLUDED:
+            del self.excluded[next(iter(self.excluded))]
 
     @property
     def elastic(self) -> bool:
@@ -401,8 +479,11 @@ def _node_rank_problem(settings: JobSettings, job: Job | None, msg: Join) -> tup
 class Rendezvous:
     """Every job on one server. Feed it events; carry out what it returns."""
 
-    def __init__(self, tokens: TokenTable | None = None, *, expire_silent: bool = True) -> None:
+    def __init__(
+        self, tokens: TokenTable | None = None, *, expire_silent: bool = True, max_jobs: int = MAX_JOBS
+    ) -> None:
         self.tokens = tokens  # None: no authentication (the server says so at start)
+        self.max_jobs = max_jobs  # jobs held at once (ended ones still held count too)
         # False when something else tells us who is alive (etcd leases): heartbeats are
         # then not delivered, and silence means nothing.
         self.expire_silent = expire_silent
@@ -418,27 +499,68 @@ class Rendezvous:
         # Set by handle(): the event changed nothing worth logging (a stale or ignored
         # message). The state log skips such events; the service counts them per connection.
         self.unchanged = False
+        # Non-empty (the journal sets it when its disk is nearly full): a Join that would add
+        # a node to a job (a new member, spare or job) is refused with this text; members
+        # coming back (resumes, rejoins) are still served, so running jobs go on.
+        self.refuse_joins = ""
 
     # -- public API ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         out: list[Effect] = []
         self.unchanged = False
-        if isinstance(event, Received):
-            self._on_received(event.conn, event.msg, now, out)
-        elif isinstance(event, Connected):
-            if event.conn in self.conns:
-                raise LocalError(f"connection {event.conn} connected twice")
-            self.conns[event.conn] = Conn(
-                id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge
-            )
-        elif isinstance(event, Disconnected):
-            self._drop(event.conn, event.reason, now, out, close=False)
-        elif isinstance(event, Tick):
-            self._on_tick(now, out)
-        else:
-            raise LocalError(f"unknown event {event!r}")
+        if isinstance(event, Received) and event.conn not in self.conns:
+            raise LocalError(f"message {type(event.msg).__name__} on unknown connection {event.conn}")
+        try:
+            if isinstance(event, Received):
+                self._on_received(event.conn, event.msg, now, out)
+            elif isinstance(event, Connected):
+                if event.conn in self.conns:
+                    raise LocalError(f"connection {event.conn} connected twice")
+                self.conns[event.conn] = Conn(
+                    id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge
+                )
+            elif isinstance(event, Disconnected):
+                self._drop(event.conn, event.reason, now, out, close=False)
+            elif isinstance(event, Tick):
+                self._on_tick(now, out)
+            else:
+                raise LocalError(f"unknown event {event!r}")
+        except Exception as exc:
+            if not isinstance(event, Received | Disconnected):
+                raise  # our own clock or bookkeeping: a bug to fail on
+            self.unchanged = False
+            self._contain(event, exc, now, out)
         return out
+
+    def _contain(self, event: Received | Disconnected, exc: Exception, now: float, out: list[Effect]) -> None:
+        """A peer's event raised: a bug of ours that a peer can trigger. Every text the machine
+        builds is clipped to its field and every reply is built before the state changes, so
+        this should not happen; if it does, say so once (no traceback), send the peer a clear
+        Error and close it, and go on serving everyone else. The same input replays the same
+        way from the state log, so a restarted server ends up where this one is."""
+        conn = self.conns.get(event.conn)
+        peer = conn.peer if conn is not None else "?"
+        what = event.msg.TYPE if isinstance(event, Received) else "disconnect"
+        out.append(
+            Log(
+                "error",
+                escape(
+                    clip_text(
+                        f"internal error handling {what} from connection {event.conn} ({peer}): "
+                        f"{type(exc).__name__}: {exc}",
+                        LOG_TEXT_LEN,
+                    )
+                ),
+            )
+        )
+        if conn is None or isinstance(event, Disconnected):
+            return
+        try:
+            self._refuse(conn, "internal_error", f"the server could not handle this {what}", now, out)
+        except Exception:
+            self.conns.pop(conn.id, None)
+            out.append(Close(conn.id, "internal error"))
 
     def heartbeat(self, conn_id: int, now: float) -> bool:
         """Received(conn, Heartbeat()) for a connection past its hello, without the event.
@@ -515,6 +637,7 @@ class Rendezvous:
     def going_away(self, reason: str, now: float) -> list[Effect]:
         """The server is shutting down: refuse joins, and tell every agent to reconnect later."""
         self.draining = True
+        reason = clip_text(reason, PEER_TEXT_LEN)
         msg = GoingAway(reason=reason)
         out: list[Effect] = [
             Send(c.id, msg) for c in self.conns.values() if c.phase in (ConnPhase.READY, ConnPhase.JOINED)
@@ -544,17 +667,21 @@ class Rendezvous:
             out.append(Send(conn.id, Welcome(version=version, software=SOFTWARE, challenge=challenge)))
             return
         if isinstance(msg, Heartbeat):
+            self.unchanged = True  # last_seen only, which no replay needs
             return
         if conn.phase is ConnPhase.READY:
             if self.draining and isinstance(msg, Join | Resume):
                 # Not the agent's fault: it reconnects to the next server process.
                 text = "the server is shutting down; reconnect and join again"
                 out.append(Send(conn.id, Error(code="server_draining", message=text, fatal=False)))
+                self.unchanged = True
                 return
             if isinstance(msg, Join | Resume):
                 problem = self._authenticate(conn, msg.join if isinstance(msg, Resume) else msg)
                 if problem is not None:
                     self._refuse(conn, "auth_failed", problem, now, out)
+                elif isinstance(msg, Join) and self.refuse_joins and not self._coming_back(msg):
+                    self._refuse(conn, SERVER_BUSY, self.refuse_joins, now, out)
                 elif isinstance(msg, Join):
                     self._on_join(conn, msg, now, out)
                 else:
@@ -591,6 +718,8 @@ class Rendezvous:
             job = None
         if job is None:
             refused = _node_rank_problem(settings, None, msg)
+            if refused is None and len(self.jobs) >= self.max_jobs:
+                refused = self._too_many_jobs(msg.job_id)
             if refused is not None:
                 self._refuse(conn, *refused, now, out)  # before the job exists: nothing to forget
                 return
@@ -636,6 +765,18 @@ class Rendezvous:
             m.state is MemberState.SUCCEEDED for m in job.members.values()
         )
         if msg.spare or full or finishing:
+            cap = min(job.settings.max_nodes, MAX_SPARES)
+            if len(job.spares) >= cap:
+                conn.phase, conn.job_id, conn.node_id = ConnPhase.READY, None, None  # not bound
+                self._refuse(
+                    conn,
+                    "job_full",
+                    f"job {job.id!r} is full: {len(job.members)} nodes and {len(job.spares)} spares "
+                    f"(at most {cap} spares wait)",
+                    now,
+                    out,
+                )
+                return
             job.spares[member.node_id] = member
             self._note(job, now, "spare", f"node {member.node_id} ({member.addr}) waits as a spare", out)
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
@@ -656,6 +797,31 @@ class Rendezvous:
         if member.state is MemberState.READY:
             out.append(Send(conn.id, self._waiting(job, "")))
 
+    def _too_many_jobs(self, job_id: str) -> tuple[str, str]:
+        return (
+            "too_many_jobs",
+            f"job {job_id!r} is refused: this server already holds {len(self.jobs)} jobs (its limit); "
+            "it takes new jobs again once others end",
+        )
+
+    def _not_this_node(self, member: Member, join: Join) -> bool:
+        """Whether a Join (or a Resume's) for ``member``'s node id fails to show its secret."""
+        if not member.node_secret:
+            return False  # an older agent, which proves nothing: as before
+        import hmac  # here: it loads OpenSSL (~5 ms), which a launch without resumes never needs
+
+        return not hmac.compare_digest(member.node_secret.encode(), join.node_secret.encode())
+
+    def _refuse_claim(self, conn: Conn, job: Job, node_id: str, now: float, out: list[Effect]) -> None:
+        self._refuse(
+            conn,
+            "duplicate_node",
+            f"node id {node_id!r} is already in job {job.id!r}, held by another agent (its node "
+            "secret differs): a job token proves the job, not the node; give each agent its own node id",
+            now,
+            out,
+        )
+
     def _authenticate(self, conn: Conn, join: Join) -> str | None:
         """Why this join may not enter its job, or None. The token itself never travels."""
         if self.tokens is None:
@@ -665,7 +831,9 @@ class Rendezvous:
             return f"this server has no token for job {join.job_id!r}"
         if not join.proof:
             return "this server requires a token: give the agent --token-file (or RDZV_TOKEN)"
-        if not conn.challenge or not verify(token, conn.challenge, join.job_id, join.node_id, join.proof):
+        if not join.proof.isascii() or not conn.challenge:
+            return f"wrong token for job {join.job_id!r}"  # a hex HMAC is ASCII (verify needs it)
+        if not verify(token, conn.challenge, join.job_id, join.node_id, join.proof):
             return f"wrong token for job {join.job_id!r}"
         return None
 
@@ -677,6 +845,9 @@ class Rendezvous:
             return
         settings = JobSettings.from_join(j)
         job = self.jobs.get(j.job_id)
+        if job is None and len(self.jobs) >= self.max_jobs:
+            self._refuse(conn, *self._too_many_jobs(j.job_id), now, out)
+            return
         if job is None:
             # We have no record of the job (restarted without a state dir): rebuild the round
             # from what the nodes hold, if they all agree on it.
@@ -699,7 +870,11 @@ class Rendezvous:
         if job.phase is JobPhase.RESUMING:
             self._resume_into_rebuild(job, conn, msg, settings, now, out)
             return
-        if self._away_member(job, j.node_id) is not None:
+        away = self._away_member(job, j.node_id)
+        if away is not None:
+            if self._not_this_node(away, j):
+                self._refuse_claim(conn, job, j.node_id, now, out)  # the real node keeps its place
+                return
             self._resume_known(job, conn, msg, settings, now, out)
             return
         # We know the job, but not this node in its current round (it was dropped when its
@@ -715,6 +890,8 @@ class Rendezvous:
             return
         # The job ended meanwhile (it is kept until its last node is gone): say how, rather
         # than "join again" and a refusal of that join.
+        # None of the answers below changes any state: the connection stays unjoined.
+        self.unchanged = True
         if job.phase is JobPhase.FAILED:
             root = job.failures[-1] if job.failures else None
             out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root)))
@@ -724,6 +901,11 @@ class Rendezvous:
             return
         why = f"the server dropped node {j.node_id} from job {job.id!r} while it was away; join again"
         out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
+
+    def _coming_back(self, msg: Join) -> bool:
+        """Whether a Join is a member of a restored job coming back (not a new node)."""
+        job = self.jobs.get(msg.job_id)
+        return job is not None and self._away_member(job, msg.node_id) is not None
 
     def _is_away(self, member: Member) -> bool:
         """Whether the member's agent has not come back since the server restarted."""
@@ -804,6 +986,9 @@ class Rendezvous:
         member = self._away_member(job, msg.node_id)
         if member is None:
             return False
+        if self._not_this_node(member, msg):
+            self._refuse_claim(conn, job, msg.node_id, now, out)
+            return True
         if member.node_id in job.spares:
             self._rebind(job, member, conn, now)
             member.addr, member.master_port = msg.addr, msg.master_port
@@ -830,6 +1015,11 @@ class Rendezvous:
         problem = job.settings.mismatch(settings)
         if problem is None and view != job.resume_expect:
             problem = f"node {j.node_id} holds round {a.round} of {a.group_world_size} nodes, others another"
+        if j.node_id in job.members or j.node_id in job.spares:
+            # A second Resume with a node id already back: refused, and the first keeps its
+            # place (replacing it would leave its connection bound to nothing).
+            self._refuse_claim(conn, job, j.node_id, now, out)
+            return
         if problem is None and a.group_rank in job.resume_slots:
             problem = f"two nodes claim group rank {a.group_rank}"
         member = self._attach(
@@ -894,6 +1084,7 @@ class Rendezvous:
             joined_at=now,
             state=state,
             node_rank=join.node_rank,
+            node_secret=join.node_secret,
         )
         if join.node_rank >= 0 and not job.elastic:
             job.rank_holders[join.node_rank] = join.node_id
@@ -906,12 +1097,14 @@ class Rendezvous:
             job.settings.mismatch(JobSettings.from_join(msg)) is not None
             or msg.node_id != member.node_id
             or msg.node_rank != member.node_rank
+            or (member.node_secret and msg.node_secret != member.node_secret)
         ):
             self._refuse(
                 self.conns[member.conn], "job_mismatch", "a re-join must repeat the first join", now, out
             )
             return
         if member.node_id in job.spares:
+            self.unchanged = (member.addr, member.master_port) == (msg.addr, msg.master_port)
             member.addr, member.master_port = msg.addr, msg.master_port
             return
         if member.state is not MemberState.WAITING:
@@ -924,7 +1117,8 @@ class Rendezvous:
         self._maybe_complete(job, now, out)
 
     def _on_failed(self, job: Job, member: Member, msg: WorkersFailed, now: float, out: list[Effect]) -> None:
-        if job.phase is JobPhase.RESUMING and msg.round == job.round:
+        rebuilding = job.phase is JobPhase.RESUMING and msg.round == job.round
+        if rebuilding:
             # A failure while the round is being rebuilt ends the rebuild: it is a failure of
             # that round, handled like any other.
             job.order = [job.resume_slots[i] for i in sorted(job.resume_slots)]
@@ -934,10 +1128,19 @@ class Rendezvous:
             job.last_call_deadline = None
         if job.phase is not JobPhase.RUNNING or msg.round != job.round or member.node_id not in job.order:
             # A second failure in a round that is already being restarted counts once.
+            self.unchanged = not rebuilding
             return
         member.failures += 1
-        failure = msg.failure
-        job.failures.append(failure)
+        # The node and address are the sender's, whatever it wrote: a member cannot name
+        # another node as the root cause. Its message is kept cut to FAILURE_TEXT_LEN.
+        failure = replace(
+            msg.failure,
+            node_id=member.node_id,
+            addr=member.addr,
+            message=clip_text(msg.failure.message, FAILURE_TEXT_LEN),
+            error_file=clip_text(msg.failure.error_file, FAILURE_PATH_LEN),
+        )
+        job.add_failure(failure)
         self.stats.failures["worker"] += 1
         cause = _describe_failure(failure)
         limit = job.settings.exclude_after
@@ -968,7 +1171,7 @@ class Rendezvous:
 
     def _exclude(self, job: Job, member: Member, why: str, now: float, out: list[Effect]) -> None:
         """Take a flaky node out of the job for good; the others go on if enough remain."""
-        job.excluded[member.node_id] = why
+        job.exclude(member.node_id, why)
         self._note(
             job, now, "excluded", f"node {member.node_id} ({member.addr}) excluded: {why}", out, "warning"
         )
@@ -993,11 +1196,13 @@ class Rendezvous:
         self, job: Job, member: Member, msg: WorkersSucceeded, now: float, out: list[Effect]
     ) -> None:
         if msg.round != job.round or member.state is not MemberState.RUNNING:
+            self.unchanged = True
             return
         if job.phase is JobPhase.RESUMING:
             _set_state(job, member, MemberState.SUCCEEDED)  # counted once the round is rebuilt
             return
         if job.phase is not JobPhase.RUNNING:
+            self.unchanged = True
             return
         _set_state(job, member, MemberState.SUCCEEDED)
         self._maybe_finish(job, now, out)
@@ -1011,8 +1216,10 @@ class Rendezvous:
         if member is None:
             raise KeyError(f"job {job_id!r} has no node {node_id!r}")
         out: list[Effect] = []
+        reason = clip_text(reason, PEER_TEXT_LEN)  # any length may come in over HTTP
+        drain = Drain(reason=reason)
         self._note(job, now, "drain", f"node {node_id} asked to drain: {reason}", out)
-        out.append(Send(member.conn, Drain(reason=reason)))
+        out.append(Send(member.conn, drain))
         return out
 
     # -- rounds ----------------------------------------------------------------------------
@@ -1128,7 +1335,7 @@ class Rendezvous:
         """A node leaves on purpose; tell it whether the job goes on without it, then close."""
         was_spare = member.node_id in job.spares
         had_succeeded = member.state is MemberState.SUCCEEDED
-        reason = f"left ({msg.reason})" if msg.reason else "left"
+        reason = f"left ({clip_text(msg.reason, PEER_TEXT_LEN)})" if msg.reason else "left"
         self._drop(conn.id, reason, now, out, close=False)
         goes_on, why = self._goes_on_without(job, was_spare=was_spare, had_succeeded=had_succeeded)
         out.append(Send(conn.id, Left(job_continues=goes_on, reason=why)))
@@ -1144,11 +1351,14 @@ class Rendezvous:
             or job.phase not in (JobPhase.RUNNING, JobPhase.GATHERING)
             or member.state is MemberState.SUCCEEDED
         ):
+            self.unchanged = True
             return  # no workers to wait for, or a job being rebuilt or ended: the Leave decides
-        why = f" ({msg.reason})" if msg.reason else ""
+        why = f" ({clip_text(msg.reason, PEER_TEXT_LEN)})" if msg.reason else ""
         in_round = job.phase is JobPhase.RUNNING and nid in job.order and member.state is MemberState.RUNNING
+        was_waiting = member.state is MemberState.WAITING
         _set_state(job, member, MemberState.WAITING)
         if not in_round:
+            self.unchanged = was_waiting  # a repeated notice changes nothing
             return  # gathering, or a newcomer: not ready is all it takes
         self._note(
             job,
@@ -1181,13 +1391,16 @@ class Rendezvous:
         """Stop the running round: every member restarts its workers and re-joins (all but
         ``quiet``, a leaving node already stopping its own)."""
         abandoned = job.round
+        # Built before anything changes: a message that cannot be built leaves the job as it was.
+        restart = Restart(
+            round=abandoned, reason=clip_text(reason, REASON_LEN), restart_count=job.restart_count
+        )
         job.round += 1
         job.phase = JobPhase.GATHERING
         job.gathering_since = now
         job.last_call_deadline = None  # newcomers already here are in; no need to wait longer
         self.stats.rounds_started += 1
         in_round = set(job.order)
-        restart = Restart(round=abandoned, reason=reason, restart_count=job.restart_count)
         for m in job.members.values():
             if m.node_id in in_round:
                 _set_state(job, m, MemberState.WAITING)
@@ -1206,7 +1419,7 @@ class Rendezvous:
             return
         full = len(job.members) >= job.settings.max_nodes
         if full or (job.last_call_deadline is not None and now >= job.last_call_deadline):
-            names = ", ".join(newcomers)
+            names = summarise(newcomers)  # 1,100 node ids would not fit a Restart's reason
             self._note(job, now, "admit", f"admitting {names}; re-rendezvous", out)
             job.last_call_deadline = None
             self._regather(job, f"node(s) joined: {names}", now, out)
@@ -1236,11 +1449,12 @@ class Rendezvous:
             self._note(job, now, "finished", f"finished: {job.outcome}", out)
 
     def _fail(self, job: Job, reason: str, failure: Failure | None, now: float, out: list[Effect]) -> None:
+        reason = clip_text(reason, REASON_LEN)
+        failed = JobFailed(reason=reason, failure=failure)  # one object: encoded once for all
         job.phase = JobPhase.FAILED
         job.last_call_deadline = None
         job.outcome = reason
         self.stats.jobs_failed += 1
-        failed = JobFailed(reason=reason, failure=failure)  # one object: encoded once for all
         for m in [*job.members.values(), *job.spares.values()]:
             out.append(Send(m.conn, failed))
         self._note(job, now, "failed", f"failed: {reason}", out, "error")
@@ -1372,7 +1586,7 @@ class Rendezvous:
         if job.joins_unlogged:
             self._log_unlogged_joins(job, out)  # the joins came first: so do their lines
         job.record(now, kind, text)
-        out.append(Log(level, f"job {job.id}: {text}"))
+        out.append(Log(level, escape(clip_text(f"job {job.id}: {text}", LOG_TEXT_LEN))))
 
     def _note_join(self, job: Job, member: Member, now: float, out: list[Effect]) -> None:
         """A join, in the history always, and in the log as its own line or in a summary."""
@@ -1397,7 +1611,7 @@ class Rendezvous:
         job.joins_unlogged, job.first_unlogged, job.last_unlogged = 0, "", ""
         nodes = f"node {first}" if n == 1 else f"{n:,} more nodes ({first} ... {last})"
         size = f"{len(job.members):,} of {_range(job.settings.min_nodes, job.settings.max_nodes)}"
-        out.append(Log("info", f"job {job.id}: {nodes} joined; {size}"))
+        out.append(Log("info", escape(f"job {job.id}: {nodes} joined; {size}")))
 
     def _member_of(self, conn: Conn) -> tuple[Job, Member]:
         job = self.jobs.get(conn.job_id or "")
@@ -1420,8 +1634,9 @@ class Rendezvous:
 
     def _refuse(self, conn: Conn, code: str, message: str, now: float, out: list[Effect]) -> None:
         """The peer was wrong: tell it why and close its connection; everyone else goes on."""
+        message = clip_text(message, REASON_LEN)
         out.append(Send(conn.id, Error(code=code, message=message, fatal=True)))
-        out.append(Log("warning", f"refused {conn.peer}: {message}"))
+        out.append(Log("warning", escape(clip_text(f"refused {conn.peer}: {message}", LOG_TEXT_LEN))))
         self._drop(conn.id, f"refused: {message}", now, out, close=True)
 
 

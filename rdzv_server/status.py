@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import asdict
+from itertools import islice
 from typing import Any
 
 from .state import SOFTWARE, ConnPhase, Job, JobEvent, JobPhase, Member, Rendezvous
@@ -31,6 +32,8 @@ _ROUND_ENDERS = frozenset({"failure", "lost", "left", "admit", "excluded", "fini
 # The kinds that say why a node is gone.
 _DEPARTURES = frozenset({"lost", "left", "excluded"})
 TERMINAL_PHASES = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
+
+JOBS_LISTED = 200  # jobs in one GET /v1/jobs (active first); each job's detail is per id
 
 _ROUND_RE = re.compile(r"round (\d+)\b")
 _JOINED_RE = re.compile(r"node (?P<node>.+) \((?P<addr>[^,()]*), nproc (?P<nproc>\d+)\) joined")
@@ -72,13 +75,58 @@ def server_view(machine: Rendezvous, clock: Clock) -> dict[str, Any]:
     }
 
 
-def jobs_view(machine: Rendezvous, *, mono_now: float, wall_now: float) -> dict[str, Any]:
-    """``GET /v1/jobs``: the server, then every active job, then the recently forgotten ones."""
+def jobs_view(
+    machine: Rendezvous, *, mono_now: float, wall_now: float, limit: int = JOBS_LISTED
+) -> dict[str, Any]:
+    """``GET /v1/jobs``: the server, then a summary of at most ``limit`` jobs: the active ones,
+    newest first, then the recently forgotten ones, newest first.
+
+    A summary is a few numbers per job: no members, addresses, failures or history (those
+    are per job, ``find_job``), so the body stays small whatever the jobs hold, and names no
+    node (with tokens it is the one job read open to anyone; ``http_app.py``).
+    """
     clock = Clock(mono_now, wall_now)
-    jobs = [job_view(machine, j, clock, forgotten=False) for j in machine.jobs.values()]
-    # Newest first: that is the one a person looks for.
-    jobs += [job_view(machine, j, clock, forgotten=True) for j in reversed(machine.finished_jobs)]
-    return {"server": server_view(machine, clock), "jobs": jobs}
+    total = len(machine.jobs) + len(machine.finished_jobs)
+    active = list(islice(reversed(machine.jobs.values()), limit))
+    jobs = [job_summary(j, clock, forgotten=False) for j in active]
+    jobs += [
+        job_summary(j, clock, forgotten=True)
+        for j in islice(reversed(machine.finished_jobs), max(0, limit - len(active)))
+    ]
+    return {
+        "server": server_view(machine, clock),
+        "jobs": jobs,
+        "jobs_total": total,
+        "truncated": len(jobs) < total,
+    }
+
+
+def job_summary(job: Job, clock: Clock, *, forgotten: bool) -> dict[str, Any]:
+    """One job in ``GET /v1/jobs``: bounded, and free of node ids, addresses and texts."""
+    s = job.settings
+    return {
+        "id": job.id,
+        "instance": f"{job.id}@{job.created_at:.6f}",
+        "phase": job.phase.value,
+        "finished": forgotten or job.phase in TERMINAL_PHASES,
+        "forgotten": forgotten,
+        "created_at": clock.wall(job.created_at),
+        "age": clock.ago(job.created_at),
+        "round": job.round,
+        "rounds_completed": job.rounds_completed,
+        "restart_count": job.restart_count,
+        "max_restarts": s.max_restarts,
+        "settings": {"min_nodes": s.min_nodes, "max_nodes": s.max_nodes},
+        "nodes": len(job.members),
+        "spares": len(job.spares),
+        "world_size": _world_size(job),
+    }
+
+
+def _world_size(job: Job) -> int | None:
+    if job.phase is not JobPhase.RUNNING:
+        return None
+    return sum(job.members[nid].nproc for nid in job.order if nid in job.members)
 
 
 def find_job(machine: Rendezvous, job_id: str, *, mono_now: float, wall_now: float) -> dict[str, Any] | None:

@@ -386,7 +386,8 @@ class Campaign:
         async def one(i: int) -> None:
             after_hello = i % 2 == 1
             limit = AUTH_TIMEOUT if after_hello else HELLO_TIMEOUT
-            data = framed(self.rng.randbytes(4000))
+            # Within the frame limit of its stage (2 KiB before the hello), so only time cuts it.
+            data = framed(self.rng.randbytes(4000 if after_hello else 1000))
             loop = asyncio.get_running_loop()
             reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
             t0 = loop.time()
@@ -599,7 +600,7 @@ async def http(port: int, method: str, path: str, token: str | None = None) -> t
     try:
         auth = f"Authorization: Bearer {token}\r\n" if token else ""
         body = b"{}" if method == "POST" else b""
-        head = f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\n{auth}Content-Length: {len(body)}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Length: {len(body)}\r\n"
         writer.write(head.encode() + b"Connection: close\r\n\r\n" + body)
         raw = await asyncio.wait_for(reader.read(), timeout=10)
     finally:
@@ -612,8 +613,8 @@ async def http(port: int, method: str, path: str, token: str | None = None) -> t
         return status, None
 
 
-def get(port: int, path: str) -> tuple[int, Any]:
-    return asyncio.run(http(port, "GET", path))
+def get(port: int, path: str, token: str | None = REAL_TOKEN) -> tuple[int, Any]:
+    return asyncio.run(http(port, "GET", path, token=token))
 
 
 def rss_kb(pid: int, key: str = "VmRSS") -> int:

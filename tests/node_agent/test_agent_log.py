@@ -67,3 +67,36 @@ def test_a_closed_stream_does_not_raise() -> None:
     log = AgentLog(out)
     out.close()
     log("still fine", "error")
+
+
+def test_a_peers_text_is_shown_escaped_and_bounded() -> None:
+    from node_agent.agent_log import SHOWN_LEN, shown
+
+    assert shown("plain text, ünïcode") == "plain text, ünïcode"
+    forged = "a\n[node-agent] ERROR: forged\x1b[2J\r\x9b\u2028\x00\t"
+    assert shown(forged) == "a\\n[node-agent] ERROR: forged\\x1b[2J\\r\\x9b\\u2028\\x00\\t"
+    # a worker's traceback keeps its lines and tabs; the rest is escaped all the same
+    assert shown("l1\n\tl2\x1b[0m\r", multiline=True) == "l1\n\tl2\\x1b[0m\\r"
+    long = shown("x" * 70000)
+    assert long.startswith("x" * SHOWN_LEN) and long.endswith("... (68,000 more characters)")
+    assert shown("x" * 70000, limit=None) == "x" * 70000
+
+
+def test_the_failure_report_shows_a_servers_failure_escaped() -> None:
+    from node_agent.report import failure_summary
+    from protocol import Failure
+
+    f = Failure(
+        node_id="n2",
+        addr="10.0.0.2",
+        rank=1,
+        local_rank=0,
+        exitcode=1,
+        timestamp=0.0,
+        message="Error: boom\n\x1b[31mred\r!",
+        error_file="/tmp/e\n[node-agent] forged",
+    )
+    text = failure_summary("train.py", f, ())
+    assert "\x1b" not in text and "\r" not in text
+    assert "error_file: /tmp/e\\n[node-agent] forged" in text
+    assert "error     : Error: boom\n              \\x1b[31mred\\r!" in text

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import pytest
 
 from node_agent import state as st
 from protocol import (
+    MAX_TEXT_LEN,
     Assignment,
     Drain,
     Error,
     Failure,
+    GoingAway,
     JobDone,
     JobFailed,
     Leave,
@@ -19,6 +22,7 @@ from protocol import (
     Restart,
     Resumed,
     Waiting,
+    Welcome,
     WorkersFailed,
     WorkersSucceeded,
 )
@@ -783,3 +787,244 @@ def test_the_job_done_while_our_workers_run_stops_them_and_exits_nonzero() -> No
     (ex,) = m.handle(st.WorkersStopped(), 2.5)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
     assert ex.reason == "the job finished without this node (it was running round 0)"
+
+
+# --- what the server says is checked against what this node was started with (issue 17) ----
+
+
+def checking(**kw: object) -> st.AgentMachine:
+    """A machine that knows its job, budget and node range, as the runner builds it."""
+    base: dict[str, object] = dict(job_id="j", max_restarts=3, min_nodes=2, max_nodes=2, nproc=2)
+    base.update(kw)
+    m = st.AgentMachine(settings(**base))
+    m.start(0.0)
+    return m
+
+
+def refused(m: st.AgentMachine, a: Assignment) -> st.Exit:
+    eff = m.handle(st.ServerSent(a), 1.0)
+    assert not any(isinstance(e, st.StartWorkers) for e in eff), eff  # no worker runs for it
+    (ex,) = [e for e in eff if isinstance(e, st.Exit)]
+    assert ex.code == st.EXIT_RDZV and m.phase is st.Phase.EXITED
+    return ex
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"job_id": "other"}, "an assignment for job 'other', but this node runs job 'j'"),
+        ({"restart_count": 4}, "restart 4, past this node's budget (--max-restarts 3)"),
+        ({"max_restarts": 100}, "says --max-restarts 100, but this node has --max-restarts 3"),
+        ({"group_world_size": 3, "world_size": 6}, "a round of 3 nodes, but this node has --nnodes 2"),
+        ({"world_size": 3, "rank_offset": 2}, "ranks 2-3 of this node's 2 worker(s) in a world size 3"),
+    ],
+)
+def test_an_assignment_that_contradicts_this_nodes_config_is_refused(changes: dict, says: str) -> None:
+    ex = refused(checking(), dataclasses.replace(assignment(), **changes))
+    assert says in ex.reason and "broke the protocol" in ex.reason
+
+
+def test_the_assignment_a_node_expects_is_accepted() -> None:
+    m = checking()
+    assert kinds(m.handle(st.ServerSent(assignment(restart_count=3)), 1.0)) == [st.StartWorkers]
+
+
+def test_a_restart_past_the_budget_stops_the_workers_and_exits() -> None:
+    m = running(checking())
+    eff = m.handle(st.ServerSent(Restart(round=0, reason="again", restart_count=4)), 2.0)
+    assert kinds(eff) == [st.StopWorkers] and eff[-1].signum == signal.SIGTERM  # type: ignore[union-attr]
+    (ex,) = m.handle(st.WorkersStopped(), 3.0)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_RDZV and "--max-restarts 3" in ex.reason
+    # within the budget, the restart goes on as usual
+    m = running(checking())
+    eff = m.handle(st.ServerSent(Restart(round=0, reason="again", restart_count=3)), 2.0)
+    assert kinds(eff) == [st.StopWorkers]
+    assert kinds(m.handle(st.WorkersStopped(), 3.0)) == [st.SendJoin]
+
+
+def test_a_verdict_that_never_comes_ends_at_the_join_timeout() -> None:
+    m = running()  # join_timeout 10
+    m.handle(st.WorkersExited(failure()), 2.0)
+    m.handle(st.WorkersStopped(), 3.0)
+    assert m.phase is st.Phase.VERDICT and m.next_deadline() == 13.0
+    assert m.handle(st.Tick(), 12.9) == []
+    (ex,) = m.handle(st.Tick(), 13.0)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    assert "did not answer the report of this node's worker failure of round 0 within 10 s" in ex.reason
+    assert ex.local_failures  # the failure is still what the person reads about
+
+
+def test_the_verdict_wait_pauses_while_away_and_starts_again_once_back() -> None:
+    m = running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+    m.handle(st.WorkersExited(failure()), 2.0)
+    m.handle(st.WorkersStopped(), 3.0)
+    m.handle(st.ConnectionLost("reset"), 4.0)
+    assert m.next_deadline() is None  # the reconnect window bounds it now
+    m.handle(st.Reconnected(), 20.0)
+    assert m.next_deadline() == 30.0
+    m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 20.5)
+    (ex,) = m.handle(st.Tick(), 30.0)
+    assert isinstance(ex, st.Exit) and "no verdict" in ex.reason
+
+
+def test_a_start_failure_waits_for_its_verdict_no_longer_than_the_join_timeout() -> None:
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    m.handle(st.ServerSent(assignment()), 0.5)
+    m.handle(st.WorkersStartFailed("no such file"), 1.0)
+    assert m.phase is st.Phase.VERDICT and m.next_deadline() == 11.0
+
+
+def test_a_drain_reason_of_any_length_drains() -> None:
+    m = running(st.AgentMachine(settings(elastic=True)))
+    eff = m.handle(st.ServerSent(Drain(reason="x" * MAX_TEXT_LEN)), 2.0)
+    assert kinds(eff) == [st.StopWorkers, st.Send]
+    (notice,) = sent(eff)
+    assert isinstance(notice, Leave) and len(notice.reason) <= MAX_TEXT_LEN
+    (note,) = [e for e in eff if isinstance(e, st.Log)]
+    assert "more characters" in note.text and len(note.text) < 3000  # said once, cut
+
+
+def test_server_texts_are_escaped_in_what_the_agent_says() -> None:
+    forged = "\n[node-agent] ERROR: forged\x1b[31m\r"
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    (note,) = m.handle(
+        st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2, reason=forged)), 1.0
+    )
+    assert "\\n[node-agent] ERROR: forged\\x1b[31m\\r" in note.text  # type: ignore[union-attr]
+    (ex,) = m.handle(st.ServerSent(JobFailed(reason=forged)), 2.0)
+    assert isinstance(ex, st.Exit) and "\n" not in ex.reason and "\x1b" not in ex.reason
+
+
+def test_a_resume_into_another_job_is_refused() -> None:
+    m = running(checking(min_nodes=1, max_nodes=2, reconnect_timeout=30.0))
+    m.handle(st.ConnectionLost("reset"), 2.0)
+    m.handle(st.Reconnected(), 3.0)
+    eff = m.handle(st.ServerSent(Resumed(job_id="other", round=0)), 3.5)
+    assert kinds(eff) == [st.StopWorkers]
+    (ex,) = m.handle(st.WorkersStopped(), 4.0)
+    assert isinstance(ex, st.Exit) and "job 'other', but it runs job 'j'" in ex.reason
+
+
+def test_a_drain_whose_resume_is_never_answered_still_ends() -> None:
+    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m.handle(st.SignalReceived(signal.SIGTERM), 2.0)  # drain: workers stop, then Leave
+    m.handle(st.ConnectionLost("reset"), 2.5)
+    m.handle(st.Reconnected(), 3.0)  # Resume out; the server never answers it
+    m.handle(st.WorkersStopped(), 4.0)
+    assert m.phase is st.Phase.LEAVING and m.next_deadline() == 4.0 + st.LEAVE_ANSWER_TIMEOUT
+    (ex,) = m.handle(st.Tick(), 4.0 + st.LEAVE_ANSWER_TIMEOUT)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "did not answer" in ex.reason
+
+
+def _in_every_phase() -> list[tuple[str, st.AgentMachine]]:
+    """Machines in each phase (and mid-resume), built through their events, checking config."""
+
+    def joining() -> st.AgentMachine:
+        return checking(min_nodes=1, max_nodes=2, reconnect_timeout=30.0, elastic=True)
+
+    def starting() -> st.AgentMachine:
+        m = joining()
+        m.handle(st.ServerSent(assignment()), 1.0)
+        return m
+
+    def run_() -> st.AgentMachine:
+        m = starting()
+        m.handle(st.WorkersStarted((11,)), 1.0)
+        return m
+
+    def stopping(after: str) -> st.AgentMachine:
+        m = run_()
+        if after == "rejoin":
+            m.handle(st.ServerSent(Restart(round=0, reason="r", restart_count=1)), 2.0)
+        elif after == "verdict":
+            m.handle(st.WorkersExited(failure()), 2.0)
+        else:
+            m.handle(st.SignalReceived(signal.SIGTERM), 2.0)
+        return m
+
+    def verdict() -> st.AgentMachine:
+        m = stopping("verdict")
+        m.handle(st.WorkersStopped(), 3.0)
+        return m
+
+    def barrier() -> st.AgentMachine:
+        m = run_()
+        m.handle(st.WorkersExited(None), 2.0)
+        return m
+
+    def leaving() -> st.AgentMachine:
+        m = stopping("leave")
+        m.handle(st.WorkersStopped(), 3.0)
+        return m
+
+    def resuming(make):  # type: ignore[no-untyped-def]
+        def build() -> st.AgentMachine:
+            m = make()
+            m.handle(st.ConnectionLost("reset"), 4.0)
+            m.handle(st.Reconnected(), 4.5)
+            return m
+
+        return build
+
+    makers = {
+        "joining": joining,
+        "starting": starting,
+        "running": run_,
+        "stopping-rejoin": lambda: stopping("rejoin"),
+        "stopping-verdict": lambda: stopping("verdict"),
+        "stopping-leave": lambda: stopping("leave"),
+        "verdict": verdict,
+        "barrier": barrier,
+        "leaving": leaving,
+        "running-resuming": resuming(run_),
+        "verdict-resuming": resuming(verdict),
+        "leaving-resuming": resuming(leaving),
+    }
+    return [(name, make()) for name, make in makers.items()]
+
+
+_HOSTILE = "x" * (MAX_TEXT_LEN - 5) + "\n\x1b[2J"
+_SERVER_SAYS = [
+    assignment(),
+    assignment(round=1, restart_count=1),
+    dataclasses.replace(assignment(), job_id="other"),
+    assignment(restart_count=99),
+    dataclasses.replace(assignment(), world_size=1, group_world_size=1),
+    Restart(round=0, reason=_HOSTILE, restart_count=1),
+    Restart(round=0, reason="r", restart_count=99),
+    Resumed(job_id="j", round=0),
+    Resumed(job_id="other", round=0, rebuilt=True),
+    Waiting(job_id="other", round=0, joined=1, min_nodes=1, max_nodes=2, reason=_HOSTILE),
+    Drain(reason=_HOSTILE),
+    Left(job_continues=True, reason=_HOSTILE),
+    Left(job_continues=False),
+    Error(code="x", message=_HOSTILE, fatal=False),
+    Error(code="x", message=_HOSTILE),
+    JobFailed(reason=_HOSTILE, failure=failure()),
+    JobDone(),
+    GoingAway(reason=_HOSTILE),
+    Welcome(version=1, software="again"),
+]
+
+
+@pytest.mark.parametrize("msg", _SERVER_SAYS, ids=lambda m: m.TYPE)
+def test_every_server_message_has_an_outcome_in_every_phase(msg: object) -> None:
+    for name, m in _in_every_phase():
+        try:
+            effects = m.handle(st.ServerSent(msg), 5.0)  # type: ignore[arg-type]
+            # and what follows: the workers stop, time passes far beyond every deadline
+            effects += m.handle(st.WorkersStopped(), 6.0)
+            effects += m.handle(st.Tick(), 1e6)
+        except Exception as exc:
+            raise AssertionError(f"{msg.TYPE} while {name}: {exc!r}") from exc  # type: ignore[attr-defined]
+        for e in effects:
+            if isinstance(e, st.Log):
+                assert "\x1b" not in e.text and len(e.text) < 5000, (name, e.text[:200])
+        # nothing waits on the server for ever: the agent has exited, or has a deadline, or
+        # runs its workers (which need no server), or is mid-stop
+        assert (
+            m.phase in (st.Phase.EXITED, st.Phase.RUNNING, st.Phase.STARTING, st.Phase.STOPPING)
+            or m.next_deadline() is not None
+        ), (name, msg, m.phase)

@@ -250,6 +250,16 @@ def test_base_env_is_inherited_and_not_changed():
     assert base == {"PATH": "/bin", "PET_NNODES": "1", "CUDA_VISIBLE_DEVICES": "2,3"}
 
 
+def test_workers_never_inherit_the_rendezvous_token():
+    # torchrun's workers would inherit it; ours must not: the user's code could join the job
+    # as another node with it. A path to the token file is no secret and passes.
+    base = {"PATH": "/bin", "RDZV_TOKEN": "s3cret", "RDZV_TOKEN_FILE": "/etc/rdzv/token"}
+    e = env_for(AgentConfig(training_script="t.py"), node(world_size=1), 0, base)
+    assert "RDZV_TOKEN" not in e and "s3cret" not in e.values()
+    assert e["RDZV_TOKEN_FILE"] == "/etc/rdzv/token" and e["PATH"] == "/bin"
+    assert base["RDZV_TOKEN"] == "s3cret"  # the agent's own environment is untouched
+
+
 def test_worker_variables_beat_inherited_ones():
     base = {"RANK": "99", "LOCAL_RANK": "99", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR1"}
     e = env_for(AgentConfig(training_script="t.py"), node(world_size=1), 0, base)

@@ -56,7 +56,9 @@ from protocol import (
     decode_payload,
     encode,
     encode_many,
+    frame_limits,
 )
+from protocol.codec import MAX_CONTAINERS, MAX_MAP_LEN, largest_client_messages
 
 FAILURE = Failure(
     node_id="node-1",
@@ -507,9 +509,15 @@ def test_invalid_field_from_the_wire(tag, name, value):
 
 
 def test_moderately_deep_value_is_an_invalid_field():
-    # Deep enough to be a nuisance, shallow enough for msgpack to accept.
-    payload = b"\x82\xa1t\xa5leave\xa6reason" + b"\x91" * 500 + b"\xc0"
+    # Nested, but within the payload's budget of containers: the field's rule names it.
+    payload = b"\x82\xa1t\xa5leave\xa6reason" + b"\x91" * 20 + b"\xc0"
     with pytest.raises(InvalidField, match=r"^leave\.reason: must be a string, got a list of length 1$"):
+        decode_payload(payload)
+
+
+def test_a_deep_value_is_refused_by_the_container_budget():
+    payload = b"\x82\xa1t\xa5leave\xa6reason" + b"\x91" * 500 + b"\xc0"
+    with pytest.raises(MalformedFrame, match=f"more than {MAX_CONTAINERS} maps and arrays"):
         decode_payload(payload)
 
 
@@ -673,7 +681,13 @@ def test_decoder_settings_are_checked(kwargs, error):
 
 # --- properties --------------------------------------------------------------
 
-ids = st.text(min_size=1, max_size=MAX_ID_LEN)
+
+def plain(**kw: typing.Any) -> st.SearchStrategy[str]:
+    """Text without control characters, as ids, addresses and codes must be."""
+    return st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs")), **kw)
+
+
+ids = plain(min_size=1, max_size=MAX_ID_LEN)
 texts = st.text(max_size=200)
 counts = st.integers(0, 2**63 - 1)
 small = st.integers(0, 1000)
@@ -684,7 +698,7 @@ positive = st.one_of(st.floats(1e-9, 1e7), st.integers(1, 10**7))
 failures = st.builds(
     Failure,
     node_id=ids,
-    addr=st.text(max_size=MAX_ADDR_LEN),
+    addr=plain(max_size=MAX_ADDR_LEN),
     rank=counts,
     local_rank=small,
     exitcode=st.integers(-(2**63), 2**63 - 1),
@@ -706,7 +720,7 @@ def joins(draw):
     return Join(
         job_id=draw(ids),
         node_id=draw(ids),
-        addr=draw(st.text(max_size=MAX_ADDR_LEN)),
+        addr=draw(plain(max_size=MAX_ADDR_LEN)),
         nproc=draw(st.integers(1, MAX_NPROC)),
         min_nodes=lo,
         max_nodes=hi,
@@ -745,7 +759,7 @@ def assignments(draw):
         group_world_size=group_world_size,
         rank_offset=draw(st.integers(0, world_size - 1)),
         world_size=world_size,
-        master_addr=draw(st.text(min_size=1, max_size=MAX_ADDR_LEN)),
+        master_addr=draw(plain(min_size=1, max_size=MAX_ADDR_LEN)),
         master_port=draw(ports),
         restart_count=draw(counts),
         max_restarts=draw(counts),
@@ -756,14 +770,14 @@ messages = st.one_of(
     st.builds(
         Hello,
         versions=st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=16),
-        software=st.text(max_size=MAX_ID_LEN),
+        software=plain(max_size=MAX_ID_LEN),
     ),
     joins(),
     st.just(Heartbeat()),
     st.builds(WorkersFailed, round=counts, failure=failures),
     st.builds(WorkersSucceeded, round=counts),
     st.builds(Leave, reason=texts),
-    st.builds(Welcome, version=st.integers(1, 2**63 - 1), software=st.text(max_size=MAX_ID_LEN)),
+    st.builds(Welcome, version=st.integers(1, 2**63 - 1), software=plain(max_size=MAX_ID_LEN)),
     waitings(),
     assignments(),
     st.builds(Restart, round=counts, reason=texts, restart_count=counts),
@@ -773,9 +787,9 @@ messages = st.one_of(
     st.builds(Left, job_continues=st.booleans(), reason=texts),
     st.builds(
         Error,
-        code=st.text(min_size=1, max_size=MAX_CODE_LEN),
+        code=plain(min_size=1, max_size=MAX_CODE_LEN),
         message=texts,
-        field=st.none() | st.text(max_size=MAX_ID_LEN),
+        field=st.none() | plain(max_size=MAX_ID_LEN),
         fatal=st.booleans(),
     ),
 )
@@ -892,7 +906,11 @@ def test_property_one_broken_field_is_named(msg, data):
 # --- hostile streams: properties the fuzz run relies on ------------------------------------
 
 client_messages = st.one_of(
-    st.builds(Hello, versions=st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=16), software=texts),
+    st.builds(
+        Hello,
+        versions=st.lists(st.integers(1, 2**63 - 1), min_size=1, max_size=16),
+        software=plain(max_size=200),
+    ),
     joins(),
     st.just(Heartbeat()),
     st.builds(WorkersFailed, round=counts, failure=failures),
@@ -1002,7 +1020,7 @@ def test_a_dead_decoder_does_not_keep_its_bad_frame_alive():
     import gc
     import tracemalloc
 
-    bad = frame(packed({"t": "leave", "reason": "x" * 600_000}))  # too long: an InvalidField
+    bad = frame(packed({"t": "leave", "reason": "x" * 200_000}))  # too long: an InvalidField
     gc.disable()
     tracemalloc.start()
     try:
@@ -1017,3 +1035,106 @@ def test_a_dead_decoder_does_not_keep_its_bad_frame_alive():
         tracemalloc.stop()
         gc.enable()
     assert held < 2 * len(bad), held
+
+
+# --- frame limits per stage, and msgpack's limits ---------------------------------------
+
+WIDE = "\U0001f600"
+
+
+def _grown(value: typing.Any) -> list[typing.Any]:
+    """Values one step larger on the wire than ``value``, which its field must refuse."""
+    if isinstance(value, str):
+        return [value + "f", value[:-1] + WIDE] if value and not value[-1:] == WIDE else [value + WIDE]
+    if isinstance(value, tuple):
+        return [(*value, value[-1])]
+    if isinstance(value, bool | float):
+        return []  # every value of these has the same size
+    if isinstance(value, int):
+        return [] if len(msgpack.packb(value)) == 9 else [value + 1]
+    return []
+
+
+def _assert_largest(msg: typing.Any, path: str) -> None:
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if dataclasses.is_dataclass(value):
+            _assert_largest(value, f"{path}.{f.name}")
+            continue
+        for bigger in _grown(value):
+            try:
+                dataclasses.replace(msg, **{f.name: bigger})
+            except InvalidField:
+                continue
+            raise AssertionError(f"{path}.{f.name} could be larger: {bigger!r:.80}")
+
+
+def test_every_client_message_has_a_largest_example_and_it_is_the_largest():
+    examples = largest_client_messages()
+    assert set(examples) == set(CLIENT_MESSAGES.values())
+    for cls, msg in examples.items():
+        assert type(msg) is cls
+        _assert_largest(msg, cls.TYPE)
+
+
+def test_the_largest_legal_message_of_each_stage_fits_its_frame_limit():
+    limits = frame_limits()
+    sizes = {cls: len(encode(msg)) - HEADER.size for cls, msg in largest_client_messages().items()}
+    assert sizes[Hello] <= limits.hello <= 4096  # a hello is small: so is what a stranger may send
+    for cls in (Join, Resume, Leave, Heartbeat):
+        assert sizes[cls] <= limits.join
+    assert max(sizes.values()) <= limits.member <= MAX_FRAME_SIZE
+    # and each decodes (the container and string limits let the largest through)
+    for msg in largest_client_messages().values():
+        decoder = FrameDecoder(max_frame_size=limits.member, allowed=CLIENT_MESSAGES)
+        assert decoder.feed(encode(msg)) == [msg]
+
+
+def test_a_frame_of_a_million_empty_maps_is_refused_without_decoding_it():
+    # The attack of issue 17: 1 MiB of empty maps under an unknown key cost 55 ms and 73 MB.
+    import tracemalloc
+
+    n = 1_000_000
+    flat = b"\x82\xa1t\xa5hello\xa1x\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    # The same in arrays short enough to pass the array limit: the container budget stops it.
+    chunk = b"\xdc\x00\x40" + b"\x80" * 64
+    nested = b"\x82\xa1t\xa5hello\xa1x\xdc\x00\x40" + chunk * 64
+    for payload, why in (
+        (flat, "not valid msgpack"),
+        (nested, f"more than {MAX_CONTAINERS} maps and arrays"),
+    ):
+        tracemalloc.start()
+        try:
+            with pytest.raises(MalformedFrame, match=why):
+                decode_payload(payload)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, peak
+    # A map wider than any message is refused by its header.
+    wide = msgpack.packb({"t": "leave", **{f"k{i}": 0 for i in range(MAX_MAP_LEN + 1)}})
+    with pytest.raises(MalformedFrame):
+        decode_payload(wide)
+    # Before its hello, a peer's frame may hold 2 KiB at most: the header alone is refused.
+    decoder = FrameDecoder(max_frame_size=frame_limits().hello, expect_magic=True)
+    with pytest.raises(FrameTooLarge):
+        decoder.feed(MAGIC + HEADER.pack(len(flat)))
+
+
+def test_feed_with_a_limit_takes_frames_a_few_at_a_time_and_the_limit_may_change():
+    hello = encode(Hello(versions=(1,), software="t"))
+    join = encode(JOIN)
+    decoder = FrameDecoder(max_frame_size=frame_limits().hello, expect_magic=True)
+    stream = MAGIC + hello + encode(Heartbeat()) * 3 + join
+    assert decoder.feed(stream, limit=1) == [Hello(versions=(1,), software="t")]
+    assert decoder.feed(limit=2) == [Heartbeat(), Heartbeat()]
+    assert decoder.feed(limit=1) == [Heartbeat()]
+    assert decoder.buffered == len(join)
+    decoder.max_frame_size = len(join) - HEADER.size - 1  # the join's stage would not allow it
+    with pytest.raises(FrameTooLarge):
+        decoder.feed(limit=1)
+    decoder = FrameDecoder(expect_magic=True)
+    decoder.feed(stream, limit=1)
+    decoder.max_frame_size = len(join)
+    assert decoder.feed() == [Heartbeat()] * 3 + [JOIN]
+    assert decoder.buffered == 0

@@ -54,6 +54,7 @@ from protocol import (
     negotiate_version,
 )
 from protocol.errors import describe
+from protocol.messages import clip_text
 
 FAILURE = {
     "node_id": "node-1",
@@ -580,3 +581,68 @@ def test_copy_with_equals_the_validated_message() -> None:
     assert type(copy_) is Assignment and first.group_rank == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         copy_.round = 3
+
+
+# --- ids hold no control characters; secrets are printable ASCII --------------------------
+
+ID_FIELDS = [
+    (Join, "job_id"),
+    (Join, "node_id"),
+    (Join, "addr"),
+    (Failure, "node_id"),
+    (Failure, "addr"),
+    (Failure, "signal"),
+    (Hello, "software"),
+    (Waiting, "job_id"),
+    (Assignment, "master_addr"),
+    (Error, "code"),
+    (Error, "field"),
+]
+FORGERIES = ["n1\nINFO job x: node evil joined", "n\x1b[31mred", "n\x00", "n\x7f", "n\x85", "n\x9b2J"]
+
+
+@pytest.mark.parametrize(("cls", "name"), ID_FIELDS)
+@pytest.mark.parametrize("bad", FORGERIES)
+def test_an_id_with_a_control_character_is_refused_naming_it(cls: type, name: str, bad: str) -> None:
+    with pytest.raises(InvalidField, match="control characters") as info:
+        cls(**{**VALID[cls], name: bad})
+    assert info.value.field == f"{cls._PATH}.{name}"
+
+
+def test_ids_may_hold_any_printable_unicode() -> None:
+    j = Join(**{**VALID[Join], "node_id": "nœud-ü-节点-\u00a0x", "job_id": "训练"})
+    assert j.node_id.startswith("nœud")
+
+
+def test_free_texts_may_still_hold_newlines_and_escapes() -> None:
+    # Shown escaped by whoever shows them; a worker's error is many lines.
+    assert Leave(reason="a\nb\x1b[0m").reason == "a\nb\x1b[0m"
+    assert Failure(**{**FAILURE, "message": "Traceback:\n  x"}).message.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["proof", "node_secret"])
+@pytest.mark.parametrize("bad", ["é" * 64, "ab\ncd", "\x00" * 8, "ab cd"[:2] + "\u200b"])
+def test_a_proof_or_secret_must_be_printable_ascii(name: str, bad: str) -> None:
+    with pytest.raises(InvalidField, match="printable ASCII") as info:
+        Join(**{**VALID[Join], name: bad})
+    assert info.value.field == f"join.{name}"
+
+
+def test_a_non_ascii_challenge_is_refused() -> None:
+    with pytest.raises(InvalidField, match=r"welcome\.challenge"):
+        Welcome(**{**VALID[Welcome], "challenge": "é" * 32})
+
+
+@pytest.mark.parametrize("n", [0, 1, 40, 41, 100, 65536, 10**6])
+def test_clip_text_fits_the_limit_and_says_how_much_was_cut(n: int) -> None:
+    text = "x" * n
+    clipped = clip_text(text, 40)
+    assert len(clipped) <= 40
+    if n <= 40:
+        assert clipped == text
+    else:
+        assert clipped.startswith("x") and f"{n - clipped.index(' ...'):,} more characters" in clipped
+
+
+def test_a_clipped_text_is_valid_in_its_field() -> None:
+    assert Restart(round=1, reason=clip_text("é" * 10**6, MAX_TEXT_LEN), restart_count=0)

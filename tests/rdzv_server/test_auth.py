@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import aiohttp
 import pytest
 
 from protocol import Assignment, Error, Waiting, Welcome
 from protocol.auth import TokenTable, proof
+from rdzv_server.http_app import Access
 from rdzv_server.service import RendezvousService
 
 from .test_service import RawAgent, join
@@ -98,3 +100,52 @@ def test_token_file_format() -> None:
     for bad in ("", "# only a comment", "a b c", "one\ntwo"):
         with pytest.raises(ValueError):
             TokenTable.parse(bad)
+
+
+# --- over HTTP: who may read a job's detail ------------------------------------------------------
+
+
+async def test_with_tokens_a_jobs_detail_needs_its_token_or_the_read_token() -> None:
+    tokens = TokenTable(default="s3cret", per_job={"other": "other-token"})
+    svc = RendezvousService(http=True, tokens=tokens)
+    svc.http_access = Access(read_token="reader")  # type: ignore[attr-defined]
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        agents = []
+        for node in ("a", "b"):
+            a, w = await hello(port)
+            a.send(signed(node, 30001, w.challenge))
+            agents.append(a)
+        for a in agents:
+            while not isinstance(await a.recv(), Assignment):
+                pass
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            # The summary names no node and no address: open.
+            async with http.get("/v1/jobs") as r:
+                assert r.status == 200
+                body = await r.text()
+            assert '"id": "j"' in body.replace('":"', '": "') and "127.0.0.1" not in body
+            async with http.get("/v1/jobs/j") as r:
+                assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+                assert "needs a token" in (await r.json())["message"]
+            for wrong in ("other-token", "guess"):  # another job's token reads only that job
+                async with http.get("/v1/jobs/j", headers={"Authorization": f"Bearer {wrong}"}) as r:
+                    assert r.status == 403, wrong
+            for good in ("s3cret", "reader"):
+                async with http.get("/v1/jobs/j", headers={"Authorization": f"Bearer {good}"}) as r:
+                    assert r.status == 200, good
+                    job = await r.json()
+                assert job["master"]["addr"] == "127.0.0.1" and len(job["members"]) == 2
+            # The read token reads; it does not drain.
+            headers = {"Authorization": "Bearer reader"}
+            async with http.post("/v1/jobs/j/nodes/a/drain", headers=headers) as r:
+                assert r.status == 403
+            # Counts stay open, and name nobody.
+            async with http.get("/metrics") as r:
+                assert r.status == 200
+                metrics = await r.text()
+            async with http.get("/healthz") as r:
+                assert r.status == 200
+            assert "127.0.0.1" not in metrics and 'job="' not in metrics and 'node="' not in metrics
+    finally:
+        await svc.close()

@@ -14,7 +14,16 @@ import pytest
 
 from protocol import Assignment, Drain, Restart
 from protocol.auth import TokenTable
-from rdzv_server.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, CommandError, base_url
+from rdzv_server.cli import (
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_USAGE,
+    CommandError,
+    SafeFormatter,
+    base_url,
+)
+from rdzv_server.http_app import Access
 from rdzv_server.service import RendezvousService
 
 from .test_http import FakeAgent, Watch, running_job
@@ -107,7 +116,7 @@ async def test_status_lists_jobs_and_shows_one_in_detail(server) -> None:
     r = await run("status", "--endpoint", endpoint)
     assert r.rc == EXIT_OK, r.err
     header, row = [line for line in r.out.splitlines() if line.startswith(("JOB", "j "))]
-    assert header.split() == ["JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE", "OUTCOME"]
+    assert header.split() == ["JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE"]
     assert row.split()[:5] == ["j", "gathering", "2/2:3", "2", "1/3"]
 
     r = await run("status", "--endpoint", endpoint, "--job", "j")
@@ -198,6 +207,65 @@ async def test_drain_with_tokens_sends_the_jobs_token_from_the_token_file(tmp_pa
         assert r.rc == EXIT_NOT_FOUND and "no job 'j'" in r.err  # authorised; the job is not there
     finally:
         await svc.close()
+
+
+async def test_status_with_tokens_sends_the_jobs_token_or_the_read_token(tmp_path) -> None:
+    svc = RendezvousService(http=True, tokens=TokenTable(per_job={"j": "j-secret"}))
+    svc.http_access = Access(read_token="reader")  # type: ignore[attr-defined]
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        base = ("status", "--endpoint", f"127.0.0.1:{port}")
+        r = await run(*base)
+        assert r.rc == EXIT_OK and "no jobs" in r.out  # the summary is open
+        r = await run(*base, "--job", "j")
+        assert r.rc == EXIT_ERROR and "HTTP 401" in r.err and "--read-token-file" in r.err
+        right = tmp_path / "right"
+        right.write_text("j j-secret\n")
+        reader = tmp_path / "reader"
+        reader.write_text("reader\n")
+        for flag, path in (("--token-file", right), ("--read-token-file", reader)):
+            r = await run(*base, "--job", "j", flag, str(path))
+            assert r.rc == EXIT_NOT_FOUND and "no job 'j'" in r.err, (flag, r.err)  # let in; no job yet
+    finally:
+        await svc.close()
+
+
+async def test_peers_texts_are_escaped_in_status_tables(server) -> None:
+    svc, endpoint = server
+    port = int(endpoint.rsplit(":", 1)[1])
+    a, b = await running_job(port, ["a", "b"])
+    a.fail(round=0, message="oom\n  round 9: forged line\x1b[2J\x1b]0;title\x07\u202eevil")
+    await Watch(svc).until(lambda: svc.machine.jobs["j"].restart_count == 1)
+    r = await run("status", "--endpoint", endpoint, "--job", "j")
+    assert r.rc == EXIT_OK, r.err
+    assert not any(ch in r.out for ch in "\x1b\x07\u202e")
+    assert not [line for line in r.out.splitlines() if line.lstrip().startswith("round 9")]
+    assert "oom\\n  round 9: forged line\\x1b[2J" in r.out and "\\u202eevil" in r.out
+    del b
+
+
+def test_the_servers_log_lines_escape_control_characters() -> None:
+    import logging
+
+    fmt = SafeFormatter("%(levelname)s %(name)s: %(message)s")
+    rec = logging.LogRecord(
+        "rdzv_server",
+        logging.WARNING,
+        __file__,
+        1,
+        "refused %s: %s",
+        ("n", "x\nINFO rdzv_server: fake\x1b[31m"),
+        None,
+    )
+    line = fmt.format(rec)
+    assert line == "WARNING rdzv_server: refused n: x\\nINFO rdzv_server: fake\\x1b[31m"
+    try:
+        raise ValueError("ours")
+    except ValueError:
+        import sys as _sys
+
+        rec.exc_info = _sys.exc_info()
+    assert "\nTraceback" in fmt.format(rec)  # our own traceback keeps its lines
 
 
 async def test_serving_is_still_the_default_and_answers_status() -> None:

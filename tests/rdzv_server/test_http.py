@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -35,10 +36,13 @@ from protocol import (
     encode,
 )
 from protocol.auth import TokenTable
+from rdzv_server.http_app import Access
 from rdzv_server.service import RendezvousService
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
 T = TypeVar("T", bound=Message)
+NOT_SIMPLE = {"X-Rdzv-Request": "1"}  # what a server without tokens wants of a drain
+JSON = {"Content-Type": "application/json"}
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -220,8 +224,12 @@ async def test_jobs_list_shows_members_ranks_and_heartbeats(live) -> None:
         assert r.status == 200 and r.headers["Cache-Control"] == "no-store"
         data = await r.json()
     assert data["server"]["agents"] == 2 and data["server"]["connections"] == 2
-    (job,) = data["jobs"]
-    assert job["id"] == "j" and job["phase"] == "running" and not job["finished"]
+    (summary,) = data["jobs"]
+    assert summary["id"] == "j" and summary["phase"] == "running" and not summary["finished"]
+    assert "members" not in summary and summary["nodes"] == 2
+    async with http.get("/v1/jobs/j") as r:
+        assert r.status == 200 and r.headers["Cache-Control"] == "no-store"
+        job = await r.json()
     assert (job["round"], job["restart_count"], job["max_restarts"], job["world_size"]) == (0, 0, 3, 4)
     by_node = {m["node_id"]: m for m in job["members"]}
     # same address: ranks by node id
@@ -281,7 +289,9 @@ async def test_forgotten_job_is_listed_as_finished(live) -> None:
     await Watch(svc).until(lambda: not svc.machine.jobs)
     async with http.get("/v1/jobs") as r:
         (job,) = (await r.json())["jobs"]
-    assert job["forgotten"] and job["finished"] and job["outcome"]
+    assert job["forgotten"] and job["finished"]
+    async with http.get("/v1/jobs/j") as r:
+        assert (await r.json())["outcome"]
 
 
 # --- drain --------------------------------------------------------------------------------
@@ -295,7 +305,7 @@ async def test_drain_reaches_the_node_and_is_recorded(live) -> None:
         assert await r.json() == {"status": "draining", "job_id": "j", "node_id": "b", "reason": "disk swap"}
     got = await b.expect(Drain)
     assert got.reason == "disk swap"
-    async with http.post("/v1/jobs/j/nodes/a/drain") as r:  # no body at all
+    async with http.post("/v1/jobs/j/nodes/a/drain", headers=NOT_SIMPLE) as r:  # no body at all
         assert r.status == 202 and (await r.json())["reason"] == ""
     await a.expect(Drain)
     async with http.get("/v1/jobs/j") as r:
@@ -306,7 +316,7 @@ async def test_drain_reaches_the_node_and_is_recorded(live) -> None:
     ]
 
 
-async def test_with_tokens_drain_needs_the_jobs_bearer_token_and_reads_stay_open() -> None:
+async def test_with_tokens_drain_needs_the_jobs_bearer_token() -> None:
     tokens = TokenTable(default="shared", per_job={"j": "j-secret"})
     svc = RendezvousService(http=True, tokens=tokens)
     port = await svc.start("127.0.0.1", 0)
@@ -325,16 +335,95 @@ async def test_with_tokens_drain_needs_the_jobs_bearer_token_and_reads_stay_open
                 assert r.status == 404  # past the check: there is no such job yet
             async with http.get("/v1/jobs") as r:
                 assert r.status == 200
-            async with http.get("/v1/jobs/j") as r:
-                assert r.status == 404
     finally:
         await svc.close()
+
+
+async def test_without_tokens_a_simple_cross_site_post_cannot_drain(live) -> None:
+    """A web page can make a browser POST a form (text/plain, urlencoded, multipart) to any
+    address; it cannot send JSON or a custom header cross-site without a CORS preflight."""
+    svc, port, http = live
+    a, b = await running_job(port, ["a", "b"])
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        async with http.post("/v1/jobs/j/nodes/b/drain", data=b"", headers=headers) as r:
+            assert r.status == 403, ctype
+            doc = await r.json()
+        assert doc["error"] == "forbidden" and "application/json" in doc["message"]
+        assert "X-Rdzv-Request" in doc["message"]
+    assert not [e for e in svc.machine.jobs["j"].history if e.kind == "drain"]
+    async with http.post("/v1/jobs/j/nodes/b/drain", data=b"", headers=JSON) as r:
+        assert r.status == 202
+    await b.expect(Drain)
+    del a
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:29500", "localhost.evil.example"])
+async def test_a_host_that_does_not_name_the_server_is_misdirected(live, host: str) -> None:
+    """DNS rebinding: a page at evil.example whose name now resolves to this server."""
+    _, port, http = live
+    agents = await running_job(port, ["a", "b"])
+    for method, path in (
+        ("GET", "/v1/jobs"),
+        ("GET", "/v1/jobs/j"),
+        ("GET", "/"),
+        ("POST", "/v1/jobs/j/nodes/a/drain"),
+    ):
+        async with http.request(method, path, headers={"Host": host, **JSON}) as r:
+            assert r.status == 421, (method, path)
+            doc = await r.json()
+        assert doc["error"] == "misdirected" and "--http-host" in doc["message"]
+    for path in ("/healthz", "/metrics"):  # counts only: probes and scrapers use any name
+        async with http.get(path, headers={"Host": host}) as r:
+            assert r.status == 200
+    for ok in (
+        "127.0.0.1",
+        f"127.0.0.1:{port}",
+        f"[::1]:{port}",
+        "localhost",
+        "LOCALHOST:1",
+        socket.gethostname(),
+    ):
+        async with http.get("/v1/jobs/j", headers={"Host": ok}) as r:
+            assert r.status == 200, ok
+    del agents
+
+
+async def test_http_host_names_more_names_of_the_server() -> None:
+    svc = RendezvousService(http=True)
+    svc.http_access = Access(hosts=("rdzv.cluster.local",))  # type: ignore[attr-defined]
+    port = await svc.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            async with http.get("/v1/jobs", headers={"Host": "rdzv.cluster.local:29500"}) as r:
+                assert r.status == 200
+            async with http.get("/v1/jobs", headers={"Host": "rdzv.cluster.local.evil"}) as r:
+                assert r.status == 421
+    finally:
+        await svc.close()
+
+
+async def test_no_output_names_a_nodes_secret(live) -> None:
+    """Join.node_secret proves a node's place on a resume: no status read may show it."""
+    _, port, http = live
+    agents = [await FakeAgent.connect(port, n) for n in ("a", "b")]
+    for i, a in enumerate(agents):
+        a.join("j", node_secret=f"SECRET-{i}-0123456789abcdef")
+    for a in agents:
+        await a.expect(Assignment)
+    agents[0].fail(round=0, message="boom")
+    bodies = []
+    for path in ("/v1/jobs", "/v1/jobs/j", "/metrics", "/healthz", "/"):
+        async with http.get(path) as r:
+            assert r.status == 200
+            bodies.append(await r.text())
+    assert not [b for b in bodies if "SECRET-" in b]
 
 
 async def test_drain_unknown_job_or_node_is_a_404_naming_it(live) -> None:
     _, port, http = live
     agents = await running_job(port, ["a", "b"])  # kept: a collected agent closes its socket
-    async with http.post("/v1/jobs/nope/nodes/a/drain") as r:
+    async with http.post("/v1/jobs/nope/nodes/a/drain", headers=NOT_SIMPLE) as r:
         assert r.status == 404
         assert await r.json() == {"error": "not_found", "message": "no job 'nope'"}
     async with http.post("/v1/jobs/j/nodes/zz/drain", json={}) as r:
@@ -350,7 +439,7 @@ async def test_drain_unknown_job_or_node_is_a_404_naming_it(live) -> None:
 async def test_drain_bad_body_is_a_400(live, body: bytes) -> None:
     svc, port, http = live
     agents = await running_job(port, ["a", "b"])
-    async with http.post("/v1/jobs/j/nodes/a/drain", data=body) as r:
+    async with http.post("/v1/jobs/j/nodes/a/drain", data=body, headers=JSON) as r:
         assert r.status == 400
         assert (await r.json())["error"] == "bad_request"
     assert not [e for e in svc.machine.jobs["j"].history if e.kind == "drain"]

@@ -37,7 +37,7 @@ class Recording(Rendezvous):
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         effects = super().handle(event, now)
-        rec = event_record(event, effects)
+        rec = event_record(event, effects, unchanged=self.unchanged)  # as StateLog.record does
         if rec is not None:
             self._keep(rec, now)
         return effects
@@ -122,6 +122,34 @@ def test_snapshot_round_trips_and_rejects_what_it_does_not_know() -> None:
         snapshot.load({**d, "version": 99})
     with pytest.raises(snapshot.SnapshotError, match="bad snapshot"):
         snapshot.load({**d, "jobs": [{"id": "x"}]})
+
+
+def test_ignored_messages_are_not_logged_and_replay_stays_exact() -> None:
+    h = Harness(machine=Recording())
+    busy_history(h)
+    m = h.machine
+    a = next(c.id for c in m.conns.values() if c.job_id == "job")
+    rnd = m.jobs["job"].round
+    n = len(m.records)
+    # Stale frames a member may repeat without end: each changes nothing.
+    for _ in range(50):
+        h.send(a, WorkersSucceeded(round=rnd + 7))
+        h.send(a, WorkersFailed(round=rnd + 7, failure=failure(rank=0, node="node1")))
+    assert len(m.records) == n
+    assert state(replayed(m.records)) == state(m)
+
+
+def test_the_state_log_writes_nothing_for_ignored_frames(tmp_path: Path) -> None:
+    log, _, _ = StateLog.open(tmp_path)
+    h = Harness()
+    drive(log, h)
+    a, _ = h.join(), h.join()
+    assert h.last(a, Assignment) is not None
+    seq, size = log.seq, (tmp_path / LOG_NAME).stat().st_size
+    for _ in range(200):
+        h.send(a, WorkersSucceeded(round=9))
+    assert (log.seq, (tmp_path / LOG_NAME).stat().st_size) == (seq, size)
+    log.close()
 
 
 def test_a_join_refused_for_its_token_replays_without_tokens() -> None:
@@ -324,3 +352,116 @@ def test_the_dir_and_its_files_are_private_under_any_umask(tmp_path: Path) -> No
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     for f in d.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+# --- growth: compaction by size, a streamed replay, a nearly full disk -----------------------
+
+
+def test_the_log_is_compacted_when_it_outgrows_the_snapshot(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(journal, "COMPACT_MIN_BYTES", 4096)
+    log, _, _ = StateLog.open(tmp_path)  # by count only every 50,000 records
+    h = Harness()
+    drive(log, h)
+    kw = dict(min_nodes=1, max_nodes=1, max_restarts=10_000)
+    a = h.join(**kw)
+    for r in range(60):  # fail, restart, rejoin: real changes, each logged
+        h.send(a, WorkersFailed(round=r, failure=failure(rank=0, node="node1")))
+        h.join(a, **kw)
+    snap = (tmp_path / journal.SNAP_NAME).stat().st_size
+    assert snap > 0 and log.seq < 1000
+    # Never more than the larger of the floor and 4 snapshots (plus the record that crossed it).
+    assert (tmp_path / LOG_NAME).stat().st_size < max(4096, journal.COMPACT_RATIO * snap) + 2048
+    before = state(log.machine)
+    log.close()
+    log2, _, _ = StateLog.open(tmp_path)
+    try:
+        assert log2.machine.jobs["job"].round == before["jobs"][0]["round"] == 60
+    finally:
+        log2.close()
+
+
+REPLAY_RSS = """
+import sys, time
+from pathlib import Path
+from rdzv_server import journal
+import rdzv_server.state
+
+def hwm():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+
+base = hwm()
+log, found, _ = journal.StateLog.open(Path(sys.argv[1]), fsync=False, snapshot_every=10**9)
+print(found.replayed, hwm() - base)
+"""
+
+
+def test_replay_reads_the_log_a_record_at_a_time(tmp_path: Path) -> None:
+    """Restarting on a 32 MiB log must not need the file (or a list of its records) in memory."""
+    import subprocess
+    import sys
+    import time
+
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    pairs = 15_000
+    with open(d / LOG_NAME, "wb") as f:
+        f.write(FILE_HEADER.pack(journal.LOG_MAGIC, 0))
+        w = time.time()
+        for i in range(pairs):  # a connection that comes and goes: replays to no state at all
+            for rec in (
+                {"k": "connected", "conn": i + 1, "peer": "p" * 2000},
+                {"k": "disconnected", "conn": i + 1, "why": "x"},
+            ):
+                rec["t"], rec["w"] = 1.0 + i, w
+                f.write(journal.frame(msgpack.packb(rec, use_bin_type=True)))
+    size = (d / LOG_NAME).stat().st_size
+    assert size > 30 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", REPLAY_RSS, str(d)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    replayed, grew_kb = int(out[0]), int(out[1])
+    assert replayed == 2 * pairs
+    # Reading it whole cost twice the file (+64 MiB); streamed, a few MiB of buffers.
+    assert grew_kb < 8 * 1024, f"replaying a {size >> 20} MiB log grew the peak RSS by {grew_kb} kB"
+
+
+class FakeStatvfs:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def __call__(self, path: object) -> Any:
+        return type("st", (), {"f_bavail": self.free // 4096, "f_frsize": 4096})()
+
+
+def test_a_nearly_full_disk_refuses_new_nodes_and_serves_running_jobs(tmp_path: Path, monkeypatch) -> None:
+    disk = FakeStatvfs(1 << 30)
+    monkeypatch.setattr(journal.os, "statvfs", disk)
+    log, _, _ = StateLog.open(tmp_path, min_free=64 << 20)
+    h = Harness()
+    drive(log, h)
+    a, _ = h.join(), h.join()
+    assert h.last(a, Assignment) is not None and not log.machine.refuse_joins
+    disk.free = 10 << 20
+    log.check_space(force=True)
+    text = log.machine.refuse_joins
+    assert (
+        text.startswith("the server's state disk is nearly full (10.0 MiB free in ") and str(tmp_path) in text
+    )
+    assert text.endswith("no new nodes until space is freed")
+    newcomer = h.join(job="other")
+    assert newcomer in h.closed  # refused, with the text
+    err = h.inbox[newcomer][-1]
+    assert err.code == "server_busy" and err.message == text
+    h.send(a, WorkersSucceeded(round=0))  # the running job goes on
+    assert log.machine.jobs["job"].members["node1"].state.value == "succeeded"
+    # The refusal is logged as the disconnection it caused: replay (no disk check) agrees.
+    log.sync()
+    copy = Rendezvous(None, expire_silent=False)
+    journal.replay_log(tmp_path / LOG_NAME, copy, 0)
+    assert "other" not in copy.jobs
+    disk.free = 1 << 30
+    log.check_space(force=True)
+    assert log.machine.refuse_joins == ""
+    c = h.join(job="other", min_nodes=1, max_nodes=1)
+    assert h.last(c, Assignment) is not None
+    log.close()

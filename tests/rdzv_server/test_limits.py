@@ -117,6 +117,9 @@ async def test_the_total_connection_cap_refuses_the_excess() -> None:
         a, b = await RawAgent.open(port), await RawAgent.open(port)
         assert isinstance(await a.recv(), Welcome) and isinstance(await b.recv(), Welcome)
         c = await RawAgent.open(port)
+        busy = await c.recv()
+        assert isinstance(busy, Error) and busy.code == "server_busy" and not busy.fatal
+        assert "at its connection limit (2 connections" in busy.message
         assert await asyncio.wait_for(c.reader.read(), timeout=5) == b""
     finally:
         await svc.close()

@@ -268,3 +268,92 @@ def test_a_spare_away_after_the_restart_is_not_ready_when_it_takes_a_place() -> 
     h.send(c3, join_msg(c3, "node3", **kw))
     for c in (c1, c3):
         assert h.last(c, Assignment) is not None
+
+
+# --- a job token proves the job, not the node (issue 17, item 6) ---------------------------
+
+
+def secret_of(node: str) -> str:
+    return f"secret-of-{node}-" + "0" * 16
+
+
+def running_with_secrets(h: Harness) -> dict[str, Assignment]:
+    a = h.join(node_secret=secret_of("node1"))
+    b = h.join(node_secret=secret_of("node2"))
+    return {"node1": h.last(a, Assignment), "node2": h.last(b, Assignment)}  # type: ignore[dict-item]
+
+
+def test_after_a_restart_a_stranger_with_the_token_cannot_resume_a_nodes_place() -> None:
+    h = Harness()
+    held = running_with_secrets(h)
+    restart_server(h)
+    job = h.machine.jobs["job"]
+    for secret in ("", "guessed-" + "0" * 24):
+        thief = h.connect()
+        h.send(thief, Resume(join=join_msg(thief, "node1", node_secret=secret), assignment=held["node1"]))
+        err = h.last(thief, Error)
+        assert err is not None and err.code == "duplicate_node" and "node secret" in err.message
+        assert thief in h.closed and h.last(thief, Resumed) is None
+    # A Join with the node's id is no better.
+    thief = h.connect()
+    h.send(thief, join_msg(thief, "node1", node_secret="x" * 32))
+    assert h.last(thief, Error) is not None and thief in h.closed
+    # The real nodes come back; nothing restarts.
+    for node, a in held.items():
+        c = h.connect()
+        h.send(c, Resume(join=join_msg(c, node, node_secret=secret_of(node)), assignment=a))
+        r = h.last(c, Resumed)
+        assert r is not None and not r.rebuilt and r.round == 0
+    assert job.round == 0 and job.restart_count == 0 and job.order == ["node1", "node2"]
+    assert not any(c.phase is ConnPhase.AWAY for c in h.machine.conns.values())
+
+
+def test_an_older_agent_without_a_secret_resumes_as_before() -> None:
+    h = Harness()
+    held = running(h)
+    restart_server(h)
+    c = h.connect()
+    h.send(c, Resume(join=join_msg(c, "node1"), assignment=held["node1"]))
+    assert h.last(c, Resumed) is not None
+
+
+def test_a_node_coming_back_between_rounds_shows_its_secret() -> None:
+    h = Harness()
+    a = h.join(node_secret=secret_of("node1"))  # waiting for a second node
+    restart_server(h)
+    thief = h.connect()
+    h.send(thief, join_msg(thief, "node1"))
+    assert h.last(thief, Error) is not None and thief in h.closed
+    back = h.connect()
+    h.send(back, join_msg(back, "node1", node_secret=secret_of("node1")))
+    assert h.last(back, Error) is None and back not in h.closed
+    assert h.machine.jobs["job"].members["node1"].conn == back and a not in h.machine.conns
+
+
+def test_a_member_cannot_change_its_secret_on_a_rejoin() -> None:
+    h = Harness()
+    a = h.join(node_secret=secret_of("node1"), max_restarts=3)
+    b = h.join(node_secret=secret_of("node2"), max_restarts=3)
+    h.send(a, WorkersFailed(round=0, failure=failure(node="node1")))
+    h.send(b, join_msg(b, "node2", node_secret="other" * 8, max_restarts=3))
+    err = h.last(b, Error)
+    assert err is not None and err.code == "job_mismatch" and b in h.closed
+
+
+def test_two_resumes_with_one_node_id_during_a_rebuild_keep_the_first() -> None:
+    h = Harness()
+    held = running(h)
+    h2 = Harness()  # a server that lost its state: the agents' Resumes rebuild the round
+    first = h2.connect()
+    h2.send(first, Resume(join=join_msg(first, "node1"), assignment=held["node1"]))
+    second = h2.connect()
+    h2.send(second, Resume(join=join_msg(second, "node1"), assignment=held["node1"]))
+    err = h2.last(second, Error)
+    assert err is not None and err.code == "duplicate_node" and second in h2.closed
+    job = h2.machine.jobs["job"]
+    assert job.phase is JobPhase.RESUMING and job.members["node1"].conn == first
+    other = h2.connect()
+    h2.send(other, Resume(join=join_msg(other, "node2"), assignment=held["node2"]))
+    assert job.phase is JobPhase.RUNNING and job.order == ["node1", "node2"]
+    assert h2.last(first, Resumed) is not None and h2.last(other, Resumed) is not None
+    assert not any("internal error" in line for line in h2.logs)

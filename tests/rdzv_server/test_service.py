@@ -147,7 +147,10 @@ async def test_connection_caps_refuse_the_excess_and_recover() -> None:
         a, b = await RawAgent.open(port), await RawAgent.open(port)
         assert isinstance(await a.recv(), Welcome) and isinstance(await b.recv(), Welcome)
         c = await RawAgent.open(port)
-        assert await asyncio.wait_for(c.reader.read(), timeout=5) == b""  # closed at once
+        busy = await c.recv()  # told why, in our protocol (not a bare close: "not a server")
+        assert isinstance(busy, Error) and busy.code == "server_busy" and not busy.fatal
+        assert "connection limit" in busy.message and "2 per address" in busy.message
+        assert await asyncio.wait_for(c.reader.read(), timeout=5) == b""
         a.writer.close()
         await asyncio.wait_for(a.reader.read(), timeout=5)
         for _ in range(200):  # the server notices a's close asynchronously

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from protocol import (
     SUPPORTED_VERSIONS,
     Assignment,
@@ -10,13 +12,18 @@ from protocol import (
     Hello,
     JobDone,
     JobFailed,
+    Join,
     Leave,
+    Message,
     Restart,
+    Resume,
+    Resumed,
     Waiting,
     WorkersFailed,
     WorkersSucceeded,
 )
-from rdzv_server.state import JOIN_LINES, JOIN_LOG_WINDOW, Connected, JobPhase, Received
+from rdzv_server.snapshot import dump
+from rdzv_server.state import JOIN_LINES, JOIN_LOG_WINDOW, SERVER_BUSY, Connected, JobPhase, Received
 
 from .harness import Harness, failure
 
@@ -155,7 +162,8 @@ def test_restarts_exhausted_fails_job_with_root_cause_to_all() -> None:
     h.send(b, WorkersFailed(round=r[b].round, failure=f))
     for c in (a, b):
         jf = h.last(c, JobFailed)
-        assert jf is not None and jf.failure == f and "exit code 3" in jf.reason
+        # The node and address are the sender's own (10.0.0.2), not what it wrote (10.0.0.9).
+        assert jf is not None and jf.failure == replace(f, addr="10.0.0.2") and "exit code 3" in jf.reason
     assert h.machine.jobs["job"].phase is JobPhase.FAILED
 
 
@@ -546,4 +554,132 @@ def test_resume_of_a_dropped_node_into_a_job_that_ended_says_how_it_ended() -> N
     b2 = h.connect()
     _resume(h, b2, held[b], "node2", **kw)
     f = h.last(b2, JobFailed)
-    assert f is not None and "max-restarts" in f.reason and f.failure == failure()
+    assert f is not None and "max-restarts" in f.reason
+    assert f.failure == replace(failure(), node_id="node1", addr="10.0.0.1")
+
+
+# --- hooks for the state log and the service ------------------------------------------------
+
+
+def _state(h: Harness) -> dict[str, object]:
+    """The machine's snapshot, without the connections' last sign of life (which only the
+    heartbeat sweep reads, and which a replay never needs)."""
+    data = dump(h.machine)
+    for c in data["conns"]:
+        c.pop("last_seen")
+    return data
+
+
+def _send_checked(h: Harness, conn: int, msg: Message) -> bool:
+    """Send, and check the rule of ``unchanged``: True only if the state did not change."""
+    before = _state(h)
+    h.send(conn, msg)
+    if h.machine.unchanged:
+        assert _state(h) == before, f"{msg.TYPE} changed the state but was marked unchanged"
+    return h.machine.unchanged
+
+
+def test_ignored_messages_are_marked_unchanged_and_change_nothing() -> None:
+    h = Harness()
+    kw = dict(min_nodes=2, max_nodes=3, max_restarts=3)
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(6.0)  # the last call closes: round 0 runs with two
+    assert h.last(a, Assignment) is not None
+    spare = h.join(spare=True, **kw)
+    assert _send_checked(h, a, Heartbeat())
+    assert _send_checked(h, a, WorkersSucceeded(round=7))  # not this round
+    assert _send_checked(h, spare, Leave(workers_stopping=True))  # a spare has no workers
+    assert _send_checked(h, spare, _rejoin(h, spare, spare=True, **kw))  # same address and port
+    # A failure changes the state; a second one in the same round counts once.
+    assert not _send_checked(h, a, WorkersFailed(round=0, failure=failure(node=f"node{a}")))
+    assert _send_checked(h, b, WorkersFailed(round=0, failure=failure(node=f"node{b}")))
+    assert _send_checked(h, b, WorkersSucceeded(round=0))  # told to restart: means nothing now
+    # A drain notice makes a ready member not ready; a repeated one changes nothing.
+    assert not _send_checked(h, b, _rejoin(h, b, **kw))
+    assert not _send_checked(h, b, Leave(workers_stopping=True))
+    assert _send_checked(h, b, Leave(workers_stopping=True))
+    # A state-changing message is never marked.
+    assert not _send_checked(h, b, Leave(reason="bye"))
+
+
+def _rejoin(h: Harness, conn: int, **kw: object) -> Join:
+    return Join(
+        job_id="job",
+        node_id=f"node{conn}",
+        addr=f"10.0.0.{conn}",
+        nproc=2,
+        entrypoint="train.py",
+        master_port=20000 + conn,
+        last_call_timeout=5.0,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=5.0,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_answers_to_a_resume_the_server_cannot_take_back_change_nothing() -> None:
+    h = Harness()
+    a, b = h.join(), h.join()
+    got = h.last(a, Assignment)
+    assert got is not None
+    h.send(a, WorkersSucceeded(round=0))
+    h.send(b, WorkersSucceeded(round=0))
+    assert h.last(a, JobDone) is not None
+    c = h.connect()
+    # node1 comes back on another connection: the job is kept (its nodes are still there).
+    resume = Resume(join=_rejoin(h, 9, min_nodes=2, max_nodes=2, max_restarts=0), assignment=got)
+    assert _send_checked(h, c, resume)
+    assert h.last(c, JobDone) is not None
+
+
+def test_a_server_short_of_disk_refuses_new_nodes_but_serves_its_members() -> None:
+    h = Harness()
+    a = h.join()
+    h.machine.refuse_joins = "the server's disk is nearly full (12 MB free); try again later"
+    b = h.join()  # a new node of an existing job
+    err = h.last(b, Error)
+    assert err is not None and err.code == SERVER_BUSY and err.fatal and "nearly full" in err.message
+    assert b in h.closed and set(h.machine.jobs["job"].members) == {f"node{a}"}
+    c = h.join(job="other")  # a new job
+    assert h.last(c, Error) is not None and "other" not in h.machine.jobs
+    # Once there is room again, joins are served.
+    h.machine.refuse_joins = ""
+    d = h.join()
+    assert h.last(d, Assignment) is not None and h.last(a, Assignment) is not None
+    # Members are served while the disk is full: a failure restarts the round, and the
+    # members' re-joins complete it.
+    h.machine.refuse_joins = "disk full"
+    h.send(a, WorkersFailed(round=0, failure=failure(node=f"node{a}")))
+    assert h.machine.jobs["job"].phase is JobPhase.FAILED  # max_restarts 0: served, and final
+
+
+def test_a_server_short_of_disk_takes_back_nodes_of_a_restored_job() -> None:
+    h = Harness()
+    a, b = h.join(), h.join()
+    got_a, got_b = h.last(a, Assignment), h.last(b, Assignment)
+    assert got_a is not None and got_b is not None
+    h.inbox.clear()
+    h._apply(h.machine.recover(h.now))  # what the state log does after a restart
+    h.machine.refuse_joins = "disk full"
+    for conn, node, got in ((h.connect(), f"node{a}", got_a), (h.connect(), f"node{b}", got_b)):
+        j = Join(**{**_join_fields(h, a if node == f"node{a}" else b), "node_id": node})
+        h.send(conn, Resume(join=j, assignment=got))
+        assert isinstance(h.take(conn)[-1], Resumed)
+    assert h.machine.jobs["job"].phase is JobPhase.RUNNING
+
+
+def _join_fields(h: Harness, conn: int) -> dict[str, object]:
+    return dict(
+        job_id="job",
+        node_id=f"node{conn}",
+        addr=f"10.0.0.{conn}",
+        nproc=2,
+        min_nodes=2,
+        max_nodes=2,
+        entrypoint="train.py",
+        master_port=20000 + conn,
+        max_restarts=0,
+        last_call_timeout=5.0,
+        heartbeat_interval=1.0,
+        heartbeat_timeout=5.0,
+    )

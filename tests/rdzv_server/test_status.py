@@ -104,7 +104,8 @@ def test_worker_failure_is_the_root_cause_of_its_round() -> None:
     assert (j["phase"], j["round"], j["restart_count"], j["max_restarts"]) == ("gathering", 1, 1, 2)
     (f,) = j["failures"]
     assert f["round"] == 0 and f["node_id"] == "node2" and f["exitcode"] == 7
-    assert f["description"] == "rank 3 (local rank 0) on node node2 (10.0.0.9) failed with exit code 7"
+    # the node and address are the sender's own (item 13), whatever the report said
+    assert f["description"] == "rank 3 (local rank 0) on node node2 (10.0.0.2) failed with exit code 7"
     assert member(j, "node2")["failures"] == 1
     assert {m["state"] for m in j["members"]} == {"waiting"}
     assert j["world_size"] is None and j["master"] is None
@@ -202,8 +203,10 @@ def test_forgotten_job_is_kept_marked_and_found_after_a_newer_one() -> None:
     h.drop(a)
     h.drop(b)
     assert h.machine.jobs == {}
-    (old,) = view(h)["jobs"]
-    assert old["forgotten"] and old["finished"] and old["phase"] == "finished"
+    (listed,) = view(h)["jobs"]
+    assert listed["forgotten"] and listed["finished"] and listed["phase"] == "finished"
+    old = job(h)
+    assert old["forgotten"] and old["instance"] == listed["instance"]
     assert {m["state"] for m in old["members"]} == {"gone"}
     assert old["rounds"][0]["ended_by"] == "finished"
     # the same id again: the active one is found first; the list has both, active first
@@ -218,7 +221,28 @@ def test_job_every_node_left_is_forgotten_with_outcome() -> None:
     h = Harness()
     a = h.join()
     h.drop(a)
-    (old,) = view(h)["jobs"]
-    assert old["forgotten"] and old["finished"] and old["phase"] == "gathering"
+    (listed,) = view(h)["jobs"]
+    assert listed["forgotten"] and listed["finished"] and listed["phase"] == "gathering"
+    old = job(h)
     assert old["outcome"] == "every node left"
     assert member(old, "node1")["state"] == "lost"
+
+
+def test_the_list_is_a_bounded_summary_naming_no_node() -> None:
+    h = Harness()
+    for i in range(30):
+        a = h.join(job=f"job{i}", min_nodes=1, max_nodes=1)
+        h.send(a, WorkersFailed(round=0, failure=failure(rank=0, node=f"node{a}")))
+        if i % 2:
+            h.drop(a)  # forgotten
+    out = jobs_view(h.machine, mono_now=h.now, wall_now=WALL0, limit=20)
+    conforms(out, "JobList")
+    assert (len(out["jobs"]), out["jobs_total"], out["truncated"]) == (20, 30, True)
+    # active first, newest first: the 15 active, then the 5 newest forgotten
+    assert [j["id"] for j in out["jobs"][:3]] == ["job28", "job26", "job24"]
+    assert [j["forgotten"] for j in out["jobs"]] == [False] * 15 + [True] * 5
+    assert out["jobs"][15]["id"] == "job29"
+    text = json.dumps(out)
+    assert "node" not in text.replace("nodes", "") and "10.0.0." not in text and "failed with" not in text
+    full = jobs_view(h.machine, mono_now=h.now, wall_now=WALL0)
+    assert (len(full["jobs"]), full["truncated"]) == (30, False)
