@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
 import json
 import os
 import pickle
@@ -60,7 +59,7 @@ if TYPE_CHECKING:
     from protocol import Failure
 
     from .config import AgentConfig
-    from .runner import Agent
+    from .runner import AgentOutcome
 
 __all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]
 
@@ -70,7 +69,7 @@ __all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]
 WORKER_MODULE = "node_agent.api"
 _MP_MAIN = "__mp_main__"  # what multiprocessing calls the parent's __main__ in a child
 
-Entrypoint = str | os.PathLike | Sequence[str] | Callable[..., Any]
+Entrypoint = str | os.PathLike[str] | Sequence[str] | Callable[..., Any]
 StdSetting = int | str | Mapping[int, int]
 
 
@@ -212,15 +211,13 @@ async def launch_async(config: LaunchConfig, entrypoint: Entrypoint, *args: Any)
         os.mkdir(results_dir)
         name, entry_argv, is_callable = _entry(config, entrypoint, args, tmp, results_dir)
         agent_config = agent_config_for(config, entry_argv)
-        agent = Agent(agent_config)
-        group = _rank_recording_group(stdout=agent.stdout, stderr=agent.stderr, log=agent.log)
-        agent.group = group
-        code = await agent.run()
-        if code != 0:
-            raise _launch_error(name, code, agent)
+        outcome = await Agent(agent_config).run()
+        if outcome.code != 0:
+            raise _launch_error(name, outcome)
+        ranks = sorted(outcome.ranks.values())
         if not is_callable:
-            return dict.fromkeys(sorted(group.ranks.values()))
-        return {rank: _load_result(results_dir, rank) for rank in sorted(group.ranks.values())}
+            return dict.fromkeys(ranks)
+        return {rank: _load_result(results_dir, rank) for rank in ranks}
 
 
 # --- LaunchConfig -> node-agent's command line ----------------------------------------------
@@ -386,29 +383,6 @@ def _main_reference() -> dict[str, str]:
 # --- after the run --------------------------------------------------------------------------
 
 
-@functools.cache
-def _recording_group_class() -> type:
-    # Built on first use: the supervisor's imports would slow every callable's worker down.
-    from .supervisor import WorkerGroup
-
-    class RankRecordingGroup(WorkerGroup):
-        """A WorkerGroup that remembers which global rank each local rank has this attempt."""
-
-        def __init__(self, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.ranks: dict[int, int] = {}
-
-        async def start(self, specs: Sequence[Any]) -> None:
-            self.ranks = {spec.local_rank: spec.rank for spec in specs}
-            await super().start(specs)
-
-    return RankRecordingGroup
-
-
-def _rank_recording_group(**kwargs: Any) -> Any:
-    return _recording_group_class()(**kwargs)
-
-
 class _MainAlias(pickle.Unpickler):
     """Unpickle a worker's ``__mp_main__`` objects as this process's ``__main__`` ones."""
 
@@ -425,14 +399,13 @@ def _load_result(results_dir: str, rank: int) -> Any:
         return None  # the worker ended with sys.exit(0) before returning
 
 
-def _launch_error(name: str, code: int, agent: Agent) -> LaunchError:
+def _launch_error(name: str, outcome: AgentOutcome) -> LaunchError:
     from .report import failure_summary
 
-    # The agent's verdict (a node_agent.state.Exit): the runner keeps it for its summary.
-    verdict = getattr(agent, "_exit", None)
-    reason = getattr(verdict, "reason", "") or f"the agent exited with {code}"
-    local: tuple[Failure, ...] = tuple(getattr(verdict, "local_failures", ()))
-    root = getattr(verdict, "failure", None) or (min(local, key=lambda f: f.timestamp) if local else None)
+    code = outcome.code
+    reason = outcome.reason or f"the agent exited with {code}"
+    local = outcome.local_failures
+    root = outcome.failure or (min(local, key=lambda f: f.timestamp) if local else None)
     if root is None:
         return LaunchError(f"{name} failed: {reason} (exit code {code})", exit_code=code, reason=reason)
     how = f"exit code {root.exitcode}" + (f" ({root.signal})" if root.signal else "")

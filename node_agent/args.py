@@ -20,7 +20,7 @@ Where we differ from torchrun on purpose:
   acts as ``--standalone``. torchrun 2.13 does the same, but only while ``--master-port`` is
   unset; here ``--master-port`` never selects a backend (it only means something to ``static``).
 * ``etcd`` and ``etcd-v2`` both speak etcd's v3 API (torch's speak v2, which etcd 3.4 turns
-  off by default and later releases removed); see ``node_agent/etcd_rdzv.py``.
+  off by default and later releases removed); see ``node_agent/rdzv/etcd.py``.
 * torchrun flags we cannot honour yet (``--logs-specs``, ``--numa-binding``) are errors, not
   silently ignored.
 """
@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any, Literal, overload
 
 from protocol.auth import TokenTable
 from protocol.records import record
@@ -104,8 +105,16 @@ class _Flag:
         return next(name for name in self.names if name.startswith("--"))
 
 
-def _f(dest: str, *names: str, kind: str = _VALUE, default: str | None = None, help: str, **kw) -> _Flag:
-    return _Flag(dest=dest, names=names, kind=kind, default=default, help=help, **kw)
+def _f(
+    dest: str,
+    *names: str,
+    kind: str = _VALUE,
+    default: str | None = None,
+    help: str,
+    env: bool = True,
+    metavar: str | None = None,
+) -> _Flag:
+    return _Flag(dest=dest, names=names, kind=kind, default=default, help=help, env=env, metavar=metavar)
 
 
 def _both(flag: str) -> tuple[str, str]:
@@ -328,6 +337,7 @@ class _HelpFormatter(argparse.HelpFormatter):
             width = int(os.environ["COLUMNS"])
         except (KeyError, ValueError):
             try:
+                # sys.__stdout__ is None without a stdout: the AttributeError below.
                 width = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
             except (AttributeError, ValueError, OSError):
                 width = 80
@@ -358,7 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag in _FLAGS:
         shown_default = "" if flag.default in (None, "") else f" (default: {flag.default})"
-        common = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": flag.help + shown_default}
+        common: dict[str, Any] = {
+            "dest": flag.dest,
+            "default": argparse.SUPPRESS,
+            "help": flag.help + shown_default,
+        }
         if flag.kind == _SWITCH:
             parser.add_argument(*flag.names, action="store_true", **common)
         elif flag.kind == _OPTIONAL:
@@ -815,6 +829,12 @@ def _port(inputs: _Inputs, dest: str) -> int | None:
     return port
 
 
+@overload
+def _choice(inputs: _Inputs, dest: str, choices: Sequence[str], *, optional: Literal[False] = ...) -> str: ...
+@overload
+def _choice(inputs: _Inputs, dest: str, choices: Sequence[str], *, optional: bool) -> str | None: ...
+
+
 def _choice(inputs: _Inputs, dest: str, choices: Sequence[str], *, optional: bool = False) -> str | None:
     given = inputs.get(dest)
     if given.value is None and optional:
@@ -841,9 +861,10 @@ def _std(inputs: _Inputs, dest: str) -> StdSpec:
 
 def _local_ranks_filter(inputs: _Inputs) -> frozenset[int] | None:
     given = inputs.get("local_ranks_filter")
-    if not (given.value or "").strip():
+    text = given.value or ""
+    if not text.strip():
         return None
-    items = [item.strip() for item in given.value.split(",")]  # type: ignore[union-attr]
+    items = [item.strip() for item in text.split(",")]
     if not all(is_count(item) for item in items):
         raise ConfigError(
             f"{given.what(_BY_DEST['local_ranks_filter'])}={given.value!r}: expected a comma-separated "

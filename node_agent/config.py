@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import field
 from enum import IntFlag
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from protocol.records import record
 
@@ -70,7 +70,11 @@ def is_count(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def _frozen_map(items: Mapping | None = None) -> Mapping:
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _frozen_map(items: Mapping[_K, _V] | None = None) -> Mapping[_K, _V]:
     return MappingProxyType(dict(items or {}))
 
 
@@ -196,7 +200,7 @@ class RdzvConf:
     # bound torch spells keep_alive_interval x keep_alive_max_attempt.)
     heartbeat_timeout: float = 5.0
     read_timeout: float = 60.0  # how long to keep trying to connect to the endpoint
-    is_host: bool | None = None  # None: not said; the runner decides whether to host
+    is_host: bool | None = None  # None: not said; rdzv/hosting.py decides whether to host
     exit_barrier_timeout: float = 300.0
     # How long an agent whose server connection broke keeps its workers running while it
     # reconnects and resumes its round (0: stop them at once).
@@ -245,7 +249,7 @@ class RdzvConf:
         if unknown:
             raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)}; {_accepted_keys()}")
 
-        kwargs: dict[str, object] = {}
+        kwargs: dict[str, Any] = {}  # checked again by the constructor
         for key in _FLOAT_KEYS:
             if key in pairs:
                 kwargs[key] = parse_float(pairs[key], what=f"{origin} {key}")
@@ -253,7 +257,7 @@ class RdzvConf:
             kwargs["is_host"] = parse_bool(pairs["is_host"], what=f"{origin} is_host")
         if "exclude_after" in pairs:
             kwargs["exclude_after"] = parse_int(pairs["exclude_after"], what=f"{origin} exclude_after")
-            if kwargs["exclude_after"] < 0:  # type: ignore[operator]
+            if kwargs["exclude_after"] < 0:
                 raise ConfigError(f"{origin} exclude_after={pairs['exclude_after']} must be >= 0")
 
         # torchrun declares a node dead after keep_alive_interval x keep_alive_max_attempt
@@ -270,7 +274,7 @@ class RdzvConf:
                 interval = parse_float(pairs["keep_alive_interval"], what=f"{origin} keep_alive_interval")
                 kwargs["heartbeat_interval"] = interval
             else:
-                interval = float(kwargs.get("heartbeat_interval", cls.heartbeat_interval))  # type: ignore[arg-type]
+                interval = float(kwargs.get("heartbeat_interval", cls.heartbeat_interval))
             attempts = _TORCH_KEEP_ALIVE_MAX_ATTEMPT
             if "keep_alive_max_attempt" in pairs:
                 attempts = parse_int(pairs["keep_alive_max_attempt"], what=f"{origin} keep_alive_max_attempt")
@@ -298,7 +302,7 @@ class RdzvConf:
             elif key == "store_type" and value.lower() not in ("tcp", "file"):
                 raise ConfigError(f"{origin} store_type={value!r}: torch accepts tcp or file")
             extra[key] = value
-        return cls(extra=extra, **kwargs)  # type: ignore[arg-type]
+        return cls(extra=extra, **kwargs)
 
     @staticmethod
     def accepted_keys() -> tuple[str, ...]:
@@ -452,7 +456,7 @@ class AgentConfig:
         """Whether this agent must run the rendezvous itself rather than reach a server.
 
         True for --standalone, a port-0 endpoint (a free port nobody else could know), or
-        ``is_host=true``; ``is_host`` unset leaves any auto-detection to the runner. Never
+        ``is_host=true``; ``is_host`` unset leaves any auto-detection to ``rdzv/hosting.py``. Never
         with etcd, which keeps the rendezvous itself.
         """
         if self.rdzv_backend in ("etcd", "etcd-v2"):

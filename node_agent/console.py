@@ -207,12 +207,12 @@ class Console:
         self._decoders: dict[int, codecs.IncrementalDecoder] = {}  # per writer, text-only consoles
         buffer = getattr(stream, "buffer", None)
         if buffer is not None:
-            self._text = stream  # type: ignore[assignment]
+            self._text = stream  # type: ignore[assignment]  # a stream with a .buffer is a text one
             self._binary = buffer
         elif isinstance(stream, io.TextIOBase):
-            self._text = stream  # type: ignore[assignment]
+            self._text = stream
         else:
-            self._binary = stream  # type: ignore[assignment]
+            self._binary = stream  # type: ignore[assignment]  # neither text kind: taken as binary
 
     def fileno(self) -> int | None:
         """The descriptor a worker may write itself, or None (see the module header)."""

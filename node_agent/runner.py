@@ -1,8 +1,14 @@
-"""The agent's asyncio layer: wires the connection, the workers, signals and time to the machine.
+"""The agent's asyncio layer: wires the rendezvous, the workers, signals and time to the machine.
 
 One queue of events feeds :class:`~node_agent.state.AgentMachine`; each of its effects is
-carried out here. Background work (reading the server, heartbeats, waiting for workers,
+carried out here. Background work (reading the rendezvous, heartbeats, waiting for workers,
 stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the agent.
+
+Which rendezvous the agent talks to is not this module's business: it gets a
+:class:`~node_agent.rdzv.RendezvousBackend` (from :func:`~node_agent.rdzv.open_backend`, or one
+a test gives it) and only ever connects, sends, receives and closes. What each worker gets is
+decided by :func:`worker_specs`, a pure function of the config, the assignment and the
+environment. :meth:`Agent.run` returns an :class:`AgentOutcome`: the exit code and why.
 """
 
 from __future__ import annotations
@@ -12,32 +18,43 @@ import contextlib
 import os
 import signal
 import socket
-import ssl
 import string
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import field
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
+from protocol.records import record
 
 from . import state as st
 from .agent_log import AgentLog, shown
-from .client import Connection, NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, connect
 from .config import AgentConfig
 from .events import EventLog
 from .logs import RunLogs
+from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, WorkerSpec
 from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
 
 if TYPE_CHECKING:
-    from protocol.auth import TokenTable
-    from rdzv_server.service import RendezvousService
+    from .rdzv import RendezvousBackend, RendezvousLink
 
-HANDSHAKE_TIMEOUT_CAP = 10.0
 HEALTH_CHECK_TIMEOUT = 60.0
+
+
+@record(frozen=True, slots=True)
+class AgentOutcome:
+    """How a run ended: the process's exit code and why."""
+
+    code: int
+    reason: str  # the agent's last line, without the failure summary
+    failure: Failure | None = None  # the job's root cause, when a worker failed (maybe elsewhere)
+    local_failures: tuple[Failure, ...] = ()  # this node's failed workers, first first
+    # {local rank: global rank} of the last workers this node started; empty if none were
+    ranks: Mapping[int, int] = field(default_factory=dict)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -80,46 +97,140 @@ def line_prefix(cfg: AgentConfig, local_rank: int, rank: int) -> str:
     )
 
 
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def is_this_machine(host: str) -> bool:
-    """Whether host names this machine: loopback, our hostname, or an address we can bind."""
-    if _is_loopback(host) or host in (socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError):
-        return False
-    for family, _, _, _, addr in infos:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((addr[0], 0))  # succeeds only for an address of this machine
-            except OSError:
-                continue
-            return True
-    return False
-
-
-async def _something_listens(host: str, port: int) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
-
-
 def make_node_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
 
 
+class AttemptPaths(Protocol):
+    """Where one attempt's files go (:class:`node_agent.logs.Attempt`)."""
+
+    def error_file(self, local_rank: int) -> str: ...
+    def stdout_path(self, local_rank: int) -> str: ...
+    def stderr_path(self, local_rank: int) -> str: ...
+    def filtered_stdout_path(self) -> str: ...
+    def filtered_stderr_path(self) -> str: ...
+
+
+def worker_specs(
+    cfg: AgentConfig, a: Assignment, environ: Mapping[str, str], paths: AttemptPaths
+) -> list[WorkerSpec]:
+    """What to start for one assignment: a spec per local rank, its argv, environment and files."""
+    node = NodeAssignment(
+        run_id=cfg.rdzv_id,
+        group_rank=a.group_rank,
+        group_world_size=a.group_world_size,
+        rank_offset=a.rank_offset,
+        world_size=a.world_size,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        restart_count=a.restart_count,
+        max_restarts=a.max_restarts,
+    )
+    specs = []
+    for local_rank in range(cfg.nproc_per_node):
+        error_file = paths.error_file(local_rank)
+        rank = a.rank_offset + local_rank
+        specs.append(
+            WorkerSpec(
+                local_rank=local_rank,
+                rank=rank,
+                argv=worker_argv(cfg, local_rank),
+                env=worker_env(
+                    config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
+                ),
+                redirect=cfg.redirect_for(local_rank),
+                tee=cfg.tee_for(local_rank),
+                stdout_path=paths.stdout_path(local_rank),
+                stderr_path=paths.stderr_path(local_rank),
+                console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
+                prefix=line_prefix(cfg, local_rank, rank),
+                error_file=error_file,
+                duplicate_stdout_filters=cfg.duplicate_stdout_filters,
+                duplicate_stderr_filters=cfg.duplicate_stderr_filters,
+                filtered_stdout_path=paths.filtered_stdout_path(),
+                filtered_stderr_path=paths.filtered_stderr_path(),
+            )
+        )
+    return specs
+
+
+def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str) -> Join:
+    """This node's Join for the next round, with a master port free right now."""
+    return Join(
+        job_id=cfg.rdzv_id,
+        node_id=node_id,
+        addr=addr,
+        nproc=cfg.nproc_per_node,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        entrypoint=cfg.entrypoint_name,
+        master_port=free_port(),
+        max_restarts=cfg.max_restarts,
+        last_call_timeout=cfg.rdzv_conf.last_call_timeout,
+        heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
+        heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
+        exclude_after=cfg.rdzv_conf.exclude_after,
+        proof=proof,
+        # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
+        node_rank=cfg.node_rank if cfg.node_rank_given else -1,
+        node_secret=node_secret,
+    )
+
+
+def failure_of(w: WorkerExit, node_id: str, addr: str) -> Failure:
+    """A worker's exit as the failure we report, its texts cut to fit the message."""
+    return Failure(
+        node_id=node_id,
+        addr=addr,
+        rank=w.rank,
+        local_rank=w.local_rank,
+        exitcode=w.exitcode,
+        signal=w.signal_name,
+        timestamp=w.timestamp,
+        message=w.error_message[-MAX_TEXT_LEN // 2 :],
+        pid=w.pid,
+        error_file=w.error_file[-MAX_PATH_LEN:],
+    )
+
+
+def failures_of(result: GroupResult, node_id: str, addr: str) -> tuple[Failure, ...]:
+    """This node's failed workers, first first (those we stop afterwards are not causes)."""
+    exits = sorted((w for w in result.exits if w.failed), key=lambda w: w.timestamp)
+    return tuple(failure_of(w, node_id, addr) for w in exits)
+
+
+async def health_check(cmd: str) -> str | None:
+    """Run --health-check (before each rendezvous): None if it passed, else what went wrong."""
+    proc = await asyncio.create_subprocess_shell(
+        cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), HEALTH_CHECK_TIMEOUT)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        return f"{cmd!r} did not finish within {HEALTH_CHECK_TIMEOUT:g} s"
+    if proc.returncode == 0:
+        return None
+    tail = out.decode(errors="replace").strip().splitlines()[-5:]
+    detail = f": {' / '.join(tail)}" if tail else ""
+    return f"{cmd!r} exited with {proc.returncode}{detail}"
+
+
 class Agent:
+    """One node's agent for one run: ``await Agent(config).run()``.
+
+    ``backend``: the rendezvous to use; by default the one ``--rdzv-backend`` names.
+    """
+
     def __init__(
-        self, config: AgentConfig, *, stdout: TextIO | None = None, stderr: TextIO | None = None
+        self,
+        config: AgentConfig,
+        *,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+        backend: RendezvousBackend | None = None,
     ) -> None:
         self.config = config
         self.stdout = stdout or sys.stdout
@@ -136,19 +247,16 @@ class Agent:
         self.events: asyncio.Queue[st.Event] = asyncio.Queue()
         self.clock: Callable[[], float] = time.monotonic
         self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log)
-        # A worker's partial line (a progress bar) is ended before the agent's own line; a
-        # lambda, since the launch API replaces the group after construction.
-        self.log.before_line = lambda: self.group.fresh_line()
+        # A worker's partial line (a progress bar) is ended before the agent's own line.
+        self.log.before_line = self.group.fresh_line
         self.logs = RunLogs(config.log_dir, config.rdzv_id)
-        self.conn: Connection | None = None
+        self.backend = backend
+        self.conn: RendezvousLink | None = None
         self.addr = ""
         self._tasks: asyncio.TaskGroup | None = None
         self._wait_task: asyncio.Task[None] | None = None
-        self._stop_task: asyncio.Task[None] | None = None
         self._exit: st.Exit | None = None
         self._bg: set[asyncio.Task[None]] = set()
-        self.endpoint = ("", 0)
-        self.tls: ssl.SSLContext | None = None  # to a rdzv-server; what we host is plain TCP
         self.events_log = EventLog(
             config.event_log_handler,
             run_id=config.rdzv_id,
@@ -161,48 +269,30 @@ class Agent:
         self._joined_at = 0.0  # when the last join was sent (the rendezvous event's duration)
         self._phase = "starting"
         self._assignment: Assignment | None = None
+        self._ranks: dict[int, int] = {}
 
     # -- the whole run ---------------------------------------------------------------------
 
-    async def run(self) -> int:
-        cfg = self.config
-        service = None
-        host, port = cfg.rdzv_host, cfg.rdzv_port
-        if cfg.tls_ca is not None and not cfg.hosts_rendezvous:
-            from protocol.tls import TLSConfigError, client_context
-
+    async def run(self) -> AgentOutcome:
+        if self.backend is None:
             try:
-                self.tls = client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-            except TLSConfigError as exc:
-                self.log(str(exc), "error")
-                return st.EXIT_RDZV
-        if cfg.hosts_rendezvous:
-            from rdzv_server.service import RendezvousService
-
-            service = RendezvousService(http=False, tokens=self._hosted_tokens())
-            try:
-                port = await service.start(host, port)
-            except OSError as exc:
-                self.log(f"cannot host the rendezvous on {host}:{port}: {exc.strerror or exc}", "error")
-                return st.EXIT_RDZV
-        elif (
-            cfg.rdzv_backend == "c10d"
-            and cfg.rdzv_conf.is_host is None
-            and self.tls is None  # with TLS we wait for a rdzv-server: we could only host plain TCP
-            and is_this_machine(host)
-        ):
-            service = await self._host_if_nobody_does(host, port)
+                self.backend = await open_backend(
+                    self.config, node_id=self.node_id, log=self.log, clock=self.clock
+                )
+            except RendezvousError as exc:
+                return self._gave_up(str(exc))
+        backend = self.backend
         health = await self._start_health_server()
+        outcome = None
         try:
-            code = await self._run_connected(host, port)
-            if service is not None and not cfg.hosts_rendezvous:
-                await self._linger(service)
-            return code
+            outcome = await self._run_connected(backend)
+            return outcome
         finally:
-            if service is not None:
-                await service.close()
-            if health is not None:
-                await health.close()
+            try:
+                await backend.close(linger=outcome is not None)
+            finally:
+                if health is not None:
+                    await health.close()
 
     async def _start_health_server(self) -> Any:
         port = self.config.health_check_port
@@ -222,66 +312,13 @@ class Agent:
         self.log(f"health-check server on port {port} (TORCHELASTIC_HEALTH_CHECK_PORT)")
         return server
 
-    async def _host_if_nobody_does(self, host: str, port: int) -> RendezvousService | None:
-        """Like torchrun's c10d backend: the first agent on the endpoint's machine hosts it.
-
-        Several agents may race here; the one whose bind wins hosts, the others connect.
-        """
-        from rdzv_server.service import RendezvousService
-
-        if await _something_listens(host, port):
-            return None
-        # The agent stays free of aiohttp; with a token, what we host asks for it too.
-        service = RendezvousService(http=False, tokens=self._hosted_tokens())
-        bind = host if _is_loopback(host) else None  # peers on other machines must reach it
-        try:
-            await service.start(bind, port)
-        except OSError:
-            return None  # another agent won the race, or the port is taken: connect as a client
-        self.log(f"no rendezvous server was listening on port {port}: this agent hosts it")
-        return service
-
-    def _hosted_tokens(self) -> TokenTable | None:
-        """The tokens of a rendezvous this agent hosts: none without a token, else ours.
-
-        An agent that holds a token never hosts an open rendezvous (anyone could join it, and
-        the real rdzv-server could no longer bind its port). It hosts one that asks for the
-        same token, rather than not hosting at all: a job started with a token then runs as
-        one started without (torchrun's c10d hosting) and gains the gate. The token is every
-        job's (a default line), as ``RDZV_TOKEN=... rdzv-server`` would have it: whoever holds
-        it may join, as on a real server given that token, and nobody else."""
-        token = self.config.token
-        if not token:
-            return None
-        from protocol.auth import TokenTable
-
-        return TokenTable(default=token)
-
-    async def _linger(self, service: RendezvousService) -> None:
-        """Keep serving until our job's other nodes are gone, so our early exit does not strand
-        them. Other jobs that found our server are not ours to wait for."""
-        job = self.config.rdzv_id
-        if service.job_nodes(job) - {self.node_id}:
-            timeout = self.config.rdzv_conf.close_timeout
-            self.log(f"waiting up to {timeout:g} s for the job's other nodes to leave the rendezvous we host")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(service.wait_job_gone(job), timeout)
-
-    async def _run_connected(self, host: str, port: int) -> int:
+    async def _run_connected(self, backend: RendezvousBackend) -> AgentOutcome:
         cfg = self.config
-        self.endpoint = (host, port)
-        start = self.clock()
-        if cfg.rdzv_backend == "static":
-            from .static_rdzv import StaticConnection
-
-            self.conn = StaticConnection(cfg)  # type: ignore[assignment]
         try:
-            if self.conn is None:
-                self.conn = await self._open(start + cfg.rdzv_conf.join_timeout)
-        except (RendezvousUnreachable, NotARendezvousServer, RendezvousRefused) as exc:
-            self.log(str(exc), "error")
-            return st.EXIT_RDZV
-        self.addr = cfg.local_addr or self.conn.local_ip
+            self.conn = conn = await backend.connect(self.clock() + cfg.rdzv_conf.join_timeout)
+        except RendezvousError as exc:
+            return self._gave_up(str(exc))
+        self.addr = cfg.local_addr or conn.local_ip
         machine = st.AgentMachine(
             settings=st.AgentSettings(
                 node_id=self.node_id,
@@ -290,7 +327,7 @@ class Agent:
                 exit_barrier_timeout=cfg.rdzv_conf.exit_barrier_timeout,
                 shutdown_timeout=cfg.shutdown_timeout,
                 elastic=cfg.elastic,
-                reconnect_timeout=0.0 if cfg.rdzv_backend == "static" else cfg.rdzv_conf.reconnect_timeout,
+                reconnect_timeout=cfg.rdzv_conf.reconnect_timeout if backend.reconnects else 0.0,
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
                 nproc=cfg.nproc_per_node,
                 job_id=cfg.rdzv_id,
@@ -371,7 +408,7 @@ class Agent:
             elif isinstance(eff, st.SendJoin):
                 self._joined_at = self.clock()
                 self._phase = "rendezvous"
-                problem = await self._health_check()
+                problem = await health_check(self.config.health_check) if self.config.health_check else None
                 if problem is None:
                     self._send(self._join())
                 else:
@@ -396,70 +433,21 @@ class Agent:
         self.conn.send(msg)
 
     def _join(self) -> Join:
-        cfg = self.config
-        return Join(
-            job_id=cfg.rdzv_id,
-            node_id=self.node_id,
-            addr=self.addr,
-            nproc=cfg.nproc_per_node,
-            min_nodes=cfg.min_nodes,
-            max_nodes=cfg.max_nodes,
-            entrypoint=cfg.entrypoint_name,
-            master_port=free_port(),
-            max_restarts=cfg.max_restarts,
-            last_call_timeout=cfg.rdzv_conf.last_call_timeout,
-            heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
-            heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
-            exclude_after=cfg.rdzv_conf.exclude_after,
-            proof=self._proof(),
-            # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
-            node_rank=cfg.node_rank if cfg.node_rank_given else -1,
-            # Not with etcd: the Join is stored there for every agent of the job to read, and
-            # nothing there can be resumed by a secret (any agent may write any entry).
-            node_secret="" if cfg.rdzv_backend in ("etcd", "etcd-v2") else self.node_secret,
-        )
+        # Not where every agent of the job reads our Join (etcd): a secret there is none.
+        shared = self.backend is not None and self.backend.shares_joins
+        return join_message(
+            self.config, node_id=self.node_id, addr=self.addr, proof=self._proof(),
+            node_secret="" if shared else self.node_secret,
+        )  # fmt: skip
 
     def _proof(self) -> str:
         token = self.config.token
-        challenge = getattr(self.conn, "challenge", "")
+        challenge = self.conn.challenge if self.conn is not None else ""
         if not token or not challenge:
             return ""
         return auth_proof(token, challenge, self.config.rdzv_id, self.node_id)
 
-    async def _health_check(self) -> str | None:
-        """Run --health-check before each rendezvous; a failing node must not join."""
-        cmd = self.config.health_check
-        if not cmd:
-            return None
-        proc = await asyncio.create_subprocess_shell(
-            cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), HEALTH_CHECK_TIMEOUT)
-        except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            return f"{cmd!r} did not finish within {HEALTH_CHECK_TIMEOUT:g} s"
-        if proc.returncode == 0:
-            return None
-        tail = out.decode(errors="replace").strip().splitlines()[-5:]
-        detail = f": {' / '.join(tail)}" if tail else ""
-        return f"{cmd!r} exited with {proc.returncode}{detail}"
-
     async def _start_workers(self, a: Assignment) -> None:
-        cfg = self.config
-        node = NodeAssignment(
-            run_id=cfg.rdzv_id,
-            group_rank=a.group_rank,
-            group_world_size=a.group_world_size,
-            rank_offset=a.rank_offset,
-            world_size=a.world_size,
-            master_addr=a.master_addr,
-            master_port=a.master_port,
-            restart_count=a.restart_count,
-            max_restarts=a.max_restarts,
-        )
         self._assignment = a
         events = self.events_log
         if events.enabled:
@@ -467,36 +455,8 @@ class Agent:
             took = (self.clock() - self._joined_at) * 1000
             events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=took)
             events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
-        attempt = self.logs.new_attempt()
-        specs = []
-        for local_rank in range(cfg.nproc_per_node):
-            error_file = attempt.error_file(local_rank)
-            redirect, tee = cfg.redirect_for(local_rank), cfg.tee_for(local_rank)
-            specs.append(
-                WorkerSpec(
-                    local_rank=local_rank,
-                    rank=a.rank_offset + local_rank,
-                    argv=worker_argv(cfg, local_rank),
-                    env=worker_env(
-                        config=cfg,
-                        node=node,
-                        local_rank=local_rank,
-                        error_file=error_file,
-                        base_env=os.environ,
-                    ),
-                    redirect=redirect,
-                    tee=tee,
-                    stdout_path=attempt.stdout_path(local_rank),
-                    stderr_path=attempt.stderr_path(local_rank),
-                    console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
-                    prefix=line_prefix(cfg, local_rank, a.rank_offset + local_rank),
-                    error_file=error_file,
-                    duplicate_stdout_filters=cfg.duplicate_stdout_filters,
-                    duplicate_stderr_filters=cfg.duplicate_stderr_filters,
-                    filtered_stdout_path=attempt.filtered_stdout_path(),
-                    filtered_stderr_path=attempt.filtered_stderr_path(),
-                )
-            )
+        specs = worker_specs(self.config, a, os.environ, self.logs.new_attempt())
+        self._ranks = {spec.local_rank: spec.rank for spec in specs}
         try:
             await self.group.start(specs)
         except WorkerSpawnError as exc:
@@ -505,18 +465,30 @@ class Agent:
         self._phase = "running"
         if events.enabled:
             for local_rank, pid in self.group.pids.items():
-                events.worker("START", pid=pid, **self._event_ranks(a, local_rank))
+                self._worker_event("START", a, local_rank, pid)
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
         self._wait_task = self._spawn(self._wait_workers(a))
 
-    def _event_ranks(self, a: Assignment, local_rank: int) -> dict[str, int]:
-        return {
-            "rank": a.rank_offset + local_rank,
-            "local_rank": local_rank,
-            "group_rank": a.group_rank,
-            "group_world_size": a.group_world_size,
-            "role_world_size": a.world_size,
-        }
+    def _worker_event(
+        self,
+        state: str,
+        a: Assignment,
+        local_rank: int,
+        pid: int,
+        exit_code: int | None = None,
+        raw_error: str | None = None,
+    ) -> None:
+        self.events_log.worker(
+            state,
+            pid=pid,
+            rank=a.rank_offset + local_rank,
+            local_rank=local_rank,
+            group_rank=a.group_rank,
+            group_world_size=a.group_world_size,
+            role_world_size=a.world_size,
+            exit_code=exit_code,
+            raw_error=raw_error,
+        )
 
     async def _wait_workers(self, a: Assignment) -> None:
         result = await self.group.wait()
@@ -524,15 +496,10 @@ class Agent:
             for w in result.exits:
                 state = "FAILED" if w.failed else "SUCCEEDED"
                 raw_error = w.error_message or None if w.failed else None
-                self.events_log.worker(
-                    state,
-                    pid=w.pid,
-                    exit_code=w.exitcode,
-                    raw_error=raw_error,
-                    **self._event_ranks(a, w.local_rank),
-                )
-        failures = self._failures(result)
-        first = self._failure(result.first_failure) if result.first_failure is not None else None
+                self._worker_event(state, a, w.local_rank, w.pid, w.exitcode, raw_error)
+        failures = failures_of(result, self.node_id, self.addr)
+        cause = result.first_failure
+        first = None if cause is None else failure_of(cause, self.node_id, self.addr)
         self.events.put_nowait(st.WorkersExited(first, failures))
 
     def _stop_workers(self, signum: int, grace: float) -> None:
@@ -545,53 +512,15 @@ class Agent:
             await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
             self.events.put_nowait(st.WorkersStopped())
 
-        self._stop_task = self._spawn(stop())
-
-    def _failure(self, w: WorkerExit) -> Failure:
-        return Failure(
-            node_id=self.node_id,
-            addr=self.addr,
-            rank=w.rank,
-            local_rank=w.local_rank,
-            exitcode=w.exitcode,
-            signal=w.signal_name,
-            timestamp=w.timestamp,
-            message=w.error_message[-MAX_TEXT_LEN // 2 :],
-            pid=w.pid,
-            error_file=w.error_file[-MAX_PATH_LEN:],
-        )
-
-    def _failures(self, result: GroupResult) -> tuple[Failure, ...]:
-        """This node's failed workers, first first (those we stop afterwards are not causes)."""
-        exits = sorted((w for w in result.exits if w.failed), key=lambda w: w.timestamp)
-        return tuple(self._failure(w) for w in exits)
+        self._spawn(stop())
 
     # -- background tasks ------------------------------------------------------------------
-
-    async def _open(self, deadline: float) -> Connection:
-        """A connection to the job's rendezvous: our server's, or the one kept in etcd."""
-        if self.config.rdzv_backend in ("etcd", "etcd-v2"):
-            from .etcd_rdzv import EtcdConnection
-
-            return await EtcdConnection.open(self.config, deadline=deadline, log=self.log, clock=self.clock)  # type: ignore[return-value]
-        host, port = self.endpoint
-        return await connect(
-            host,
-            port,
-            deadline=deadline,
-            handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
-            log=self.log,
-            clock=self.clock,
-            tls=self.tls,
-            # Holding a token, we refuse a server that asks for none: whoever reaches it can
-            # join our job, or it is not the server the token was meant for.
-            need_token=bool(self.config.token),
-        )
 
     async def _reconnect(self, deadline: float) -> None:
         while True:
             try:
-                conn = await self._open(deadline)
+                assert self.backend is not None
+                conn = await self.backend.connect(deadline)
                 break
             except NotARendezvousServer as exc:
                 # A server that is still starting may drop a connection during the hello:
@@ -600,7 +529,7 @@ class Agent:
                     self.events.put_nowait(st.ReconnectFailed(str(exc)))
                     return
                 await asyncio.sleep(0.2)
-            except (RendezvousUnreachable, RendezvousRefused) as exc:
+            except RendezvousError as exc:
                 self.events.put_nowait(st.ReconnectFailed(str(exc)))
                 return
         old, self.conn = self.conn, conn
@@ -631,7 +560,7 @@ class Agent:
 
     # -- the end ---------------------------------------------------------------------------
 
-    def _finish(self) -> int:
+    def _finish(self) -> AgentOutcome:
         exit_ = self._exit
         assert exit_ is not None
         self._phase = "exited"
@@ -646,15 +575,23 @@ class Agent:
                 group_world_size=None if a is None else a.group_world_size,
                 raw_error=None if ran else exit_.reason,
             )
+        outcome = AgentOutcome(
+            exit_.code, exit_.reason, exit_.failure, exit_.local_failures, dict(self._ranks)
+        )
         if exit_.code == st.EXIT_OK:
             self.log(exit_.reason if exit_.reason != "all nodes finished" else "done: all nodes finished")
-            return exit_.code
+            return outcome
         if exit_.failure is not None or exit_.local_failures:
             self.log(
                 failure_summary(self.config.entrypoint_name, exit_.failure, exit_.local_failures), "error"
             )
         self.log(exit_.reason, "error")
-        return exit_.code
+        return outcome
+
+    def _gave_up(self, reason: str) -> AgentOutcome:
+        """The rendezvous could not be set up or reached: no run, so no summary and no event."""
+        self.log(reason, "error")
+        return AgentOutcome(st.EXIT_RDZV, reason)
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> int:
@@ -665,4 +602,4 @@ def run_agent(config: AgentConfig, **kwargs: Any) -> int:
 
     agent = Agent(config, **kwargs)
     install(agent.log)
-    return run_loop(agent.run())
+    return run_loop(agent.run()).code

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import IO, Any, BinaryIO, Literal, TextIO
+from typing import IO, Any, BinaryIO, Literal, TextIO, cast
 
 from node_agent import procutil
 from node_agent.config import Std
@@ -198,7 +198,7 @@ class _SharedFile:
         self._file = None
 
 
-def _close_quietly(f: BinaryIO | None) -> None:
+def _close_quietly(f: IO[bytes] | None) -> None:
     if f is not None:
         try:
             f.close()
@@ -424,12 +424,12 @@ class _WorkerProtocol(asyncio.SubprocessProtocol):
         self._transport: asyncio.SubprocessTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.SubprocessTransport, transport)  # what subprocess_exec makes
 
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
         sink = self._worker.sinks.get(fd)
         if sink is not None:
-            sink.feed(data)  # type: ignore[arg-type]
+            sink.feed(data)  # type: ignore[arg-type]  # pipes opened in binary mode give bytes
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         self._worker.on_eof(fd)
@@ -531,6 +531,11 @@ async def _wait_futures(futures: Iterable[asyncio.Future[Any]], timeout: float) 
         await asyncio.wait(pending, timeout=max(0.0, timeout))
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _wait_pids_dead(pids: Iterable[int], timeout: float) -> list[int]:
     """Wait for processes that are not our children to die (become zombies); return the survivors.
 
@@ -547,7 +552,7 @@ async def _wait_pids_dead(pids: Iterable[int], timeout: float) -> list[int]:
                 continue
             fds.append(fd)
             fut: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(fd, lambda f=fut: f.done() or f.set_result(None))
+            loop.add_reader(fd, _resolve, fut)
             futures[pid] = fut
         await _wait_futures(futures.values(), timeout)
         return [pid for pid, fut in futures.items() if not fut.done()]
@@ -773,11 +778,11 @@ class WorkerGroup:
                 os.close(master)
             raise
         finally:
-            for f in opened:
-                f.close()
+            for copy in opened:
+                copy.close()
             for slave in slaves:
                 os.close(slave)
-        worker.transport = transport  # type: ignore[assignment]
+        worker.transport = transport
         worker.pid = transport.get_pid()
         for fd, master in masters.items():
             worker.read_pty(fd, master)

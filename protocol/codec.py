@@ -282,7 +282,7 @@ _HEARTBEAT_PAYLOAD = encode(_HEARTBEAT)[HEADER.size :]
 # --- decoding ----------------------------------------------------------------
 
 
-def _build(cls: type, m: dict[Any, Any], path: str) -> Any:
+def _build(cls: type[Any], m: dict[Any, Any], path: str) -> Any:
     kwargs: dict[str, Any] = {}
     for name, required, nested in _DECODE[cls]:
         if name not in m:
@@ -310,7 +310,7 @@ class _TooManyContainers(Exception):
     pass
 
 
-def decode_payload(payload: bytes, *, allowed: Mapping[str, type] | None = None) -> Message:
+def decode_payload(payload: bytes | bytearray, *, allowed: Mapping[str, type] | None = None) -> Message:
     """Decode one frame's payload (without its header) into a message.
 
     ``allowed`` maps tags to the classes this side accepts (``CLIENT_MESSAGES`` on
@@ -465,7 +465,8 @@ class FrameDecoder:
             payload = buf[start : start + length]
             if payload == _HEARTBEAT_PAYLOAD and self._heartbeat_allowed:
                 out.append(_HEARTBEAT)
-            elif payload == self._join_payload:
+            # bytearray == bytes compares contents; mypy takes the types to be disjoint.
+            elif payload == self._join_payload and self._join is not None:  # type: ignore[comparison-overlap]
                 out.append(self._join)
             else:
                 msg = decode_payload(payload, allowed=self._allowed)

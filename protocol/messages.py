@@ -614,6 +614,7 @@ def _compile(cls: type[_Schema], path: str) -> None:
     # A KeyError here means a field was declared without a rule: every field of
     # every message must say how it is validated.
     cls._PATH = path
+    # fields() takes any @record class; _Schema itself is not one, so mypy cannot tell.
     cls._CHECKS = tuple((f.name, f.metadata["check"]) for f in fields(cls))  # type: ignore[arg-type]
 
 

@@ -23,7 +23,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+if TYPE_CHECKING:
+    # Lets type checkers see fields and constructors, as they do for @dataclass.  Only under
+    # TYPE_CHECKING: typing has it from 3.11 only, and typing_extensions is no dependency.
+    from typing_extensions import dataclass_transform
+else:
+
+    def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
+        return lambda fn: fn
+
 
 __all__ = ["record"]
 
@@ -42,6 +52,7 @@ _FACTORY = _Factory()
 
 
 @overload
+@dataclass_transform(field_specifiers=(dataclasses.field, dataclasses.Field))
 def record(cls: T, /) -> T: ...
 @overload
 def record(*, frozen: bool = ..., kw_only: bool = ..., slots: bool = ...) -> Callable[[T], T]: ...
@@ -68,38 +79,40 @@ def _build(cls: T, *, frozen: bool, kw_only: bool, slots: bool) -> T:
     if docless:
         # Else dataclass builds one from inspect.signature, which tokenizes a text signature.
         cls.__doc__ = cls.__name__
-    cls = _dataclass(cls, init=False, repr=False, eq=False, kw_only=kw_only, slots=slots)
-    fields = dataclasses.fields(cls)
-    for f in cls.__dataclass_fields__.values():
+    # Any: the methods and class attributes set below are ones a type checker cannot model.
+    built: Any = _dataclass(cls, init=False, repr=False, eq=False, kw_only=kw_only, slots=slots)
+    fields = dataclasses.fields(built)
+    for f in built.__dataclass_fields__.values():
+        # _FIELD_INITVAR is private (typeshed omits it), and the one way to spot an InitVar field.
         if not f.init or f._field_type is dataclasses._FIELD_INITVAR:  # type: ignore[attr-defined]
             raise TypeError(f"{cls.__qualname__}.{f.name}: @record supports neither InitVar nor init=False")
 
-    cls.__init__ = _init_fn(cls, fields, frozen)  # type: ignore[misc]
-    cls._record_shown = tuple(f.name for f in fields if f.repr)  # type: ignore[attr-defined]
-    cls._record_key = _getter([f.name for f in fields if f.compare])  # type: ignore[attr-defined]
-    cls.__repr__ = _repr  # type: ignore[method-assign]
-    cls.__eq__ = _eq  # type: ignore[method-assign]
+    built.__init__ = _init_fn(built, fields, frozen)
+    built._record_shown = tuple(f.name for f in fields if f.repr)
+    built._record_key = _getter([f.name for f in fields if f.compare])
+    built.__repr__ = _repr
+    built.__eq__ = _eq
     if frozen:
-        cls.__setattr__ = _refuse_set  # type: ignore[method-assign]
-        cls.__delattr__ = _refuse_del  # type: ignore[method-assign]
+        built.__setattr__ = _refuse_set
+        built.__delattr__ = _refuse_del
         if "__hash__" not in body:
             hashed = [f.name for f in fields if (f.compare if f.hash is None else f.hash)]
-            cls._record_hash_key = _getter(hashed)  # type: ignore[attr-defined]
-            cls.__hash__ = _hash  # type: ignore[method-assign]
+            built._record_hash_key = _getter(hashed)
+            built.__hash__ = _hash
         if slots:
             # No __dict__ to restore into, and __setattr__ refuses: copy and pickle need these.
-            cls._record_names = tuple(f.name for f in fields)  # type: ignore[attr-defined]
-            cls._record_all = _getter(list(cls._record_names))  # type: ignore[attr-defined]
-            cls.__getstate__ = _getstate  # type: ignore[attr-defined]
-            cls.__setstate__ = _setstate  # type: ignore[attr-defined]
+            built._record_names = tuple(f.name for f in fields)
+            built._record_all = _getter(list(built._record_names))
+            built.__getstate__ = _getstate
+            built.__setstate__ = _setstate
     elif "__hash__" not in body:
-        cls.__hash__ = None  # type: ignore[assignment]  # mutable and compared by value, as dataclass does
+        built.__hash__ = None  # mutable and compared by value, as dataclass does
     if docless:
-        cls.__doc__ = f"{cls.__name__}({', '.join(f.name for f in fields)})"
-    return cls
+        built.__doc__ = f"{cls.__name__}({', '.join(f.name for f in fields)})"
+    return built
 
 
-def _init_fn(cls: type, fields: tuple[dataclasses.Field, ...], frozen: bool) -> Callable[..., None]:
+def _init_fn(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool) -> Callable[..., None]:
     env: dict[str, Any] = {"__builtins__": __builtins__, "_set": object.__setattr__, "_FACTORY": _FACTORY}
     positional: list[str] = []
     keyword: list[str] = []
@@ -137,7 +150,7 @@ def _init_fn(cls: type, fields: tuple[dataclasses.Field, ...], frozen: bool) -> 
 _FROZEN_METHODS = ("__setattr__", "__delattr__")
 
 
-def _getter(names: list[str]) -> staticmethod:
+def _getter(names: list[str]) -> staticmethod[[Any], tuple[Any, ...]]:
     """A C-speed function from an instance to the tuple of these attributes, to keep on a class."""
     if len(names) >= 2:
         return staticmethod(attrgetter(*names))

@@ -742,8 +742,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from .loop import run_loop  # uvloop where installed
 
-    limits = {"hello_timeout": args.hello_timeout, "auth_timeout": args.auth_timeout}
-    http = {"read_token": read, "http_hosts": tuple(args.http_host)}
     return run_loop(
         serve(
             args.host,
@@ -752,8 +750,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls=tls,
             state_dir=args.state_dir,
             state_min_free=args.state_min_free_mib << 20,
-            **limits,
-            **http,
+            hello_timeout=args.hello_timeout,
+            auth_timeout=args.auth_timeout,
+            read_token=read,
+            http_hosts=tuple(args.http_host),
         )
     )
 

@@ -195,7 +195,9 @@ HOST_NAMES: web.AppKey[frozenset[str]] = web.AppKey("host_names")
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """API clients get JSON errors; the dashboard and the rest keep aiohttp's plain ones."""
     if request.app[STOPPED][0]:
         # A connection accepted before the service closed (a browser's pre-connected socket,
@@ -239,9 +241,6 @@ def build_app(
     registry = metrics.make_registry(lambda: service.machine, service.clock)
     dashboard = resources.files(__package__).joinpath("dashboard.html").read_bytes()
 
-    def clocks() -> dict[str, float]:
-        return {"mono_now": service.clock(), "wall_now": time.time()}
-
     async def index(request: web.Request) -> web.Response:
         return web.Response(body=dashboard, content_type="text/html", charset="utf-8", headers=_NO_STORE)
 
@@ -250,12 +249,15 @@ def build_app(
         return web.json_response({"status": "ok", "jobs": len(m.jobs), "connections": len(m.conns)})
 
     async def list_jobs(request: web.Request) -> web.Response:
-        return web.json_response(status.jobs_view(service.machine, **clocks()), headers=_NO_STORE)
+        return web.json_response(
+            status.jobs_view(service.machine, mono_now=service.clock(), wall_now=time.time()),
+            headers=_NO_STORE,
+        )
 
     async def get_job(request: web.Request) -> web.Response:
         job_id = request.match_info["job_id"]
         may_read(request, job_id)
-        view = status.find_job(service.machine, job_id, **clocks())
+        view = status.find_job(service.machine, job_id, mono_now=service.clock(), wall_now=time.time())
         if view is None:
             return _error(404, "not_found", f"no job {job_id!r}")
         return web.json_response(view, headers=_NO_STORE)

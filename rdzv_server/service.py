@@ -39,7 +39,7 @@ import os
 import ssl
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from protocol import (
     CLIENT_MESSAGES,
@@ -74,6 +74,8 @@ from .state import (
 )
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from .http_app import Access
     from .journal import StateLog
 
@@ -159,10 +161,11 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport
+        # A stream server's transport; uvloop's has a Transport's methods but not its class.
+        t = self.transport = cast(asyncio.Transport, transport)
         svc = self.service
         if not svc._admit(self):
-            transport.abort()
+            t.abort()
             self.transport = None
             return
         self._arm(svc.hello_timeout if self.admitted else svc.busy_timeout, "hello")
@@ -523,7 +526,7 @@ class RendezvousService:
         self.http_enabled = http
         self.http_access: Access | None = None  # the HTTP API's read token and Host names (cli)
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
-        self._http_runner: object | None = None
+        self._http_runner: web.AppRunner | None = None
         self._servers: list[asyncio.Server] = []
         self._conns: dict[int, _Connection] = {}
         self._next_id = 0
@@ -578,7 +581,7 @@ class RendezvousService:
 
             runner = await make_http_runner(self)
             self._http_runner = runner
-            self.http_factory = runner.server  # type: ignore[attr-defined]
+            self.http_factory = runner.server
         shared = self.listeners > 1
         if shared:
             check_port_free(host, port)  # SO_REUSEPORT alone would let us share a taken port
@@ -636,7 +639,7 @@ class RendezvousService:
         for server in servers:
             await server.wait_closed()
         if self._http_runner is not None:
-            await self._http_runner.cleanup()  # type: ignore[attr-defined]
+            await self._http_runner.cleanup()
             self._http_runner = None
         self._closed.set()
 
@@ -867,9 +870,9 @@ class RendezvousService:
 
     def _committed(self, fut: asyncio.Future[None], effects: list[Effect]) -> None:
         self._inflight = None
-        exc = None if fut.cancelled() else fut.exception()
-        if fut.cancelled() or exc is not None:
-            self._log_failed(exc if isinstance(exc, OSError) else OSError(str(exc or "cancelled")))
+        error = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or error is not None:
+            self._log_failed(error if isinstance(error, OSError) else OSError(str(error or "cancelled")))
             return
         self._apply(effects)
         assert self.state_log is not None

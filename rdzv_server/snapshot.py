@@ -3,12 +3,20 @@
 ``dump(machine)`` gives nested dicts, lists, strings and numbers that msgpack can carry;
 ``load(data)`` builds an equal machine from them. Every field is named here on purpose
 (never pickle, never ``asdict``): a change to the machine's state shows up as a change to
-this file, with ``VERSION`` bumped when old snapshots can no longer be read as they are.
-A field added since is read with its default when missing (``Member.node_rank``,
-``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``), so version 1 snapshots
-of every age still load. Loading applies the machine's bounds (``state.py``) to what an older
-server kept without them: a job's failures (the first, the last few and a count), its history
-texts, exclusions and entrypoint.
+this file, with ``VERSION`` bumped when the format changes; every version in ``READS`` still
+loads. A field added since is read with its default when missing (``Member.node_rank``,
+``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``), so snapshots of every
+age load.
+
+Versions: 1 kept each history event as ``[time, kind, text]``; 2 (typed history) adds the
+event's typed fields, ``[time, kind, text, {field: value}]`` (only those not empty). A
+version 1 event loads with its typed fields empty: its sentence is never parsed, so the
+status API shows the facts only newer events carry (an older round's number is ``None``, and
+a node that departed before the upgrade is no longer listed).
+
+Loading applies the machine's bounds (``jobs.py``) to what an older server kept without
+them: a job's failures (the first, the last few and a count), its history texts, exclusions
+and entrypoint.
 
 What is kept: connections (a member is bound to one; after a restart they become AWAY),
 jobs (settings, members, spares, rank order, round, restart count, exclusions, failures,
@@ -27,6 +35,7 @@ from protocol import Failure
 from protocol.errors import InvalidField, ProtocolError
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, clip_text
 
+from .history import Departure, EventKind, JobEvent
 from .state import (
     FAILURE_PATH_LEN,
     FAILURE_TEXT_LEN,
@@ -44,7 +53,8 @@ from .state import (
 )
 
 FORMAT = "rdzv-server state"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions load() reads
 
 
 class SnapshotError(Exception):
@@ -108,18 +118,9 @@ def _dump_member(m: Member) -> dict[str, Any]:
 
 
 def _dump_job(j: Job) -> dict[str, Any]:
-    s = j.settings
     return {
         "id": j.id,
-        "settings": {
-            "min_nodes": s.min_nodes,
-            "max_nodes": s.max_nodes,
-            "entrypoint": s.entrypoint,
-            "max_restarts": s.max_restarts,
-            "last_call_timeout": s.last_call_timeout,
-            "heartbeat_timeout": s.heartbeat_timeout,
-            "exclude_after": s.exclude_after,
-        },
+        "settings": j.settings.to_dict(),
         "phase": j.phase.value,
         "round": j.round,
         "restart_count": j.restart_count,
@@ -135,11 +136,30 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "rounds_completed": j.rounds_completed,
         "outcome": j.outcome,
         "excluded": [[nid, why] for nid, why in j.excluded.items()],
-        "history": [[e.time, e.kind, e.text] for e in j.history],
+        "history": [_dump_event(e) for e in j.history],
         "resume_expect": None if j.resume_expect is None else list(j.resume_expect),
         "resume_slots": [[rank, nid] for rank, nid in j.resume_slots.items()],
         "ranks_noted": j.ranks_noted,
     }
+
+
+def _dump_event(e: JobEvent) -> list[Any]:
+    fields: dict[str, Any] = {}
+    if e.node:
+        fields["node"] = e.node
+    if e.addr:
+        fields["addr"] = e.addr
+    if e.nproc is not None:
+        fields["nproc"] = e.nproc
+    if e.round is not None:
+        fields["round"] = e.round
+    if e.departure is not None:
+        fields["departure"] = e.departure.value
+    if e.spare:
+        fields["spare"] = True
+    if e.failure_no:
+        fields["failure_no"] = e.failure_no
+    return [e.time, e.kind.value, e.text, fields]
 
 
 # --- load ---------------------------------------------------------------------------------
@@ -149,8 +169,11 @@ def load(data: Any, machine: Rendezvous | None = None) -> Rendezvous:
     """Fill ``machine`` (a fresh one by default) from ``dump``'s output; SnapshotError if bad."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotError("not a rdzv-server state snapshot")
-    if data.get("version") != VERSION:
-        raise SnapshotError(f"snapshot version {data.get('version')!r}; this server reads version {VERSION}")
+    if data.get("version") not in READS:
+        raise SnapshotError(
+            f"snapshot version {data.get('version')!r}; this server reads versions "
+            + ", ".join(map(str, READS))
+        )
     m = machine if machine is not None else Rendezvous()
     try:
         m.conns = {c.id: c for c in map(_load_conn, data["conns"])}
@@ -252,13 +275,34 @@ def _load_job(d: dict[str, Any]) -> Job:
     job.failures_total = max(_int(d.get("failures_total", 0)), len(failures))
     for nid, why in d["excluded"]:
         job.exclude(str(nid), str(why))
-    for t, kind, text in d["history"]:
-        job.record(float(t), str(kind), str(text))
+    for e in d["history"]:
+        job.record(_load_event(e))
     expect = d["resume_expect"]
     if expect is not None:
         r, n, world, addr, port = expect
         job.resume_expect = (_int(r), _int(n), _int(world), str(addr), _int(port))
     return job
+
+
+def _load_event(e: list[Any]) -> JobEvent:
+    """``[time, kind, text]`` (version 1) or ``[time, kind, text, fields]`` (version 2)."""
+    t, kind, text, *more = e
+    if len(more) > 1:
+        raise ValueError(f"a history event of {len(e)} items")
+    f: dict[str, Any] = more[0] if more else {}
+    departure, nproc, rnd = f.get("departure"), f.get("nproc"), f.get("round")
+    return JobEvent(
+        float(t),
+        EventKind(kind),
+        str(text),
+        node=str(f.get("node", ""))[:MAX_ID_LEN],
+        addr=str(f.get("addr", ""))[:MAX_ADDR_LEN],
+        nproc=None if nproc is None else _int(nproc),
+        round=None if rnd is None else _int(rnd),
+        departure=None if departure is None else Departure(departure),
+        spare=bool(f.get("spare", False)),
+        failure_no=_int(f.get("failure_no", 0)),
+    )
 
 
 def _load_failure(d: dict[str, Any]) -> Failure:

@@ -12,31 +12,32 @@ the nodes that took part and are gone ("departed"): those of the last round's ra
 are no longer there, the excluded ones, and any named by a ``joined`` event still in the
 job's history. Why each one went comes from the history (``lost``, ``left``, ``excluded``).
 
-The history is text for people. A few facts are read back from it (a round's number, a
-departed node's address): each such read is best effort and yields ``None`` when the text
-does not match, never an error.
+Facts come from the history events' typed fields (``history.py``: a round's number, a departed
+node's address, which failure an event reports), never from their sentences, which are for
+people. An event older than its field (restored from a version 1 snapshot) has the field
+empty, and the fact it would give shows as ``None``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import asdict
 from itertools import islice
 from typing import Any
 
-from .state import SOFTWARE, ConnPhase, Job, JobEvent, JobPhase, Member, Rendezvous
+from protocol.failure_text import describe_failure
 
+from .history import EventKind, JobEvent
+from .state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
+
+K = EventKind
 # The kinds of history events that end a running round (the first one after it starts).
-_ROUND_ENDERS = frozenset({"failure", "lost", "left", "admit", "excluded", "finished", "failed", "forgotten"})
+_ROUND_ENDERS = frozenset({K.FAILURE, K.LOST, K.LEFT, K.ADMIT, K.EXCLUDED, K.FINISHED, K.FAILED, K.FORGOTTEN})
 # The kinds that say why a node is gone.
-_DEPARTURES = frozenset({"lost", "left", "excluded"})
+_DEPARTURES = frozenset({K.LOST, K.LEFT, K.EXCLUDED})
 TERMINAL_PHASES = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
 
 JOBS_LISTED = 200  # jobs in one GET /v1/jobs (active first); each job's detail is per id
-
-_ROUND_RE = re.compile(r"round (\d+)\b")
-_JOINED_RE = re.compile(r"node (?P<node>.+) \((?P<addr>[^,()]*), nproc (?P<nproc>\d+)\) joined")
 
 
 class Clock:
@@ -168,15 +169,7 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         "rounds_completed": job.rounds_completed,
         "restart_count": job.restart_count,
         "max_restarts": s.max_restarts,
-        "settings": {
-            "min_nodes": s.min_nodes,
-            "max_nodes": s.max_nodes,
-            "entrypoint": s.entrypoint,
-            "max_restarts": s.max_restarts,
-            "last_call_timeout": s.last_call_timeout,
-            "heartbeat_timeout": s.heartbeat_timeout,
-            "exclude_after": s.exclude_after,
-        },
+        "settings": s.to_dict(),
         "nodes": len(job.members),
         "spares": len(job.spares),
         "world_size": sum(m.nproc for m in in_round) if running else None,
@@ -191,10 +184,22 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         "excluded": [{"node_id": nid, "reason": why} for nid, why in job.excluded.items()],
         "failures": _failures(job, history),
         "rounds": _rounds(job, history, clock),
-        "history": [
-            {"time": clock.wall(e.time), "ago": clock.ago(e.time), "kind": e.kind, "text": e.text}
-            for e in history
-        ],
+        "history": [_event_view(e, clock) for e in history],
+    }
+
+
+def _event_view(e: JobEvent, clock: Clock) -> dict[str, Any]:
+    return {
+        "time": clock.wall(e.time),
+        "ago": clock.ago(e.time),
+        "kind": e.kind.value,
+        "text": e.text,
+        "node": e.node or None,
+        "addr": e.addr or None,
+        "nproc": e.nproc,
+        "round": e.round,
+        "departure": None if e.departure is None else e.departure.value,
+        "spare": e.spare,
     }
 
 
@@ -234,10 +239,10 @@ def _member_view(
 def _departed(
     job: Job, history: list[JobEvent], present: dict[str, Member], clock: Clock
 ) -> list[dict[str, Any]]:
-    joined: dict[str, tuple[str, int]] = {}
+    joined: dict[str, tuple[str, int | None]] = {}
     for e in history:
-        if e.kind == "joined" and (m := _JOINED_RE.match(e.text)):
-            joined[m["node"]] = (m["addr"], int(m["nproc"]))
+        if e.kind is K.JOINED and e.node:
+            joined[e.node] = (e.addr, e.nproc)
     candidates = dict.fromkeys([*job.order, *job.excluded, *joined])
     position = {nid: i for i, nid in enumerate(job.order)}
     out = []
@@ -248,7 +253,7 @@ def _departed(
         if nid in job.excluded:
             state, reason = "excluded", job.excluded[nid]
         elif event is not None:
-            state, reason = event.kind, event.text
+            state, reason = event.kind.value, event.text
         else:  # gone after the job ended: the machine notes nothing then
             state, reason = "gone", ""
         addr, nproc = joined.get(nid, ("", None))
@@ -275,29 +280,32 @@ def _departed(
 
 
 def _why_gone(nid: str, history: list[JobEvent]) -> JobEvent | None:
-    prefixes = (f"node {nid} ", f"spare {nid} ")
     for e in reversed(history):
-        if e.kind in _DEPARTURES and e.text.startswith(prefixes):
+        if e.node != nid:
+            continue
+        if e.kind in _DEPARTURES:
             return e
-        if e.kind == "joined" and e.text.startswith(prefixes[0]):
+        if e.kind is K.JOINED:
             return None  # it came back after that
     return None
 
 
-def describe_failure(node_id: str, addr: str, rank: int, local_rank: int, exitcode: int, signal: str) -> str:
-    how = f"signal {signal}" if signal else f"exit code {exitcode}"
-    return f"rank {rank} (local rank {local_rank}) on node {node_id} ({addr}) failed with {how}"
+def failure_numbers(job: Job) -> list[int]:
+    """Each kept failure's number in the job (1: its first), as ``Job.add_failure`` keeps them:
+    the first one, then the last ones of ``failures_total``."""
+    n, total = len(job.failures), job.failures_total
+    if total <= n:
+        return list(range(1, n + 1))
+    return [1, *range(total - n + 2, total + 1)][:n]
 
 
 def _failures(job: Job, history: list[JobEvent]) -> list[dict[str, Any]]:
     """Each recorded failure is the root cause of its round: the server keeps one per round."""
+    rounds = {e.failure_no: e.round for e in history if e.failure_no and e.kind in (K.FAILURE, K.FAILED)}
     out = []
-    for i, f in enumerate(job.failures):
-        text = describe_failure(f.node_id, f.addr, f.rank, f.local_rank, f.exitcode, f.signal)
-        rnd = None
-        for e in history:
-            if e.kind == "failure" and text in e.text and (m := _ROUND_RE.match(e.text)):
-                rnd = int(m[1])
+    for i, (f, number) in enumerate(zip(job.failures, failure_numbers(job), strict=True)):
+        text = describe_failure(f)
+        rnd = rounds.get(number)
         if rnd is None and i == len(job.failures) - 1 and job.phase is JobPhase.FAILED:
             rnd = job.round  # the failure that ended the job: nothing ran after it
         out.append(
@@ -321,10 +329,9 @@ def _rounds(job: Job, history: list[JobEvent], clock: Clock) -> list[dict[str, A
     gathering_since = job.created_at
     current: dict[str, Any] | None = None
     for e in history:
-        if e.kind == "round":
-            m = _ROUND_RE.match(e.text)
+        if e.kind is K.ROUND:
             current = {
-                "round": int(m[1]) if m else None,
+                "round": e.round,
                 "gathering_since": clock.wall(gathering_since),
                 "started_at": clock.wall(e.time),
                 "ended_at": None,
@@ -334,7 +341,7 @@ def _rounds(job: Job, history: list[JobEvent], clock: Clock) -> list[dict[str, A
             }
             out.append(current)
         elif current is not None and current["ended_by"] is None and _ends_round(e):
-            current.update(ended_at=clock.wall(e.time), ended_by=e.kind, end_reason=e.text)
+            current.update(ended_at=clock.wall(e.time), ended_by=e.kind.value, end_reason=e.text)
             gathering_since = e.time
     if out and job.phase is JobPhase.RUNNING:
         out[-1].update(ended_at=None, ended_by=None, end_reason="")
@@ -343,4 +350,4 @@ def _rounds(job: Job, history: list[JobEvent], clock: Clock) -> list[dict[str, A
 
 def _ends_round(e: JobEvent) -> bool:
     # A spare that leaves does not disturb the round.
-    return e.kind in _ROUND_ENDERS and not (e.kind in _DEPARTURES and e.text.startswith("spare "))
+    return e.kind in _ROUND_ENDERS and not (e.kind in _DEPARTURES and e.spare)

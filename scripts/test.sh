@@ -18,6 +18,7 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]' --config-settings editable_mode=compat 2> >(grep -v "^WARNING: Location" >&2)
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { .venv/bin/ruff format --diff . | head -40; exit 1; }
+.venv/bin/mypy  # the packages, as [tool.mypy] in pyproject.toml says
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -246,7 +246,7 @@ def test_preauth_bombs_and_member_floods_fail_no_job(tmp_path: Path) -> None:
         # Refused at the header (a peer that said nothing may send 2 KiB), not decoded; the
         # reply is often lost to the reset of a socket closed with the rest of the frame unread.
         assert all(_refused(m, "frame_too_large") for m in told), Counter(map(repr, told))
-        assert "exceeds the limit of 2048 bytes" in live.srv.stderr
+        live.srv.wait_for_line("exceeds the limit of 2048 bytes", timeout=10)
         floods = asyncio.run(_member_flood(live.port))
         assert all(_refused(m, "flooding") for m in floods), Counter(map(repr, floods))
         wait_until("beats cut", lambda: live.srv.stderr.count("sent frames faster than") == 2, 10)
@@ -300,7 +300,8 @@ def test_slowloris_http_is_closed_at_its_deadline(tmp_path: Path) -> None:
     with ShortHeartbeatJob(tmp_path, "--hello-timeout", "1") as live:
         took = asyncio.run(_slowloris(live.port, limit=15))
         assert took is not None, "a slowloris connection was still open after 15 s"
-        assert "no complete HTTP request within 1 s" in live.srv.stderr
+        # The close may reach us before the server's log line reaches our reader thread.
+        live.srv.wait_for_line("no complete HTTP request within 1 s", timeout=10)
         live.assert_intact()
 
 
@@ -344,7 +345,7 @@ def test_caps_fit_the_fd_limit_and_an_agent_over_them_is_told_busy(tmp_path: Pat
             assert "not a rendezvous server" not in agent.stderr
 
         asyncio.run(attack())
-        assert "refusing connections: at the connection limit" in live.srv.stderr
+        live.srv.wait_for_line("refusing connections: at the connection limit", timeout=10)
         # The places come back: a real agent joins again.
         wait_until("a hello is welcomed again", lambda: asyncio.run(_welcomed(live.port)), timeout=20)
         live.assert_intact()
@@ -391,5 +392,5 @@ def test_a_resume_answered_with_restart_keeps_the_auth_timeout(tmp_path: Path) -
         answer, closed = asyncio.run(resume())
         assert isinstance(answer, Restart), answer
         assert closed, "still open 10 s after --auth-timeout 1"
-        assert "no join within 1 s of its hello" in live.srv.stderr
+        live.srv.wait_for_line("no join within 1 s of its hello", timeout=10)
         live.assert_intact()

@@ -192,7 +192,7 @@ def test_a_nearly_full_state_disk_refuses_new_nodes_and_keeps_the_job(tmp_path: 
                 and str(disk) in err.message
             )
             assert err.message.endswith("no new nodes until space is freed")
-            assert "state disk is nearly full" in live.srv.stderr
+            live.srv.wait_for_line("state disk is nearly full", timeout=10)
             live.assert_intact()  # the running job is served, and its agents keep beating
             (disk / "filler").unlink()
             wait_until("a new node accepted once space is freed", lambda: not is_refused(), 20)

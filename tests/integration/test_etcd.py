@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.etcd_client import EtcdClient
-from node_agent.etcd_rdzv import DEFAULT_ETCD_PREFIX
+from node_agent.rdzv.etcd import DEFAULT_ETCD_PREFIX
+from node_agent.rdzv.etcd_client import EtcdClient
 
 from .etcd import Etcd, agent_args
 from .procs import WORKERS, Proc, agent_cmd, free_port

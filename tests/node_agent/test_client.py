@@ -1,4 +1,4 @@
-"""``client.connect`` against servers that misbehave at the first byte."""
+"""``rdzv.server.connect`` against servers that misbehave at the first byte."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from node_agent import client
-from node_agent.client import NotARendezvousServer
+from node_agent.rdzv import NotARendezvousServer
+from node_agent.rdzv import server as client
 
 uvloop = pytest.importorskip("uvloop")
 

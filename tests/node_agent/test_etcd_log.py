@@ -5,8 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from node_agent.etcd_client import prefix_end
-from node_agent.etcd_rdzv import (
+from node_agent.rdzv.etcd import (
     CONNECTED,
     DISCONNECTED,
     RECEIVED,
@@ -17,6 +16,7 @@ from node_agent.etcd_rdzv import (
     decode_entry,
     encode_entry,
 )
+from node_agent.rdzv.etcd_client import prefix_end
 from protocol import SUPPORTED_VERSIONS, Assignment, Hello, Join, Waiting, Welcome
 from rdzv_server.state import Send
 
@@ -57,7 +57,7 @@ def two_node_log() -> list[Entry]:
 
 
 def sends(replica: Replica, entries: list[Entry]) -> list[tuple[int, object]]:
-    out = []
+    out: list[tuple[int, object]] = []
     for entry in entries:
         out += [(e.conn, e.msg) for e in replica.apply(entry) if isinstance(e, Send)]
     return out
@@ -114,7 +114,7 @@ def test_time_never_runs_backwards_across_proposers_clocks() -> None:
     out = sends(replica, log)
     assert any(isinstance(m, Waiting) for _, m in out)
     deadline = replica.machine.next_deadline()
-    assert deadline == pytest.approx(101.1)  # last call from the latest time seen, 100.1
+    assert deadline is not None and deadline == pytest.approx(101.1)  # last call from the latest time, 100.1
     # a tick proposed by a node whose clock lags is applied at the replica's time: too early
     assert [m for _, m in sends(replica, [Entry(TICK, 99.0, B)]) if isinstance(m, Assignment)] == []
     out = sends(replica, [Entry(TICK, deadline, B)])

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.client import Connection, NotARendezvousServer, RendezvousRefused, TLSFailed, connect
+from node_agent.rdzv import NotARendezvousServer, RendezvousRefused
+from node_agent.rdzv.server import Connection, TLSFailed, connect
 from protocol.tls import client_context, server_context
 from rdzv_server.cli import EXIT_USAGE, CommandError, base_url, load_server_tls, main
 from rdzv_server.service import RendezvousService

@@ -1,4 +1,5 @@
-"""The agent's connection to the rendezvous server: connect, say hello, exchange frames.
+"""``--rdzv-backend c10d``: the agent's connection to a rendezvous server (``rdzv-server``, or
+one an agent hosts: ``hosting.py``): connect, say hello, exchange frames.
 
 Connecting retries with capped exponential backoff and jitter until a deadline, printing what
 it waits for once per distinct problem (not once per attempt). After the TCP connect the
@@ -20,7 +21,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from protocol import (
     MAGIC,
@@ -36,22 +37,16 @@ from protocol import (
 )
 from protocol.tls import verify_failure
 
-from .agent_log import shown
+from ..agent_log import shown
+from . import NotARendezvousServer, RendezvousError, RendezvousRefused, RendezvousUnreachable
+
+if TYPE_CHECKING:
+    from ..config import AgentConfig
+    from .hosting import HostedServer
 
 SOFTWARE = "node-agent/0.1"
 READ_CHUNK = 1 << 16
-
-
-class RendezvousUnreachable(Exception):
-    """No rendezvous server answered at the endpoint before the deadline."""
-
-
-class NotARendezvousServer(Exception):
-    """Something listens at the endpoint, but it does not speak our protocol."""
-
-
-class RendezvousRefused(Exception):
-    """The server answered the hello with an error (e.g. no common protocol version)."""
+HANDSHAKE_TIMEOUT_CAP = 10.0
 
 
 class TokenNotAsked(RendezvousRefused):
@@ -66,6 +61,8 @@ _TLS_ALERT = b"\x15\x03"  # a TLS alert record: what some TLS servers send a pla
 
 
 class Connection:
+    """A link to a rendezvous server, past the hello (made by :func:`connect`)."""
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, version: int) -> None:
         self.reader = reader
         self.writer = writer
@@ -99,6 +96,69 @@ class Connection:
             await self.writer.wait_closed()
         except (ConnectionError, OSError):
             pass
+
+
+class ServerBackend:
+    """Links to the rendezvous server at the endpoint, which may be one this agent hosts."""
+
+    reconnects = True
+    shares_joins = False
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        port: int,
+        log: Callable[..., None],
+        clock: Callable[[], float],
+        tls: ssl.SSLContext | None = None,
+        hosted: HostedServer | None = None,
+    ) -> None:
+        self.config = config
+        self.endpoint = (config.rdzv_host, port)
+        self.log = log
+        self.clock = clock
+        self.tls = tls  # to a rdzv-server; what we host is plain TCP
+        self.hosted = hosted
+
+    @classmethod
+    async def open(
+        cls, config: AgentConfig, *, node_id: str, log: Callable[..., None], clock: Callable[[], float]
+    ) -> ServerBackend:
+        """The TLS context, and the rendezvous we host when we are the one to (``hosting.py``)."""
+        tls = None
+        if config.tls_ca is not None and not config.hosts_rendezvous:
+            from protocol.tls import TLSConfigError, client_context
+
+            try:
+                tls = client_context(config.tls_ca, config.tls_cert, config.tls_key)
+            except TLSConfigError as exc:
+                raise RendezvousError(str(exc)) from None
+        from .hosting import host_if_ours
+
+        # With TLS we wait for a rdzv-server: we could only host plain TCP.
+        hosted = await host_if_ours(config, node_id=node_id, log=log, may_guess=tls is None)
+        port = config.rdzv_port if hosted is None else hosted.port
+        return cls(config, port=port, log=log, clock=clock, tls=tls, hosted=hosted)
+
+    async def connect(self, deadline: float) -> Connection:
+        host, port = self.endpoint
+        return await connect(
+            host,
+            port,
+            deadline=deadline,
+            handshake_timeout=min(self.config.rdzv_conf.read_timeout, HANDSHAKE_TIMEOUT_CAP),
+            log=self.log,
+            clock=self.clock,
+            tls=self.tls,
+            # Holding a token, we refuse a server that asks for none: whoever reaches it can
+            # join our job, or it is not the server the token was meant for.
+            need_token=bool(self.config.token),
+        )
+
+    async def close(self, *, linger: bool) -> None:
+        if self.hosted is not None:
+            await self.hosted.close(linger=linger)
 
 
 T = TypeVar("T")

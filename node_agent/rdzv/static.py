@@ -27,10 +27,30 @@ from protocol import (
     WorkersSucceeded,
 )
 
-from .config import AgentConfig
+from ..config import AgentConfig
+
+
+class StaticBackend:
+    """One link for the whole run: there is nothing to reconnect to."""
+
+    reconnects = False
+    shares_joins = False
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+
+    async def connect(self, deadline: float) -> StaticConnection:
+        return StaticConnection(self.config)
+
+    async def close(self, *, linger: bool) -> None:
+        return None
 
 
 class StaticConnection:
+    """Answers the agent's messages as a server would, from the command line alone."""
+
+    challenge = ""  # nothing to prove a token to
+
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.restart_count = 0
@@ -56,9 +76,9 @@ class StaticConnection:
                 )
             )
         elif isinstance(msg, WorkersFailed):
-            f = msg.failure
-            how = f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
-            cause = f"rank {f.rank} (local rank {f.local_rank}) failed with {how}"
+            from protocol.failure_text import describe_failure
+
+            cause = describe_failure(msg.failure, node=False)
             if self.restart_count < cfg.max_restarts:
                 self.restart_count += 1
                 self._inbox.put_nowait(
@@ -69,7 +89,9 @@ class StaticConnection:
                 self.round += 1
             else:
                 self._inbox.put_nowait(
-                    JobFailed(reason=f"{cause} (--max-restarts {cfg.max_restarts} used up)", failure=f)
+                    JobFailed(
+                        reason=f"{cause} (--max-restarts {cfg.max_restarts} used up)", failure=msg.failure
+                    )
                 )
         elif isinstance(msg, WorkersSucceeded):
             self._inbox.put_nowait(JobDone())

@@ -44,8 +44,8 @@ from protocol.errors import ProtocolError
 from protocol.records import record
 from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
 
-from .client import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable, retry_until
-from .config import AgentConfig, ConfigError
+from ..config import AgentConfig, ConfigError
+from . import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable
 from .etcd_client import (
     EtcdClient,
     EtcdError,
@@ -58,6 +58,7 @@ from .etcd_client import (
     put_op,
     unchanged_since,
 )
+from .server import retry_until
 
 DEFAULT_ETCD_PREFIX = "/node-agent/rdzv/v1"
 ENTRY_VERSION = 1
@@ -195,6 +196,26 @@ def _local_ip_towards(host: str, port: int) -> str:
             return s.getsockname()[0]
     except (OSError, IndexError):
         return socket.gethostname()
+
+
+class EtcdBackend:
+    """Links through etcd: each one a new lease, and a new connection in the replicated machine."""
+
+    reconnects = True
+    # The Join is stored in etcd for every agent of the job to read, and nothing there can be
+    # resumed by a secret (any agent may write any entry).
+    shares_joins = True
+
+    def __init__(self, config: AgentConfig, *, log: Callable[..., None], clock: Callable[[], float]) -> None:
+        self.config = config
+        self.log = log
+        self.clock = clock
+
+    async def connect(self, deadline: float) -> EtcdConnection:
+        return await EtcdConnection.open(self.config, deadline=deadline, log=self.log, clock=self.clock)
+
+    async def close(self, *, linger: bool) -> None:
+        return None
 
 
 class EtcdConnection:

@@ -1,0 +1,296 @@
+"""The rendezvous machine's state: connections, jobs, members and the bounds on them.
+
+Plain records and the few functions that keep their invariants (``put_member``,
+``pop_member`` and ``set_state`` keep ``Job.not_ready`` exact; ``rank_holder`` and
+``node_rank_problem`` keep node ranks unique). No rule of the rendezvous is here: those are in
+``rounds.py`` (and ``recovery.py``), which change this state; ``snapshot.py`` writes it down.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import field, replace
+
+from protocol import Failure, Join
+from protocol.messages import clip_text
+from protocol.records import record
+
+from .history import HISTORY_LEN, HISTORY_TEXT_LEN, JobEvent, node_range
+
+# Bounds on what one job and one server keep, whatever their peers send (the README's
+# per-job memory bound is computed from these; tests/rdzv_server/test_state_bounds.py checks it).
+FAILURES_KEPT = 8  # a job's last failures, besides its first one and a count of all
+FAILURE_TEXT_LEN = 2048  # characters of a failure's message (the worker's error) kept
+FAILURE_PATH_LEN = 1024  # characters of a failure's error file path kept
+PEER_TEXT_LEN = 1024  # characters of a peer's free text (a Leave or drain reason) quoted
+REASON_LEN = 4096  # characters of a reason the server sends (Restart, JobFailed, Error, ...)
+ENTRYPOINT_KEPT = 1024  # characters of a job's entrypoint (longer ones: cut, with a digest)
+MAX_JOBS = 1000  # jobs one server holds at once; a new one beyond is refused
+MAX_SPARES = 1024  # spares per job (and at most max_nodes): more nodes are refused
+MAX_EXCLUDED = 128  # excluded node ids a job remembers (the oldest is forgotten first)
+# A job's restart budget: a larger --max-restarts is taken as this (the server alone counts
+# restarts). A clamp, not a protocol limit, so an agent given "effectively unlimited" is
+# still served, by any server.
+MAX_RESTARTS = 1_000_000
+
+
+class ConnPhase(enum.Enum):
+    HELLO = "hello"
+    READY = "ready"
+    JOINED = "joined"
+    # A connection of the server's previous process, restored from its state log: its
+    # member waits (see ``recover``) for the agent to come back on a new connection.
+    AWAY = "away"
+
+
+class JobPhase(enum.Enum):
+    RESUMING = "resuming"  # rebuilding a round from the agents' Resume after losing our state
+    GATHERING = "gathering"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class MemberState(enum.Enum):
+    WAITING = "waiting"  # in the job, not yet (re-)joined for the next round
+    READY = "ready"  # joined, waiting for the round to complete
+    RUNNING = "running"  # holds the current round's assignment
+    SUCCEEDED = "succeeded"  # its workers finished; waiting at the exit barrier
+
+
+MEMBER_PHASES = (ConnPhase.JOINED, ConnPhase.AWAY)  # connections that stand for a member
+
+
+class LocalError(Exception):
+    """A bug on our side: an event the machine cannot handle in its state."""
+
+
+@record(slots=True)
+class Conn:
+    id: int
+    peer: str
+    phase: ConnPhase = ConnPhase.HELLO
+    last_seen: float = 0.0
+    challenge: str = ""
+    job_id: str | None = None
+    node_id: str | None = None
+
+
+@record(slots=True)
+class Member:
+    node_id: str
+    conn: int
+    addr: str
+    nproc: int
+    master_port: int
+    seq: int  # arrival order, for logs and ties
+    joined_at: float = 0.0
+    state: MemberState = MemberState.READY
+    failures: int = 0
+    node_rank: int = -1  # --node-rank as the agent gave it; -1: not given
+    # Join.node_secret: only an agent that shows it may take this node's place back after
+    # the server restarted. Kept in the state log; never shown.
+    node_secret: str = ""
+
+
+@record(frozen=True, slots=True)
+class JobSettings:
+    min_nodes: int
+    max_nodes: int
+    entrypoint: str
+    max_restarts: int
+    last_call_timeout: float
+    heartbeat_timeout: float
+    exclude_after: int = 0
+
+    @classmethod
+    def from_join(cls, msg: Join) -> JobSettings:
+        return cls(
+            min_nodes=msg.min_nodes,
+            max_nodes=msg.max_nodes,
+            entrypoint=entrypoint_key(msg.entrypoint),
+            max_restarts=min(msg.max_restarts, MAX_RESTARTS),
+            last_call_timeout=msg.last_call_timeout,
+            heartbeat_timeout=msg.heartbeat_timeout,
+            exclude_after=msg.exclude_after,
+        )
+
+    def to_dict(self) -> dict[str, int | float | str]:
+        """The settings by name (the status API shows them; a snapshot keeps them)."""
+        return {
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "entrypoint": self.entrypoint,
+            "max_restarts": self.max_restarts,
+            "last_call_timeout": self.last_call_timeout,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "exclude_after": self.exclude_after,
+        }
+
+    def mismatch(self, other: JobSettings) -> str | None:
+        """What an agent disagrees on with the job it tries to join, or None."""
+        if (self.min_nodes, self.max_nodes) != (other.min_nodes, other.max_nodes):
+            return (
+                f"node range: the job has --nnodes {node_range(self.min_nodes, self.max_nodes)}, "
+                f"this agent has --nnodes {node_range(other.min_nodes, other.max_nodes)}"
+            )
+        if self.entrypoint != other.entrypoint:
+            return f"entrypoint: the job runs {self.entrypoint!r}, this agent runs {other.entrypoint!r}"
+        if self.max_restarts != other.max_restarts:
+            return (
+                f"max restarts: the job has --max-restarts {self.max_restarts}, "
+                f"this agent has --max-restarts {other.max_restarts}"
+            )
+        return None
+
+
+def entrypoint_key(entrypoint: str) -> str:
+    """What a job keeps of its entrypoint: the text itself up to ENTRYPOINT_KEPT characters;
+    a longer one is cut, with its length and SHA-256, so two agents still agree on it exactly
+    while a 64 KiB command line costs the job 1 KiB."""
+    if len(entrypoint) <= ENTRYPOINT_KEPT:
+        return entrypoint
+    import hashlib  # only for a long entrypoint: OpenSSL's start is ~5 ms of every launch
+
+    digest = hashlib.sha256(entrypoint.encode("utf-8", "surrogatepass")).hexdigest()
+    tail = f" ... ({len(entrypoint):,} characters, sha256 {digest})"
+    return entrypoint[: ENTRYPOINT_KEPT - len(tail)] + tail
+
+
+RESUME_WINDOW = 10.0  # how long a rebuilt round waits for every node to come back
+FINISHED_JOBS_KEPT = 50
+
+
+@record(slots=True)
+class Job:
+    id: str
+    settings: JobSettings
+    phase: JobPhase = JobPhase.GATHERING
+    round: int = 0  # the round being gathered, or the one running
+    restart_count: int = 0
+    members: dict[str, Member] = field(default_factory=dict)
+    spares: dict[str, Member] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # node ids of the last completed round, by rank
+    last_call_deadline: float | None = None
+    # The first failure, then the last FAILURES_KEPT (add them with add_failure).
+    failures: list[Failure] = field(default_factory=list)
+    failures_total: int = 0  # every failure recorded, including those no longer kept
+    next_seq: int = 0
+    created_at: float = 0.0
+    gathering_since: float = 0.0  # when the round being gathered started (rendezvous latency)
+    rounds_completed: int = 0
+    outcome: str = ""  # why the job ended, once it has
+    excluded: dict[str, str] = field(default_factory=dict)  # node id -> why
+    history: deque[JobEvent] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+    # While RESUMING: the round every node must hold, and which node holds each group rank.
+    resume_expect: tuple[int, int, int, str, int] | None = None
+    resume_slots: dict[int, str] = field(default_factory=dict)
+    # Members (not spares) that are not READY: a round can complete only when this is empty.
+    # Kept by put_member/pop_member/set_state, so that check is O(1) in a join storm.
+    not_ready: set[str] = field(default_factory=set)
+    # The "joined" lines of this second (JOIN_LINES), and the joins waiting for its summary.
+    join_window_end: float = 0.0
+    join_lines: int = 0
+    joins_unlogged: int = 0
+    first_unlogged: str = ""
+    last_unlogged: str = ""
+    # Whether the history already says that --node-rank does not order this job's ranks.
+    ranks_noted: bool = False
+    # Fixed-size jobs: node rank -> the node that gave it. Entries of nodes gone since are
+    # stale and are dropped when looked up (rank_holder), so removals need not keep it.
+    rank_holders: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}
+        if not self.elastic:
+            for m in [*self.members.values(), *self.spares.values()]:
+                if m.node_rank >= 0:
+                    self.rank_holders[m.node_rank] = m.node_id
+
+    def record(self, event: JobEvent) -> None:
+        """Keep an event in the history (``history.note`` also logs it), its text cut."""
+        if len(event.text) > HISTORY_TEXT_LEN:
+            event = replace(event, text=clip_text(event.text, HISTORY_TEXT_LEN))
+        self.history.append(event)
+
+    def add_failure(self, failure: Failure) -> None:
+        """Keep the first failure (often the root cause), the last few, and a count."""
+        self.failures_total += 1
+        self.failures.append(failure)
+        if len(self.failures) > FAILURES_KEPT + 1:
+            del self.failures[1]
+
+    def exclude(self, node_id: str, why: str) -> None:
+        self.excluded[node_id] = why
+        while len(self.excluded) > MAX_EXCLUDED:
+            del self.excluded[next(iter(self.excluded))]
+
+    def end_rebuild(self, order: list[str]) -> None:
+        """RESUMING ends (the round was rebuilt, or cannot be): it runs in ``order``."""
+        self.order = order
+        self.phase = JobPhase.RUNNING
+        self.resume_slots.clear()
+        self.resume_expect = None
+        self.last_call_deadline = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.settings.min_nodes < self.settings.max_nodes
+
+
+def put_member(job: Job, m: Member) -> None:
+    job.members[m.node_id] = m
+    if m.state is MemberState.READY:
+        job.not_ready.discard(m.node_id)
+    else:
+        job.not_ready.add(m.node_id)
+
+
+def pop_member(job: Job, node_id: str) -> Member | None:
+    job.not_ready.discard(node_id)
+    return job.members.pop(node_id, None)
+
+
+def set_state(job: Job, m: Member, state: MemberState) -> None:
+    m.state = state
+    if job.members.get(m.node_id) is m:
+        if state is MemberState.READY:
+            job.not_ready.discard(m.node_id)
+        else:
+            job.not_ready.add(m.node_id)
+
+
+def rank_holder(job: Job, node_rank: int) -> Member | None:
+    """The member or spare that gave ``node_rank``, if one is still in the job."""
+    nid = job.rank_holders.get(node_rank)
+    if nid is None:
+        return None
+    m = job.members.get(nid) or job.spares.get(nid)
+    if m is None or m.node_rank != node_rank:
+        del job.rank_holders[node_rank]  # it left (or was excluded) since
+        return None
+    return m
+
+
+def node_rank_problem(settings: JobSettings, job: Job | None, msg: Join) -> tuple[str, str] | None:
+    """(code, message) when a join's --node-rank may not enter the job, else None."""
+    r = msg.node_rank
+    if r < 0 or settings.min_nodes != settings.max_nodes:
+        return None  # not given, or an elastic job, where node ranks order nothing
+    who = f"node {msg.node_id} ({msg.addr})"
+    if r >= settings.max_nodes:
+        return (
+            "node_rank_out_of_range",
+            f"{who} gave --node-rank {r}, but job {msg.job_id!r} has --nnodes {settings.max_nodes}: "
+            f"node ranks are 0..{settings.max_nodes - 1}",
+        )
+    holder = rank_holder(job, r) if job is not None else None
+    if holder is None:
+        return None
+    return (
+        "duplicate_node_rank",
+        f"{who} gave --node-rank {r}, which node {holder.node_id} ({holder.addr}) already holds in job "
+        f"{msg.job_id!r}: give each node its own --node-rank (if that node's previous agent died, "
+        f"its place is freed when its heartbeat lapses, after {settings.heartbeat_timeout:g} s)",
+    )
