@@ -185,7 +185,7 @@ def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int
             "use `await node_agent.launch_async(...)` there"
         )
     _require_main_thread("launch")
-    from rdzv_server.loop import run_loop  # uvloop where installed, as the node-agent command
+    from edge.loop import run_loop  # uvloop where installed, as the node-agent command
 
     saved = _signal_handlers(config)
     try:
@@ -482,7 +482,7 @@ def worker_main(argv: Sequence[str]) -> int:
             _load_main(header["main"])
             fn, args = pickle.load(f)
         data = pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
+    except Exception as exc:  # on purpose: whatever the user's function raised, as torchrun's @record
         _write_error_file(exc)
         raise
     partial = f"{result}.partial"

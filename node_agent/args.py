@@ -35,7 +35,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, overload
 
-from protocol.auth import TokenTable
+from edge.tls import CLIENT_ENV, TLSConfigError, client_context, client_files
+from edge.tokens import TokenFileError, job_token
 from protocol.records import record
 
 from .config import (
@@ -875,64 +876,38 @@ def _local_ranks_filter(inputs: _Inputs) -> frozenset[int] | None:
 
 def _token(path: str | None, environ: Mapping[str, str], rdzv_id: str) -> str | None:
     """The job's token: --token-file, else RDZV_TOKEN_FILE, else RDZV_TOKEN; None without one."""
-    path = path or environ.get("RDZV_TOKEN_FILE") or None
-    if path is None:
-        return environ.get("RDZV_TOKEN") or None
     try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
-    try:
-        table = TokenTable.parse(text, origin=f"token file {path!r}")
-    except ValueError as exc:
+        return job_token(path, environ, rdzv_id)
+    except TokenFileError as exc:
         raise ConfigError(str(exc)) from None
-    token = table.for_job(rdzv_id)
-    if token is None:
-        raise ConfigError(f"token file {path!r} has no token for job {rdzv_id!r}")
-    return token
-
-
-_TLS_VARS = {"tls_ca": "RDZV_TLS_CA", "tls_cert": "RDZV_TLS_CERT", "tls_key": "RDZV_TLS_KEY"}
 
 
 def _tls(
     inputs: _Inputs, environ: Mapping[str, str], *, backend: str, hosts: bool, is_host: bool | None
 ) -> tuple[str | None, str | None, str | None]:
     """--tls-ca/--tls-cert/--tls-key, else RDZV_TLS_*: checked now by loading them once."""
-    given: dict[str, tuple[str, str]] = {}  # dest -> (path, where it came from)
-    for dest, var in _TLS_VARS.items():
-        value = inputs.get(dest).value
-        if value:
-            given[dest] = (value, _BY_DEST[dest].display)
-        elif environ.get(var):
-            given[dest] = (environ[var], var)
-    if not given:
+    flags = {name: (inputs.get(f"tls_{name}").value, _BY_DEST[f"tls_{name}"].display) for name in CLIENT_ENV}
+    try:
+        files = client_files(flags, environ)
+    except TLSConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if files is None:
         return None, None, None
-    origins = " and ".join(origin for _, origin in given.values())
-    if "tls_ca" not in given:
-        raise ConfigError(f"{origins}: a client certificate needs --tls-ca (the CA of the server)")
-    if ("tls_cert" in given) != ("tls_key" in given):
-        raise ConfigError(f"{origins}: --tls-cert and --tls-key go together; give both or neither")
     if backend != "c10d" or hosts:
         why = f"--rdzv-backend={backend}" if backend != "c10d" else "this agent hosts its own rendezvous"
-        logger.warning("%s: ignored (%s; TLS applies to a rdzv-server only)", origins, why)
+        logger.warning("%s: ignored (%s; TLS applies to a rdzv-server only)", files.origins, why)
         return None, None, None
     if is_host is True:
         # Its peers would need TLS to reach it; silently plain would be worse than refusing.
         raise ConfigError(
-            f"{origins} with is_host=true: the rendezvous an agent hosts is plain TCP; run "
+            f"{files.origins} with is_host=true: the rendezvous an agent hosts is plain TCP; run "
             "`rdzv-server --tls-cert ... --tls-key ...` and point every agent at it"
         )
-    from protocol.tls import TLSConfigError, client_context
-
-    ca = given["tls_ca"][0]
-    cert, key = (given[dest][0] if dest in given else None for dest in ("tls_cert", "tls_key"))
     try:
-        client_context(ca, cert, key)
+        client_context(files.ca, files.cert, files.key)
     except TLSConfigError as exc:
         raise ConfigError(str(exc)) from None
-    return ca, cert, key
+    return files.ca, files.cert, files.key
 
 
 def _filters(text: str) -> tuple[str, ...]:

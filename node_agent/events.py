@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Sequence
 from typing import Any, TextIO
 
 __all__ = ["EventLog"]
@@ -111,8 +110,3 @@ class EventLog:
             stream.flush()
         except (OSError, ValueError):
             self.enabled = False  # a broken stderr: events stop, the job goes on
-
-
-def worker_states(exits: Sequence[Any]) -> list[tuple[Any, str]]:
-    """(exit, "SUCCEEDED" | "FAILED") for each reaped worker."""
-    return [(w, "FAILED" if w.exitcode != 0 else "SUCCEEDED") for w in exits]

@@ -38,7 +38,7 @@ class HealthServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
             self._server = None
 

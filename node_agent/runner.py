@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
+from protocol.errors import ProtocolError
 from protocol.records import record
 
 from . import state as st
@@ -199,18 +200,22 @@ def failures_of(result: GroupResult, node_id: str, addr: str) -> tuple[Failure, 
     return tuple(failure_of(w, node_id, addr) for w in exits)
 
 
-async def health_check(cmd: str) -> str | None:
-    """Run --health-check (before each rendezvous): None if it passed, else what went wrong."""
+async def health_check(cmd: str, timeout: float = HEALTH_CHECK_TIMEOUT) -> str | None:
+    """Run --health-check (before each rendezvous): None if it passed, else what went wrong.
+
+    Cancelled (the agent exits meanwhile), it kills the check's whole process group first."""
     proc = await asyncio.create_subprocess_shell(
         cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
     )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), HEALTH_CHECK_TIMEOUT)
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except asyncio.TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        return f"{cmd!r} did not finish within {HEALTH_CHECK_TIMEOUT:g} s"
+        return f"{cmd!r} did not finish within {timeout:g} s"
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: nothing of the check outlives it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
     if proc.returncode == 0:
         return None
     tail = out.decode(errors="replace").strip().splitlines()[-5:]
@@ -328,6 +333,7 @@ class Agent:
                 shutdown_timeout=cfg.shutdown_timeout,
                 elastic=cfg.elastic,
                 reconnect_timeout=cfg.rdzv_conf.reconnect_timeout if backend.reconnects else 0.0,
+                health_check=bool(cfg.health_check),
                 handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
                 nproc=cfg.nproc_per_node,
                 job_id=cfg.rdzv_id,
@@ -372,7 +378,7 @@ class Agent:
                 event = st.Tick()
             try:
                 await self._apply(machine.handle(event, self.clock()))
-            except Exception as exc:
+            except Exception as exc:  # last resort, on purpose: a bug of ours must not SIGKILL the workers
                 await self._internal_error(event, exc)
 
     async def _internal_error(self, event: st.Event, exc: Exception) -> None:
@@ -408,11 +414,10 @@ class Agent:
             elif isinstance(eff, st.SendJoin):
                 self._joined_at = self.clock()
                 self._phase = "rendezvous"
-                problem = await health_check(self.config.health_check) if self.config.health_check else None
-                if problem is None:
-                    self._send(self._join())
-                else:
-                    self.events.put_nowait(st.HealthCheckFailed(problem))
+                self._send(self._join())
+            elif isinstance(eff, st.RunHealthCheck):
+                self._phase = "rendezvous"
+                self._spawn(self._health_check())
             elif isinstance(eff, st.SendResume):
                 self._send(Resume(join=self._join(), assignment=eff.assignment, succeeded=eff.succeeded))
             elif isinstance(eff, st.Reconnect):
@@ -516,6 +521,13 @@ class Agent:
 
     # -- background tasks ------------------------------------------------------------------
 
+    async def _health_check(self) -> None:
+        """The check runs beside the machine: a signal meanwhile is handled at once, and the
+        run's end cancels this task, which kills the check's processes."""
+        assert self.config.health_check is not None
+        problem = await health_check(self.config.health_check)
+        self.events.put_nowait(st.HealthCheckDone(ok=problem is None, detail=problem or ""))
+
     async def _reconnect(self, deadline: float) -> None:
         while True:
             try:
@@ -547,15 +559,24 @@ class Agent:
                 self.events.put_nowait(st.ServerSent(msg))
         except (ConnectionError, OSError) as exc:
             self.events.put_nowait(st.ConnectionLost(str(exc) or type(exc).__name__))
-        except Exception as exc:  # a protocol error from the server: report it, do not crash
+        except ProtocolError as exc:  # a frame we cannot decode: the server's fault, not a crash
             self.events.put_nowait(st.ConnectionLost(f"bad message from the server: {shown(str(exc))}"))
+        except Exception as exc:  # last resort, on purpose: a bug of ours in the link must not
+            # end the run with a SIGKILL of the workers; said with its traceback, the link is lost
+            import traceback
+
+            tb = "".join(traceback.format_exception(exc)).rstrip()
+            self.log(f"internal error reading the rendezvous: {exc!r} (a bug in node-agent)\n{tb}", "error")
+            self.events.put_nowait(st.ConnectionLost(f"internal error reading the rendezvous: {exc!r}"))
 
     async def _heartbeat(self) -> None:
         interval = self.config.rdzv_conf.heartbeat_interval
         beat = Heartbeat()
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):
+            # A link's send does not raise once the link is lost (its reader reports the loss);
+            # a transport error on the write is the same loss.
+            with contextlib.suppress(ConnectionError, OSError):
                 self._send(beat)
 
     # -- the end ---------------------------------------------------------------------------
@@ -579,7 +600,7 @@ class Agent:
             exit_.code, exit_.reason, exit_.failure, exit_.local_failures, dict(self._ranks)
         )
         if exit_.code == st.EXIT_OK:
-            self.log(exit_.reason if exit_.reason != "all nodes finished" else "done: all nodes finished")
+            self.log(f"done: {exit_.reason}" if exit_.job_done else exit_.reason)
             return outcome
         if exit_.failure is not None or exit_.local_failures:
             self.log(
@@ -596,7 +617,7 @@ class Agent:
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> int:
     """The ``node-agent`` command's run: its ``logging`` lines (an embedded server's) are its own."""
-    from rdzv_server.loop import run_loop
+    from edge.loop import run_loop
 
     from .agent_log import install
 

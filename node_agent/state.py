@@ -56,6 +56,10 @@ Every wait on the server ends by itself: joining at ``join_timeout``, the verdic
 ``join_timeout``, the exit barrier at ``exit_barrier_timeout``, leaving at
 ``LEAVE_ANSWER_TIMEOUT``, and any of them while the connection is down at the reconnect window.
 
+``--health-check`` runs before each round's join as an effect (``RunHealthCheck``), and its
+result comes back as an event (``HealthCheckDone``): the I/O layer never waits on it, so a
+signal during a long check is handled at once (the check is killed when the agent exits).
+
 The server's messages. Every message has an outcome in every phase. One that makes no sense in
 ours (an assignment we did not join for, the job "done" while our workers run) is the server's
 mistake: a protocol error, logged, and where the agent cannot go on it stops its workers and
@@ -177,8 +181,11 @@ class ReconnectFailed:
 
 
 @record(frozen=True, slots=True)
-class HealthCheckFailed:
-    reason: str
+class HealthCheckDone:
+    """The ``--health-check`` command finished: passed, or ``detail`` says what went wrong."""
+
+    ok: bool
+    detail: str = ""
 
 
 @record(frozen=True, slots=True)
@@ -194,7 +201,7 @@ Event = (
     | WorkersStopped
     | ConnectionLost
     | SignalReceived
-    | HealthCheckFailed
+    | HealthCheckDone
     | Reconnected
     | ReconnectFailed
     | Tick
@@ -207,6 +214,14 @@ Event = (
 @record(frozen=True, slots=True)
 class SendJoin:
     """Join the next round (the I/O layer fills in a fresh free master port)."""
+
+
+@record(frozen=True, slots=True)
+class RunHealthCheck:
+    """Run ``--health-check`` before joining; its result comes back as :class:`HealthCheckDone`.
+
+    The I/O layer runs it in the background (a check may take a minute), so a signal meanwhile
+    is handled at once; the check's process is killed when the agent exits."""
 
 
 @record(frozen=True, slots=True)
@@ -251,6 +266,7 @@ class Exit:
     reason: str
     failure: Failure | None = None  # the job's root cause, when there is one
     local_failures: tuple[Failure, ...] = ()
+    job_done: bool = False  # every node of the job finished: the job succeeded
 
 
 @record(frozen=True, slots=True)
@@ -259,7 +275,18 @@ class Log:
     text: str
 
 
-Effect = SendJoin | Send | Reconnect | SendResume | StartWorkers | StopWorkers | ForwardSignal | Exit | Log
+Effect = (
+    SendJoin
+    | RunHealthCheck
+    | Send
+    | Reconnect
+    | SendResume
+    | StartWorkers
+    | StopWorkers
+    | ForwardSignal
+    | Exit
+    | Log
+)
 
 
 class UnexpectedEvent(Exception):
@@ -285,6 +312,17 @@ class AgentSettings:
     max_restarts: int | None = None
     min_nodes: int = 1
     max_nodes: int = MAX_NODES
+    health_check: bool = False  # run --health-check (RunHealthCheck) before each round's join
+
+
+class AfterStop(enum.Enum):
+    """What STOPPING goes on to once the workers are down."""
+
+    NOTHING = "nothing"  # not stopping
+    REJOIN = "rejoin"  # join the next round (a Restart)
+    VERDICT = "verdict"  # wait for the server's verdict on our reported failure
+    LEAVE = "leave"  # a drain: send the Leave, wait for Left
+    EXIT = "exit"  # exit with the decided reason
 
 
 @record
@@ -294,7 +332,7 @@ class AgentMachine:
     assignment: Assignment | None = None
     deadline: float | None = None
     local_failures: tuple[Failure, ...] = ()
-    _after_stop: str = ""  # once the workers are down: "rejoin" | "verdict" | "leave" | "exit"
+    _after_stop: AfterStop = AfterStop.NOTHING
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
     _last_waiting: tuple[int, int, str] | None = None
     _signalled: int | None = None
@@ -310,11 +348,25 @@ class AgentMachine:
     # Our Resume is out on a new connection and not yet answered: until the answer says whether
     # the server holds us in its round, what only a node of the round may say waits.
     _resuming: bool = False
+    _checking: bool = False  # our --health-check runs; the join waits for it
+    _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
         self.deadline = now + self.settings.join_timeout
-        return [SendJoin()]
+        return self._join()
+
+    def _join(self) -> list[Effect]:
+        """Join, after the health check when there is one (once per round: see ``_checked``).
+
+        The join deadline runs meanwhile, as it did when the check ran inline: a check longer
+        than ``join_timeout`` times the join out."""
+        if not self.settings.health_check or self._checked:
+            return [SendJoin()]
+        if self._checking:
+            return []  # its result sends the join
+        self._checking = True
+        return [RunHealthCheck()]
 
     def next_deadline(self) -> float | None:
         return self.deadline
@@ -340,9 +392,8 @@ class AgentMachine:
             return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
             return self._on_signal(event.signum, now)
-        if isinstance(event, HealthCheckFailed):
-            exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.reason}")
-            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
+        if isinstance(event, HealthCheckDone):
+            return self._on_health_check_done(event)
         if isinstance(event, Tick):
             return self._on_tick(now)
         raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
@@ -514,7 +565,7 @@ class AgentMachine:
     def _on_job_done(self) -> list[Effect]:
         if self.phase in (Phase.BARRIER, Phase.LEAVING):
             self._awaiting_left = False
-            return self._exit_now(Exit(EXIT_OK, "all nodes finished"))
+            return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
             # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
             spare = self._last_waiting is not None and "spare" in self._last_waiting[2]
@@ -528,10 +579,10 @@ class AgentMachine:
                 note,
                 *self._exit_now(Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")),
             ]
-        if self.phase is Phase.STOPPING and self._after_stop == "leave":
+        if self.phase is Phase.STOPPING and self._after_stop is AfterStop.LEAVE:
             # Drained, and the job finished while our workers stop: a success, nothing to leave.
             self._awaiting_left, self._leave = False, None
-            self._after_stop, self._exit = "exit", Exit(EXIT_OK, "all nodes finished")
+            self._after_stop, self._exit = AfterStop.EXIT, Exit(EXIT_OK, "all nodes finished", job_done=True)
             return []
         if self._exit is not None:
             return []  # on our way out already, for a reason of its own
@@ -567,11 +618,11 @@ class AgentMachine:
         self._report = None  # if we reported a failure, this is the verdict
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
-            self._after_stop = "rejoin"
+            self._after_stop = AfterStop.REJOIN
             return [note, StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
         if self.phase is Phase.STOPPING:
-            if self._after_stop == "verdict":
-                self._after_stop = "rejoin"
+            if self._after_stop is AfterStop.VERDICT:
+                self._after_stop = AfterStop.REJOIN
             return [note]  # already stopping: to rejoin, to leave, or to exit
         if self.phase in (Phase.VERDICT, Phase.BARRIER):
             return [note, *self._rejoin(now)]
@@ -617,7 +668,7 @@ class AgentMachine:
             return effects
         self.local_failures = event.local_failures or (event.failure,)
         self.phase = Phase.STOPPING
-        self._after_stop = "verdict"
+        self._after_stop = AfterStop.VERDICT
         self._report = WorkersFailed(round=self.assignment.round, failure=event.failure)
         note: list[Effect] = []
         if self.away:
@@ -645,13 +696,13 @@ class AgentMachine:
             return []
         if event.local_failures and not self.local_failures:
             self.local_failures = event.local_failures
-        after, self._after_stop = self._after_stop, ""
-        if after == "rejoin":
+        after, self._after_stop = self._after_stop, AfterStop.NOTHING
+        if after is AfterStop.REJOIN:
             return self._rejoin(now)
-        if after == "verdict":
+        if after is AfterStop.VERDICT:
             self._await_verdict(now)
             return []
-        if after == "leave":
+        if after is AfterStop.LEAVE:
             return self._send_leave(now)
         exit_ = self._exit or Exit(EXIT_FAILED, "stopped")
         # A SIGTERM/SIGINT in a fixed-size job: the server hears we left once the workers are down.
@@ -671,14 +722,14 @@ class AgentMachine:
         p, after = self.phase, self._after_stop
         if p in (Phase.STARTING, Phase.RUNNING):
             return "workers keep running; "
-        if p is Phase.STOPPING and after == "rejoin":
+        if p is Phase.STOPPING and after is AfterStop.REJOIN:
             return (
                 "workers are being stopped; this node joins the next round once they are down and it "
                 "is back; "
             )
-        if p is Phase.STOPPING and after == "verdict":
+        if p is Phase.STOPPING and after is AfterStop.VERDICT:
             return "workers are being stopped; their failure is reported once this node is back; "
-        if p is Phase.STOPPING and after == "leave":
+        if p is Phase.STOPPING and after is AfterStop.LEAVE:
             return (
                 "workers are being stopped for the drain; this node leaves once they are down and it is "
                 "back; "
@@ -739,8 +790,8 @@ class AgentMachine:
             return []
         p = self.phase
         if p is Phase.JOINING:
-            return [Log("info", "reconnected; joining again"), SendJoin()]
-        if p is Phase.STOPPING and self._after_stop == "rejoin":
+            return [Log("info", "reconnected; joining again"), *self._join()]
+        if p is Phase.STOPPING and self._after_stop is AfterStop.REJOIN:
             # Not before the workers are down: the next round must not start while they live.
             return [Log("info", "reconnected; this node joins the next round once its workers are down")]
         if self.assignment is None:
@@ -842,7 +893,7 @@ class AgentMachine:
             if self.phase is not Phase.STOPPING:
                 self.phase = Phase.STOPPING
                 stop = [StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
-            self._after_stop = "leave"
+            self._after_stop = AfterStop.LEAVE
             return [note, *stop, *self._send(self._notice(self._leave))]
         return [note, *self._send_leave(now)]  # no workers: JOINING, VERDICT, BARRIER
 
@@ -925,23 +976,36 @@ class AgentMachine:
             )
         return []
 
+    def _on_health_check_done(self, event: HealthCheckDone) -> list[Effect]:
+        if not self._checking:
+            return []  # we moved on meanwhile (a signal, the job's end, a timeout)
+        self._checking = False
+        if not event.ok:
+            exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.detail}")
+            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
+        self._checked = True
+        if self.phase is not Phase.JOINING or self.away:
+            return []  # not joining any more, or the join goes once reconnected
+        return [SendJoin()]
+
     def _rejoin(self, now: float) -> list[Effect]:
         self.phase = Phase.JOINING
         self.assignment = None
         self._succeeded = False
         self._report = None
+        self._checked = False  # each round's join is checked again
         self.deadline = now + self.settings.join_timeout
-        return [] if self.away else [SendJoin()]  # while away: once reconnected
+        return [] if self.away else self._join()  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
         self._awaiting_left = False
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
-            self._after_stop = "exit"
+            self._after_stop = AfterStop.EXIT
             self._exit = exit_
             return [StopWorkers(signum, self.settings.shutdown_timeout)]
         if self.phase is Phase.STOPPING:
-            self._after_stop = "exit"
+            self._after_stop = AfterStop.EXIT
             # The first reason to exit is the one a person needs (a refusal, not the
             # connection closing right after it).
             self._exit = self._exit or exit_
@@ -952,7 +1016,7 @@ class AgentMachine:
         self.phase = Phase.EXITED
         self.deadline = None
         if not exit_.local_failures and self.local_failures:
-            exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures)
+            exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures, exit_.job_done)
         return [exit_]
 
 

@@ -96,8 +96,8 @@ REQUEST_HEADER = "X-Rdzv-Request"
 
 @record(frozen=True, slots=True)
 class Access:
-    """What the HTTP side lets through, beyond tokens: set by ``rdzv-server`` as
-    ``service.http_access`` before the service starts."""
+    """What the HTTP side lets through, beyond tokens: ``rdzv-server`` gives it to the
+    service at construction (``RendezvousService(http_access=...)``)."""
 
     read_token: str | None = None  # --read-token-file: may read every job's detail, nothing else
     hosts: tuple[str, ...] = ()  # --http-host: more names of this server, for the Host check
@@ -321,7 +321,7 @@ async def make_http_runner(
     """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
     if authorize is None:
         authorize = allow_all if service.tokens is None else token_authorizer(service.tokens)
-    access = service.http_access  # set from rdzv-server's flags
+    access = service.http_access  # given at construction, from rdzv-server's flags
     runner = web.AppRunner(
         build_app(service, authorize=authorize, access=access),
         handle_signals=False,

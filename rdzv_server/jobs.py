@@ -75,6 +75,10 @@ class Conn:
     challenge: str = ""
     job_id: str | None = None
     node_id: str | None = None
+    # Until it joins: when it must have said hello (phase HELLO) or joined (READY) by, on the
+    # machine's clock; None once joined, and when replaying. Not kept in snapshots: a restart
+    # keeps no unjoined connection.
+    deadline: float | None = None
 
 
 @record(slots=True)

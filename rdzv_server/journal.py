@@ -12,8 +12,13 @@ are rewritten so that replay needs nothing but the log:
 - a Tick's heartbeat sweep depends on those times, so the log keeps the Tick and, as
   separate disconnections, the silent nodes the sweep dropped; replay runs the machine with
   ``expire_silent=False`` and gets the same drops from the log;
-- a join refused for its token, or while the disk is nearly full, is logged as the
-  disconnection it caused (replay has no tokens and no disk: configuration, not state).
+- a join refused for its token, or while the disk is nearly full (its ``Close`` says
+  ``by_config``), is logged as the disconnection it caused (replay has no tokens and no disk:
+  configuration, not state).
+
+Every input reaches the machine as an event of ``handle`` (an operator's drain, a shutdown
+and a restart too), and ``RECORDS`` is the one table between events and record kinds: each
+kind names the event it is read back as, how an event is written and how a record is read.
 
 Order. The service appends the records of every event it handled in one turn of the loop,
 writes and fsyncs them once, and only then carries out their effects: nothing an agent is
@@ -54,6 +59,7 @@ rather than drop acknowledged state silently.
 Time. The machine's clock is monotonic and does not survive a restart. The log records the
 wall clock beside it; a restarted server continues the machine's clock from the last
 record, plus the wall-clock time it was down, so deadlines and "N seconds ago" stay right.
+Both clocks are given to ``StateLog.open`` (tests pass fake ones); nothing here reads another.
 """
 
 from __future__ import annotations
@@ -72,22 +78,23 @@ from typing import Any
 
 import msgpack
 
-from protocol import HEADER, Error, Heartbeat, Hello, ProtocolError, decode_payload, encode
+from protocol import HEADER, Heartbeat, Hello, ProtocolError, decode_payload, encode
 from protocol.auth import TokenTable
 from protocol.records import record
 
 from . import snapshot
 from .state import (
-    SERVER_BUSY,
     Close,
     Connected,
     Disconnected,
+    DrainRequested,
     Effect,
     Event,
     LocalError,
     Received,
     Rendezvous,
-    Send,
+    Restarted,
+    ShuttingDown,
     Tick,
 )
 
@@ -163,57 +170,91 @@ def _rest_is_filler(view: memoryview, pos: int) -> bool:
 # --- events as records --------------------------------------------------------------------
 
 
-# Joins refused for something replay does not have (tokens, free disk): logged as the
-# disconnection they caused.
-_REFUSED_BY_CONFIG = frozenset({"auth_failed", SERVER_BUSY})
+Record = dict[str, Any]
 
 
-def event_record(event: Event, effects: list[Effect], *, unchanged: bool = False) -> dict[str, Any] | None:
+def _write_received(event: Received, effects: list[Effect]) -> Record | None:
+    if isinstance(event.msg, Heartbeat):
+        return None
+    for eff in effects:
+        # Refused for the server's configuration (tokens, free disk), which replay has not.
+        if isinstance(eff, Close) and eff.conn == event.conn and eff.by_config:
+            return {"k": "disconnected", "conn": event.conn, "why": eff.reason}
+    return {"k": "received", "conn": event.conn, "msg": encode(event.msg)[HEADER.size :]}
+
+
+def _write_tick(event: Tick, effects: list[Effect]) -> Record:
+    # A tick's closes (the heartbeat sweep, late hellos and joins) depend on times replay does
+    # not have (heartbeats are not logged): the log keeps them, replayed as disconnections.
+    return {"k": "tick", "drops": [[e.conn, e.reason] for e in effects if isinstance(e, Close)]}
+
+
+def _read_tick(rec: Record) -> list[Event]:
+    return [Tick(), *(Disconnected(int(conn), str(why)) for conn, why in rec["drops"])]
+
+
+@record(frozen=True, slots=True)
+class RecordKind:
+    """One row of the table between the machine's events and the log's records."""
+
+    event: type
+    write: Callable[[Any, list[Effect]], Record | None]  # the record of a handled event, or None
+    read: Callable[[Record], list[Event]]  # the events a record replays as, in order
+
+
+RECORDS: dict[str, RecordKind] = {
+    "connected": RecordKind(
+        Connected,
+        lambda e, _: {"k": "connected", "conn": e.conn, "peer": e.peer},
+        lambda r: [Connected(int(r["conn"]), str(r["peer"]))],
+    ),
+    "received": RecordKind(
+        Received,
+        _write_received,
+        lambda r: [Received(int(r["conn"]), decode_payload(r["msg"]))],
+    ),
+    "disconnected": RecordKind(
+        Disconnected,
+        lambda e, _: {"k": "disconnected", "conn": e.conn, "why": e.reason},
+        lambda r: [Disconnected(int(r["conn"]), str(r["why"]))],
+    ),
+    "tick": RecordKind(Tick, _write_tick, _read_tick),
+    "drain": RecordKind(
+        DrainRequested,
+        lambda e, _: {"k": "drain", "job": e.job_id, "node": e.node_id, "why": e.reason},
+        lambda r: [DrainRequested(str(r["job"]), str(r["node"]), str(r["why"]))],
+    ),
+    "going_away": RecordKind(
+        ShuttingDown,
+        lambda e, _: {"k": "going_away", "why": e.reason},
+        lambda r: [ShuttingDown(str(r["why"]))],
+    ),
+    "recover": RecordKind(Restarted, lambda e, _: {"k": "recover"}, lambda r: [Restarted()]),
+}
+_KIND_OF: dict[type, RecordKind] = {row.event: row for row in RECORDS.values()}
+
+
+def event_record(event: Event, effects: list[Effect], *, unchanged: bool = False) -> Record | None:
     """What the log keeps of one handled event (None: nothing that replay needs).
 
     ``unchanged``: the machine said the event changed no state (``Rendezvous.unchanged``).
     """
     if unchanged:
         return None
-    if isinstance(event, Received):
-        if isinstance(event.msg, Heartbeat):
-            return None
-        for eff in effects:
-            if isinstance(eff, Send) and isinstance(eff.msg, Error) and eff.msg.code in _REFUSED_BY_CONFIG:
-                why = next((e.reason for e in effects if isinstance(e, Close) and e.conn == event.conn), "")
-                return {"k": "disconnected", "conn": event.conn, "why": why}
-        return {"k": "received", "conn": event.conn, "msg": encode(event.msg)[HEADER.size :]}
-    if isinstance(event, Connected):
-        return {"k": "connected", "conn": event.conn, "peer": event.peer}
-    if isinstance(event, Disconnected):
-        return {"k": "disconnected", "conn": event.conn, "why": event.reason}
-    if isinstance(event, Tick):
-        # Only the heartbeat sweep closes connections on a tick.
-        return {"k": "tick", "drops": [[e.conn, e.reason] for e in effects if isinstance(e, Close)]}
-    raise TypeError(f"not a machine event: {event!r}")
+    row = _KIND_OF.get(type(event))
+    if row is None:
+        raise TypeError(f"not a machine event: {event!r}")
+    return row.write(event, effects)
 
 
-def apply_record(machine: Rendezvous, rec: dict[str, Any]) -> None:
+def apply_record(machine: Rendezvous, rec: Record) -> None:
     """Feed one logged input to a machine built with ``expire_silent=False`` (replay)."""
-    kind, now = rec["k"], float(rec["t"])
-    if kind == "received":
-        machine.handle(Received(int(rec["conn"]), decode_payload(rec["msg"])), now)
-    elif kind == "connected":
-        machine.handle(Connected(int(rec["conn"]), str(rec["peer"])), now)
-    elif kind == "disconnected":
-        machine.handle(Disconnected(int(rec["conn"]), str(rec["why"])), now)
-    elif kind == "tick":
-        machine.handle(Tick(), now)
-        for conn, why in rec["drops"]:
-            machine.handle(Disconnected(int(conn), str(why)), now)
-    elif kind == "drain":
-        machine.drain(str(rec["job"]), str(rec["node"]), str(rec["why"]), now)
-    elif kind == "going_away":
-        machine.going_away(str(rec["why"]), now)
-    elif kind == "recover":
-        machine.recover(now)
-    else:
-        raise StateLogError(f"unknown record kind {kind!r} (written by a newer server?)")
+    row = RECORDS.get(rec["k"])
+    if row is None:
+        raise StateLogError(f"unknown record kind {rec['k']!r} (written by a newer server?)")
+    now = float(rec["t"])
+    for event in row.read(rec):
+        machine.handle(event, now)
 
 
 def _unpack(payload: bytes) -> dict[str, Any]:
@@ -250,8 +291,12 @@ class StateLog:
         fsync: bool = True,
         lock_fd: int = -1,
         min_free: int = MIN_FREE_BYTES,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.dir = directory
+        self._monotonic = monotonic  # the process's clocks: every reading here is of these
+        self._wall = wall
         self.machine = machine
         self.seq = seq  # records written so far, over the life of the state dir
         self.snapshot_every = snapshot_every
@@ -268,7 +313,7 @@ class StateLog:
         self.snapshot_bytes = _size(directory / SNAP_NAME)
         self.min_free = min_free
         self._unchecked_bytes = 0  # written since the last free-space check
-        self._space_checked = -float("inf")  # time.monotonic() of that check
+        self._space_checked = -float("inf")  # the monotonic clock at that check
         self.check_space(force=True)
 
     # -- opening ---------------------------------------------------------------------------
@@ -313,6 +358,8 @@ class StateLog:
                 fsync=fsync,
                 lock_fd=lock_fd,
                 min_free=min_free,
+                monotonic=monotonic,
+                wall=wall,
             )
         except BaseException:
             os.close(lock_fd)
@@ -320,8 +367,9 @@ class StateLog:
         log._since_snapshot = seq - snap_seq
         restored = Restored(snap_seq, replayed, dropped, len(machine.jobs))
         now = log.clock()
-        effects = machine.recover(now)
-        log.append({"k": "recover"}, now)
+        event = Restarted()
+        effects = machine.handle(event, now)
+        log.record(event, effects, now)
         log.sync()
         return log, restored, effects
 
@@ -329,7 +377,7 @@ class StateLog:
 
     def clock(self) -> float:
         """The machine's clock: monotonic, continued across restarts."""
-        return time.monotonic() + self._offset
+        return self._monotonic() + self._offset
 
     def record(self, event: Event, effects: list[Effect], now: float) -> None:
         """Log one event the machine just handled, unless it changed nothing (``unchanged``)."""
@@ -346,7 +394,7 @@ class StateLog:
 
     def append(self, rec: dict[str, Any], now: float, *, urgent: bool = True) -> None:
         """Buffer one record; it is durable after the next ``sync``."""
-        rec["t"], rec["w"] = now, time.time()
+        rec["t"], rec["w"] = now, self._wall()
         framed = frame(msgpack.packb(rec, use_bin_type=True))
         self._buf.append(framed)
         self.log_bytes += len(framed)
@@ -379,9 +427,9 @@ class StateLog:
     def fsync_written(self) -> None:
         """fsync what ``write`` wrote. The service runs this in a worker thread, so the loop
         gathers the next batch meanwhile (group commit); nothing else uses the file then."""
-        t0 = time.perf_counter()
+        t0 = self._monotonic()
         os.fsync(self._fd)
-        self.sync_seconds += time.perf_counter() - t0
+        self.sync_seconds += self._monotonic() - t0
         self.syncs += 1
 
     def maybe_compact(self) -> None:
@@ -394,7 +442,7 @@ class StateLog:
         self.write()  # the snapshot holds these records' state; no need to fsync them too
         now = self.clock()
         body = msgpack.packb(
-            {"seq": self.seq, "t": now, "w": time.time(), "state": snapshot.dump(self.machine)},
+            {"seq": self.seq, "t": now, "w": self._wall(), "state": snapshot.dump(self.machine)},
             use_bin_type=True,
         )
         snap = FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body)
@@ -416,7 +464,7 @@ class StateLog:
         written or ``SPACE_CHECK_SECONDS`` passed. The margin is ``min_free`` and at least two
         snapshots' worth, since compaction writes a new snapshot beside the old one.
         """
-        mono = time.monotonic()
+        mono = self._monotonic()
         if (
             not force
             and self._unchecked_bytes < SPACE_CHECK_BYTES

@@ -2,7 +2,8 @@
 
 Two ways back, both through the rules in ``rounds.py``:
 
-- From the state log (``journal.py`` replays it, then calls :meth:`Recovery.recover`). Joined
+- From the state log (``journal.py`` replays it, then hands the machine a ``Restarted`` event,
+  which :meth:`Recovery._recover` handles). Joined
   nodes become AWAY: their members keep their places (the round goes on) for a resume window,
   in which each agent reconnects and sends ``Resume`` (or ``Join``, between rounds). A member
   that is away is not ready: a round completes only with members that are connected. A node
@@ -45,7 +46,7 @@ class Recovery(RoundRules):
     resume_deadline: float | None
     draining: bool
 
-    def recover(self, now: float) -> list[Effect]:
+    def _recover(self, now: float, out: list[Effect]) -> None:
         """The state was replayed from the log of a previous process whose sockets are gone.
 
         Joined nodes become AWAY: their members keep their places (the round goes on) for a
@@ -55,7 +56,6 @@ class Recovery(RoundRules):
         time is lost, as if its connection had dropped. A job that was itself being rebuilt
         from its agents is forgotten: the agents' Resumes rebuild it again.
         """
-        out: list[Effect] = []
         self.draining = False
         self._next_sweep = None  # nothing to sweep until agents are back
         for rebuilding in [j for j in self.jobs.values() if j.phase is JobPhase.RESUMING]:
@@ -81,7 +81,6 @@ class Recovery(RoundRules):
         for job_id, n in away.items():
             job = self.jobs[job_id]
             said.note(job, said.recovered(now, job.phase.value, job.round, window, n), out)
-        return out
 
     def _on_resume(self, conn: Conn, msg: Resume, now: float, out: list[Effect]) -> None:
         """A node whose connection broke comes back holding a round, its workers still running."""

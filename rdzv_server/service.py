@@ -16,7 +16,10 @@ What a stranger can make the server hold, and for how long, is bounded:
   is told "server busy" in its own protocol (an ``Error`` frame, or a 503), not just closed.
 - Each stage has a deadline: the hello (and a TLS handshake) within ``hello_timeout``, the
   join within ``auth_timeout`` after it, each HTTP request head within ``hello_timeout`` of
-  the accept and then ``http_idle_timeout`` of the previous one.
+  the accept and then ``http_idle_timeout`` of the previous one. The hello and join deadlines
+  are the machine's (``state.py``, "Handshake deadlines"), delivered as its ``Tick``; this
+  layer times only what the machine never sees: the TLS handshake, a socket whose first bytes
+  have not yet said what it speaks, HTTP connections, and one over the caps being refused.
 - Each stage has a frame limit (``protocol.frame_limits``): 2 KiB before the hello, the
   largest legal Join or Resume until joined, the largest legal client message after.
 - Each connection decodes at most ``FRAMES_PER_TURN`` frames (``BYTES_PER_TURN`` bytes) in
@@ -60,16 +63,21 @@ from protocol.auth import TokenTable
 from . import limits
 from .listeners import check_port_free
 from .state import (
+    AUTH_TIMEOUT,
+    HELLO_TIMEOUT,
     SERVER_BUSY,
     Close,
     Connected,
     ConnPhase,
     Disconnected,
+    DrainRequested,
     Effect,
     Log,
+    NotFound,
     Received,
     Rendezvous,
     Send,
+    ShuttingDown,
     Tick,
 )
 
@@ -83,10 +91,6 @@ logger = logging.getLogger("rdzv_server")
 
 HEARTBEAT_FRAME = encode(Heartbeat())
 
-HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
-# ... and one that said hello but has not joined (proved its token) by then. Longer: an agent
-# runs its --health-check (up to 60 s, node_agent.runner.HEALTH_CHECK_TIMEOUT) before joining.
-AUTH_TIMEOUT = 90.0
 HTTP_IDLE_TIMEOUT = 30.0  # an HTTP connection with no complete request head for this long
 BUSY_TIMEOUT = 2.0  # a connection over the caps that has not said what it speaks by then
 PREFACE_LIMIT = 64  # bytes we look at before deciding what a connection speaks
@@ -114,6 +118,7 @@ class _Connection(asyncio.Protocol):
     comes here and returns its place in the caps)."""
 
     __slots__ = (
+        "_accepted",
         "_buf",
         "_decoder",
         "_http",
@@ -157,6 +162,7 @@ class _Connection(asyncio.Protocol):
         self._ignored = 0.0
         self._ignored_at = 0.0
         self.host = ""
+        self._accepted = 0.0  # the machine's clock at the accept: the hello deadline counts from it
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -168,6 +174,8 @@ class _Connection(asyncio.Protocol):
             t.abort()
             self.transport = None
             return
+        self._accepted = svc.clock()
+        # Until its first bytes say what it speaks; then the machine holds an agent's deadline.
         self._arm(svc.hello_timeout if self.admitted else svc.busy_timeout, "hello")
 
     def data_received(self, data: bytes) -> None:
@@ -287,7 +295,7 @@ class _Connection(asyncio.Protocol):
                 return
 
     def _after(self, msg: Message) -> None:
-        """What the machine made of a message: the connection's stage, timer and frame limit;
+        """What the machine made of a message: the connection's frame limit (its stage's);
         and whether it keeps sending what changes nothing."""
         svc = self.service
         if svc.machine.unchanged and type(msg) is not Heartbeat:
@@ -302,18 +310,9 @@ class _Connection(asyncio.Protocol):
                 )
                 return
         conn = svc.machine.conns.get(self.conn_id)
-        phase = conn.phase if conn is not None else None
-        if phase is not None:
+        if conn is not None:
             assert self._decoder is not None
-            self._decoder.max_frame_size = svc._frame_limit(phase)
-        # The machine refuses (and closes) a bad hello or join. After the hello, the join must
-        # come within auth_timeout; once the connection is joined (not merely answered: a
-        # Resume may be told to Restart and stay unjoined), no limit.
-        if phase is ConnPhase.JOINED:
-            if self._timer_kind in ("hello", "auth"):
-                self._cancel_timer()
-        elif phase is ConnPhase.READY and self._timer_kind != "auth":
-            self._arm(svc.auth_timeout, "auth")
+            self._decoder.max_frame_size = svc._frame_limit(conn.phase)
 
     def _spend(self) -> bool:
         """One frame from this connection's allowance (a token bucket); False: it floods."""
@@ -392,8 +391,6 @@ class _Connection(asyncio.Protocol):
         svc = self.service
         if self.refusing:
             logger.debug("closing %s: over the connection limit, and it said nothing", self.peer)
-        elif kind == "auth":
-            logger.warning("closing %s: no join within %g s of its hello", self.peer, svc.auth_timeout)
         elif kind == "http":
             logger.warning(
                 "closing %s: no complete HTTP request within %g s (an idle keep-alive, or a "
@@ -492,6 +489,9 @@ class RendezvousService:
         listeners: int = 1,
         raise_fd_limit: bool | None = None,
         http_idle_timeout: float = HTTP_IDLE_TIMEOUT,
+        http_access: Access | None = None,
+        state_log: StateLog | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         """``max_connections``/``max_per_address``: None fits them under the open-files limit
         (``limits.py``), which ``start`` first raises to the hard limit when
@@ -519,12 +519,12 @@ class RendezvousService:
         self._watchdog: asyncio.TimerHandle | None = None
         self._watch_due = 0.0
         self._stall_total = 0.0
-        self.machine = Rendezvous(tokens)
+        self.machine = Rendezvous(tokens, hello_timeout=hello_timeout, auth_timeout=auth_timeout)
         self.tokens = tokens
         self.clock = clock
         self.max_frame_size = max_frame_size
         self.http_enabled = http
-        self.http_access: Access | None = None  # the HTTP API's read token and Host names (cli)
+        self.http_access = http_access  # the HTTP API's read token and Host names
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
         self._http_runner: web.AppRunner | None = None
         self._servers: list[asyncio.Server] = []
@@ -536,7 +536,9 @@ class RendezvousService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._change_waiters: list[asyncio.Future[None]] = []  # woken after each machine step
-        self._durable_init(None)
+        # Called when the state log cannot be written: the server stops serving.
+        self.on_fatal: Callable[[str], None] | None = on_fatal
+        self._durable_init(state_log)
 
     def _durable_init(self, state_log: StateLog | None) -> None:
         # With a state log, the effects of the events handled in one turn of the loop wait
@@ -546,16 +548,14 @@ class RendezvousService:
         self._flush_soon = False
         self._inflight: asyncio.Future[None] | None = None  # the fsync of the batch being committed
         self._gone = False  # told the agents we are going away: the machine takes no more events
-        self.on_fatal: Callable[[str], None] | None = None  # the state log cannot be written
         if state_log is not None:
             self.machine = state_log.machine
+            # The restored machine holds no unjoined connection yet; it times ours from now.
+            self.machine.hello_timeout = self.hello_timeout
+            self.machine.auth_timeout = self.auth_timeout
             self.clock = state_log.clock
             # Restored members hold the old process's connection ids (AWAY): never reuse one.
             self._next_id = max(self.machine.conns, default=0)
-
-    def use_state_log(self, state_log: StateLog) -> None:
-        """Serve the machine restored from ``state_log`` and log every change to it (before start)."""
-        self._durable_init(state_log)
 
     def arm_timer(self) -> None:
         """Deliver the restored machine's next deadline (its resume window) even if nobody calls."""
@@ -719,8 +719,9 @@ class RendezvousService:
         self._conns[conn.conn_id] = conn
         self._idle.clear()
         conn._magic_due = True
+        conn._cancel_timer()  # the hello deadline is the machine's from now on
         challenge = os.urandom(16).hex() if self.tokens is not None else ""
-        self._dispatch(Connected(conn.conn_id, conn.peer, challenge))
+        self._dispatch(Connected(conn.conn_id, conn.peer, challenge, since=conn._accepted))
 
     def _agent_disconnected(self, conn: _Connection, reason: str) -> None:
         if self._conns.pop(conn.conn_id, None) is not None:
@@ -762,16 +763,16 @@ class RendezvousService:
     def drain(self, job_id: str, node_id: str, reason: str = "") -> None:
         """Ask one node to leave its job cleanly; KeyError names what does not exist."""
         now = self.clock()
-        effects = self.machine.drain(job_id, node_id, reason, now)
+        event = DrainRequested(job_id, node_id, reason)
+        effects = self.machine.handle(event, now)
+        missing = next((e for e in effects if isinstance(e, NotFound)), None)
+        if missing is not None:
+            raise KeyError(missing.text)
         if self.state_log is not None:
-            self.state_log.append({"k": "drain", "job": job_id, "node": node_id, "why": reason}, now)
+            self.state_log.record(event, effects, now)
         self._carry_out(effects)
         self._schedule()
-        if self._change_waiters:
-            waiters, self._change_waiters = self._change_waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+        self._wake_waiters()
 
     async def go_away(self, reason: str, grace: float = 5.0) -> None:
         """SIGTERM's policy: stop taking connections and joins, flush, tell the agents, close.
@@ -784,10 +785,11 @@ class RendezvousService:
         self._close_listeners()
         logger.info("draining (%s): no new connections or joins", reason)
         now = self.clock()
-        effects = self.machine.going_away(reason, now)
+        event = ShuttingDown(reason)
+        effects = self.machine.handle(event, now)
         told = sum(1 for e in effects if isinstance(e, Send))
         if self.state_log is not None:
-            self.state_log.append({"k": "going_away", "why": reason}, now)
+            self.state_log.record(event, effects, now)
             await self._commit_all()
             try:
                 # The next server on this dir (an upgrade, say) then loads the state as it is,
@@ -836,7 +838,16 @@ class RendezvousService:
             self.state_log.record(event, effects, now)
         self._carry_out(effects)
         self._schedule()
+        self._wake_waiters()
         return True
+
+    def _wake_waiters(self) -> None:
+        """After each machine step: whoever waits for a change (wait_job_gone) looks again."""
+        if self._change_waiters:
+            waiters, self._change_waiters = self._change_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _carry_out(self, effects: list[Effect]) -> None:
         """Now, or with a state log once the batch's records are durable."""

@@ -9,7 +9,10 @@ The same machine is what the state log replays after a crash (``journal.py``) an
 etcd backend's agents replicate (``node_agent/rdzv/etcd.py``).
 
 Where things are. ``Rendezvous.handle(event, now) -> effects`` is the one entry point; this
-file routes events and holds the connection handshake. The rest, by concern:
+file routes events and holds the connection handshake and its deadlines. Every input is an
+event, an operator's drain (:class:`DrainRequested`), a shutdown (:class:`ShuttingDown`) and a
+restart from the state log (:class:`Restarted`) too, so the state log replays exactly what
+``handle`` was given. The rest, by concern:
 
 - ``events.py``: the events and effects (re-exported here);
 - ``rounds.py``: **the rendezvous rules**: joining, rounds and ranks, failures and restarts,
@@ -33,6 +36,14 @@ node of one job (``JOINED``) until it leaves, drops, or goes silent for longer t
 heartbeat timeout (the sweep, on :class:`Tick`). A heartbeat is the one input that never
 reaches ``handle`` (nor the state log): :meth:`Rendezvous.heartbeat` is its fast path.
 
+Handshake deadlines. A connection must say hello within ``hello_timeout`` of its accept
+(``Connected.since``), and join within ``auth_timeout`` of its hello; heartbeats and frames
+that never complete buy no time. Each deadline is state of its ``Conn``, kept in a heap that
+``next_deadline`` reads, and a :class:`Tick` closes the late ones. Like the heartbeat sweep
+they are off with ``expire_silent=False`` (the state log's replay gets the closes from the
+logged Tick; etcd replicas have no sockets). Before its first bytes are routed (our protocol,
+or HTTP), a socket is the service's alone, and so is that deadline.
+
 Bounds. Whatever peers send, a job keeps at most its first failure, the last FAILURES_KEPT and
 a count, HISTORY_LEN history lines of HISTORY_TEXT_LEN characters, MAX_EXCLUDED exclusions,
 min(max_nodes, MAX_SPARES) spares and ENTRYPOINT_KEPT characters of entrypoint; a server holds
@@ -43,7 +54,9 @@ reply is built before the state it reports changes; should a peer's event still 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from dataclasses import replace
 
 from protocol import (
     Drain,
@@ -66,7 +79,21 @@ from protocol.auth import TokenTable, verify
 from protocol.messages import clip_text
 
 from . import history as said
-from .events import Close, Connected, Disconnected, Effect, Event, Log, Received, Send, Tick
+from .events import (
+    Close,
+    Connected,
+    Disconnected,
+    DrainRequested,
+    Effect,
+    Event,
+    Log,
+    NotFound,
+    Received,
+    Restarted,
+    Send,
+    ShuttingDown,
+    Tick,
+)
 from .history import (
     HISTORY_LEN,
     HISTORY_TEXT_LEN,
@@ -92,6 +119,7 @@ from .jobs import (
     MAX_JOBS,
     MAX_RESTARTS,
     MAX_SPARES,
+    MEMBER_PHASES,
     PEER_TEXT_LEN,
     REASON_LEN,
     RESUME_WINDOW,
@@ -108,17 +136,23 @@ from .jobs import (
 from .recovery import Recovery
 
 SOFTWARE = "rdzv-server/0.1"
+HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
+# ... and one that said hello but has not joined (proved its token) by then. Longer: an agent
+# runs its --health-check (up to 60 s, node_agent.runner.HEALTH_CHECK_TIMEOUT) before joining.
+AUTH_TIMEOUT = 90.0
 # The Error code of a join refused while ``Rendezvous.refuse_joins`` is set.
 SERVER_BUSY = "server_busy"
 
 # What ``from rdzv_server.state import ...`` has always given (the machine, its events and
 # effects, its state and bounds), wherever it now lives.
 __all__ = [
+    "AUTH_TIMEOUT",
     "ENTRYPOINT_KEPT",
     "FAILURES_KEPT",
     "FAILURE_PATH_LEN",
     "FAILURE_TEXT_LEN",
     "FINISHED_JOBS_KEPT",
+    "HELLO_TIMEOUT",
     "HISTORY_LEN",
     "HISTORY_TEXT_LEN",
     "JOIN_LINES",
@@ -141,6 +175,7 @@ __all__ = [
     "Connected",
     "Departure",
     "Disconnected",
+    "DrainRequested",
     "Effect",
     "Event",
     "EventKind",
@@ -152,9 +187,12 @@ __all__ = [
     "Log",
     "Member",
     "MemberState",
+    "NotFound",
     "Received",
     "Rendezvous",
+    "Restarted",
     "Send",
+    "ShuttingDown",
     "Stats",
     "Tick",
     "entrypoint_key",
@@ -167,9 +205,17 @@ class Rendezvous(Recovery):
     """Every job on one server. Feed it events; carry out what it returns."""
 
     def __init__(
-        self, tokens: TokenTable | None = None, *, expire_silent: bool = True, max_jobs: int = MAX_JOBS
+        self,
+        tokens: TokenTable | None = None,
+        *,
+        expire_silent: bool = True,
+        max_jobs: int = MAX_JOBS,
+        hello_timeout: float = HELLO_TIMEOUT,
+        auth_timeout: float = AUTH_TIMEOUT,
     ) -> None:
         self.tokens = tokens  # None: no authentication (the server says so at start)
+        self.hello_timeout = hello_timeout
+        self.auth_timeout = auth_timeout
         self.max_jobs = max_jobs  # jobs held at once (ended ones still held count too)
         # False when something else tells us who is alive (etcd leases): heartbeats are
         # then not delivered, and silence means nothing.
@@ -180,6 +226,9 @@ class Rendezvous(Recovery):
         # Jobs that ended and were forgotten, newest last, for the status API.
         self.finished_jobs: deque[Job] = deque(maxlen=FINISHED_JOBS_KEPT)
         self._next_sweep: float | None = None
+        # (deadline, conn id) of each handshake deadline set; an entry whose conn is gone or
+        # has another deadline now is stale, and is skipped when it comes up.
+        self._handshake_due: list[tuple[float, int]] = []
         # After a restart from the state log: when members still AWAY are treated as lost.
         self.resume_deadline: float | None = None
         self.draining = False  # the server is going away: no joins
@@ -204,13 +253,20 @@ class Rendezvous(Recovery):
             elif isinstance(event, Connected):
                 if event.conn in self.conns:
                     raise LocalError(f"connection {event.conn} connected twice")
-                self.conns[event.conn] = Conn(
-                    id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge
-                )
+                conn = Conn(id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge)
+                self.conns[event.conn] = conn
+                start = now if event.since is None else min(event.since, now)
+                self._set_deadline(conn, start + self.hello_timeout)
             elif isinstance(event, Disconnected):
                 self._drop(event.conn, Departure.LOST, event.reason, now, out, close=False)
             elif isinstance(event, Tick):
                 self._on_tick(now, out)
+            elif isinstance(event, DrainRequested):
+                self._drain(event, now, out)
+            elif isinstance(event, ShuttingDown):
+                self._going_away(event.reason, now, out)
+            elif isinstance(event, Restarted):
+                self._recover(now, out)
             else:
                 raise LocalError(f"unknown event {event!r}")
         except Exception as exc:
@@ -275,34 +331,59 @@ class Rendezvous(Recovery):
             deadlines.append(self._next_sweep)
         if self.resume_deadline is not None:
             deadlines.append(self.resume_deadline)
+        due = self._handshake_due
+        while due and self._stale(*due[0]):
+            heapq.heappop(due)  # bookkeeping only: a stale entry would wake the caller for nothing
+        if due:
+            deadlines.append(due[0][0])
         return min(deadlines) if deadlines else None
 
+    # The operator's and the server's own inputs, as calls; each is an event for ``handle``
+    # (so the state log replays it), and these only build it. A missing job or node: KeyError.
+
+    def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
+        """``handle(DrainRequested(...))``; KeyError (its text) where it answers NotFound."""
+        out = self.handle(DrainRequested(job_id, node_id, reason), now)
+        missing = next((e for e in out if isinstance(e, NotFound)), None)
+        if missing is not None:
+            raise KeyError(missing.text)
+        return out
+
     def going_away(self, reason: str, now: float) -> list[Effect]:
+        """``handle(ShuttingDown(reason))``."""
+        return self.handle(ShuttingDown(reason), now)
+
+    def recover(self, now: float) -> list[Effect]:
+        """``handle(Restarted())``."""
+        return self.handle(Restarted(), now)
+
+    # -- the operator's and the server's own events ----------------------------------------
+
+    def _going_away(self, reason: str, now: float, out: list[Effect]) -> None:
         """The server is shutting down: refuse joins, and tell every agent to reconnect later."""
         self.draining = True
         reason = clip_text(reason, PEER_TEXT_LEN)
         msg = GoingAway(reason=reason)
-        out: list[Effect] = [
+        out.extend(
             Send(c.id, msg) for c in self.conns.values() if c.phase in (ConnPhase.READY, ConnPhase.JOINED)
-        ]
+        )
         for job in self.jobs.values():
             said.note(job, said.server_going_away(now, reason), out)
-        return out
 
-    def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
+    def _drain(self, event: DrainRequested, now: float, out: list[Effect]) -> None:
         """An operator asks a node to leave cleanly (its agent stops its workers, then leaves)."""
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise KeyError(f"no job {job_id!r}")
-        member = job.members.get(node_id) or job.spares.get(node_id)
-        if member is None:
-            raise KeyError(f"job {job_id!r} has no node {node_id!r}")
-        out: list[Effect] = []
-        reason = clip_text(reason, PEER_TEXT_LEN)  # any length may come in over HTTP
-        drain = Drain(reason=reason)
-        said.note(job, said.drain_asked(now, node_id, reason), out)
-        out.append(Send(member.conn, drain))
-        return out
+        job = self.jobs.get(event.job_id)
+        member = None if job is None else job.members.get(event.node_id) or job.spares.get(event.node_id)
+        if job is None or member is None:
+            what = (
+                f"no job {event.job_id!r}" if job is None else f"job {job.id!r} has no node {event.node_id!r}"
+            )
+            out.append(NotFound(what))
+            self.unchanged = True  # nothing for the state log
+            return
+        reason = clip_text(event.reason, PEER_TEXT_LEN)  # any length may come in over HTTP
+        said.note(job, said.drain_asked(now, event.node_id, reason), out)
+        out.append(Send(member.conn, Drain(reason=reason)))
 
     # -- routing and the handshake ---------------------------------------------------------
 
@@ -321,6 +402,7 @@ class Rendezvous(Recovery):
                 self._refuse(conn, exc.code, str(exc), now, out)
                 return
             conn.phase = ConnPhase.READY
+            self._set_deadline(conn, now + self.auth_timeout)
             challenge = conn.challenge if self.tokens is not None else ""
             out.append(Send(conn.id, Welcome(version=version, software=SOFTWARE, challenge=challenge)))
             return
@@ -337,13 +419,15 @@ class Rendezvous(Recovery):
             if isinstance(msg, Join | Resume):
                 problem = self._authenticate(conn, msg.join if isinstance(msg, Resume) else msg)
                 if problem is not None:
-                    self._refuse(conn, "auth_failed", problem, now, out)
+                    self._refuse_by_config(conn, "auth_failed", problem, now, out)
                 elif isinstance(msg, Join) and self.refuse_joins and not self._coming_back(msg):
-                    self._refuse(conn, SERVER_BUSY, self.refuse_joins, now, out)
+                    self._refuse_by_config(conn, SERVER_BUSY, self.refuse_joins, now, out)
                 elif isinstance(msg, Join):
                     self._on_join(conn, msg, now, out)
                 else:
                     self._on_resume(conn, msg, now, out)
+                if conn.phase in MEMBER_PHASES:  # (mypy narrowed phase to READY above)
+                    conn.deadline = None  # a member: the heartbeat sweep watches it from now on
             elif isinstance(msg, Leave):
                 out.append(Send(conn.id, Left(job_continues=False, reason="this node had not joined a job")))
                 self._drop(conn.id, Departure.LEFT, "left before joining", now, out, close=True)
@@ -364,6 +448,16 @@ class Rendezvous(Recovery):
         else:
             self._refuse(conn, "unexpected_message", f"{msg.TYPE} is not expected from an agent", now, out)
 
+    def _refuse_by_config(self, conn: Conn, code: str, message: str, now: float, out: list[Effect]) -> None:
+        """``_refuse``, for what the server is configured with (tokens, free disk) rather than
+        for job state: its Close says so, and the state log keeps it as that disconnection."""
+        start = len(out)
+        self._refuse(conn, code, message, now, out)
+        for i in range(start, len(out)):
+            eff = out[i]
+            if isinstance(eff, Close) and eff.conn == conn.id:
+                out[i] = replace(eff, by_config=True)
+
     def _authenticate(self, conn: Conn, join: Join) -> str | None:
         """Why this join may not enter its job, or None. The token itself never travels."""
         if self.tokens is None:
@@ -381,7 +475,41 @@ class Rendezvous(Recovery):
 
     # -- time ------------------------------------------------------------------------------
 
+    def _set_deadline(self, conn: Conn, at: float) -> None:
+        """``conn`` must reach its next handshake stage by ``at`` (not when replaying)."""
+        if not self.expire_silent:
+            return
+        conn.deadline = at
+        due = self._handshake_due
+        heapq.heappush(due, (at, conn.id))
+        if len(due) > 64 + 2 * len(self.conns):
+            # Mostly stale (connections that joined or went): keep the heap the size of the live ones.
+            self._handshake_due = due = [
+                (c.deadline, c.id) for c in self.conns.values() if c.deadline is not None
+            ]
+            heapq.heapify(due)
+
+    def _stale(self, at: float, conn_id: int) -> bool:
+        conn = self.conns.get(conn_id)
+        return conn is None or conn.deadline != at
+
+    def _close_late(self, now: float, out: list[Effect]) -> None:
+        """Close the connections past their hello or join deadline (the texts operators grep)."""
+        due = self._handshake_due
+        while due and due[0][0] <= now:
+            at, conn_id = heapq.heappop(due)
+            conn = self.conns.get(conn_id)
+            if conn is None or conn.deadline != at:
+                continue
+            if conn.phase is ConnPhase.HELLO:
+                why = f"no hello within {self.hello_timeout:g} s"
+            else:
+                why = f"no join within {self.auth_timeout:g} s of its hello"
+            out.append(Log("warning", escape(clip_text(f"closing {conn.peer}: {why}", LOG_TEXT_LEN))))
+            self._drop(conn_id, Departure.LOST, why, now, out, close=True)
+
     def _on_tick(self, now: float, out: list[Effect]) -> None:
+        self._close_late(now, out)
         for job in list(self.jobs.values()):
             if job.joins_unlogged and now >= job.join_window_end:
                 said.log_unlogged_joins(job, out)

@@ -105,7 +105,7 @@ def encode_entry(entry: Entry) -> bytes:
 def decode_entry(data: bytes) -> Entry:
     try:
         raw = msgpack.unpackb(data, raw=False)
-    except Exception as exc:
+    except Exception as exc:  # on purpose: msgpack fails in many ways (ValueError, ExtraData, RecursionError)
         raise BadLogEntry(f"not msgpack ({type(exc).__name__})") from None
     if not isinstance(raw, dict) or raw.get("v") != ENTRY_VERSION:
         version = raw.get("v") if isinstance(raw, dict) else None
@@ -206,13 +206,23 @@ class EtcdBackend:
     # resumed by a secret (any agent may write any entry).
     shares_joins = True
 
-    def __init__(self, config: AgentConfig, *, log: Callable[..., None], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        log: Callable[..., None],
+        clock: Callable[[], float],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
         self.log = log
-        self.clock = clock
+        self.clock = clock  # the agent's monotonic clock: the join deadline
+        self.wall = wall  # the time our log entries carry (see the module header)
 
     async def connect(self, deadline: float) -> EtcdConnection:
-        return await EtcdConnection.open(self.config, deadline=deadline, log=self.log, clock=self.clock)
+        return await EtcdConnection.open(
+            self.config, deadline=deadline, log=self.log, clock=self.clock, wall=self.wall
+        )
 
     async def close(self, *, linger: bool) -> None:
         return None
@@ -224,9 +234,17 @@ class EtcdConnection:
     challenge = ""  # etcd's own auth and TLS protect the store; there is no server nonce
 
     def __init__(
-        self, client: EtcdClient, prefix: bytes, lease: int, ttl: int, local_ip: str, log: Callable[..., None]
+        self,
+        client: EtcdClient,
+        prefix: bytes,
+        lease: int,
+        ttl: int,
+        local_ip: str,
+        log: Callable[..., None],
+        wall: Callable[[], float],
     ) -> None:
         self.client = client
+        self.wall = wall  # the proposer's clock our entries carry, and our ticks wait on
         self.prefix = prefix
         self.lease = lease
         self.ttl = ttl
@@ -261,7 +279,8 @@ class EtcdConnection:
         *,
         deadline: float,
         log: Callable[..., None],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
     ) -> EtcdConnection:
         url = etcd_url(config)
         client = EtcdClient(url, ssl_context=etcd_ssl_context(config))
@@ -273,7 +292,8 @@ class EtcdConnection:
             raise
         base = config.rdzv_conf.extra.get("etcd_prefix", DEFAULT_ETCD_PREFIX).rstrip("/")
         prefix = f"{base}/{config.rdzv_id}/".encode()
-        conn = cls(client, prefix, lease, ttl, _local_ip_towards(config.rdzv_host, config.rdzv_port), log)
+        local_ip = _local_ip_towards(config.rdzv_host, config.rdzv_port)
+        conn = cls(client, prefix, lease, ttl, local_ip, log, wall)
         try:
             await conn._start(deadline, clock)
         except BaseException:
@@ -298,7 +318,7 @@ class EtcdConnection:
             asyncio.create_task(self._watch_loop()),
             asyncio.create_task(self._keepalive_loop()),
         ]
-        now = time.time()
+        now = self.wall()
         self._append(Entry(CONNECTED, now, self.lease, peer=self.local_ip))
         self._append(
             Entry(RECEIVED, now, self.lease, msg=Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE))
@@ -353,7 +373,7 @@ class EtcdConnection:
     def send(self, msg: Message) -> None:
         if self._closed or isinstance(msg, Heartbeat):
             return  # liveness is the lease, refreshed by _keepalive_loop
-        self._append(Entry(RECEIVED, time.time(), self.lease, msg=msg))
+        self._append(Entry(RECEIVED, self.wall(), self.lease, msg=msg))
 
     async def receive(self) -> Message:
         item = await self._inbox.get()
@@ -374,9 +394,17 @@ class EtcdConnection:
         tasks = [t for t in [*self._tasks, self._tick_task] if t is not None]
         for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                # A bug of ours in a background task (the watch re-raises one after telling the
+                # agent): its traceback is said here, where the link ends, not lost with it.
+                import traceback
+
+                tb = "".join(traceback.format_exception(exc)).rstrip()
+                self._log(f"internal error in the etcd backend: {exc!r} (a bug in node-agent)\n{tb}", "error")
         with contextlib.suppress(EtcdUnavailable, EtcdError):
             await self.client.revoke(self.lease)
         await self.client.close()
@@ -388,7 +416,7 @@ class EtcdConnection:
 
     def _propose_disconnect(self, conn_id: int, reason: str) -> None:
         self._append(
-            Entry(DISCONNECTED, time.time(), conn_id, reason=reason), guard=self._key("gone", str(conn_id))
+            Entry(DISCONNECTED, self.wall(), conn_id, reason=reason), guard=self._key("gone", str(conn_id))
         )
 
     async def _append_loop(self) -> None:
@@ -489,10 +517,10 @@ class EtcdConnection:
             self._tick_task = asyncio.create_task(self._tick_when_due(deadline))
 
     async def _tick_when_due(self, deadline: float) -> None:
-        await asyncio.sleep(max(0.0, deadline - time.time()))
+        await asyncio.sleep(max(0.0, deadline - self.wall()))
         # Whoever of the agents gets here first logs the tick; the guard stops the others.
         self._append(
-            Entry(TICK, max(time.time(), deadline), self.lease),
+            Entry(TICK, max(self.wall(), deadline), self.lease),
             guard=self._key("tick", repr(deadline)),
             guard_lease=self.lease,
         )

@@ -128,7 +128,7 @@ class ServerBackend:
         """The TLS context, and the rendezvous we host when we are the one to (``hosting.py``)."""
         tls = None
         if config.tls_ca is not None and not config.hosts_rendezvous:
-            from protocol.tls import TLSConfigError, client_context
+            from edge.tls import TLSConfigError, client_context
 
             try:
                 tls = client_context(config.tls_ca, config.tls_cert, config.tls_key)

@@ -29,14 +29,21 @@ def test_hosting_agent_finishing_first_does_not_strand_the_other(tmp_path: Path)
     port = free_port()
     args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
     args += ("--rdzv-id", "early")
+    release = tmp_path / "release"
     host = Proc(agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "SLEEP_EXIT": "0"})
     other = None
     try:
         host.wait_for_line("this agent hosts it", timeout=30)
-        other = Proc(agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "SLEEP_EXIT": "2"})
+        other = Proc(
+            agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
+        )
+        # The host's part is done first; the other node's worker finishes only once it is.
+        host.wait_for_line(r"workers finished; waiting for the other nodes", timeout=60)
+        release.touch()
         assert other.wait(timeout=60) == 0, other.stderr
         assert host.wait(timeout=60) == 0, host.stderr
     finally:
+        release.touch()
         host.kill()
         if other is not None:
             other.kill()

@@ -192,13 +192,17 @@ def test_flaky_node_is_excluded_and_the_job_finishes_without_it(tmp_path: Path, 
         "--rdzv-conf",
         "last_call_timeout=5,exclude_after=2",
     )
-    good = Proc(agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "SLEEP_EXIT": "4"})
+    release = tmp_path / "release"
+    # The good node's workers run until the bad node is gone; then the round without it finishes.
+    good = Proc(agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)})
     bad = Proc(agent_cmd(*args, SLEEPER), env={"DUMP_DIR": str(tmp_path), "FAIL_ALWAYS": "1"})
     try:
         assert bad.wait(timeout=60) == 1
         assert "excluded" in bad.stderr and "failed 2 times" in bad.stderr
+        release.touch()
         assert good.wait(timeout=60) == 0, good.stderr
     finally:
+        release.touch()
         good.kill()
         bad.kill()
     rdzv.server_logs(r"job flaky-c10d: node .* excluded", timeout=5)

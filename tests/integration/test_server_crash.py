@@ -37,7 +37,9 @@ def test_server_killed_and_restarted_without_state_agents_rebuild_the_round(tmp_
         "--rdzv-id",
         "crash",
     )
-    env = {"DUMP_DIR": str(tmp_path), "SLEEP_EXIT": "8"}
+    release = tmp_path / "release"
+    # The workers run through the crash and the rebuild, and finish once the test has seen both.
+    env = {"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
     agents = [Proc(agent_cmd(*args, SLEEPER), env=env) for _ in range(2)]
     again = None
     try:
@@ -56,11 +58,13 @@ def test_server_killed_and_restarted_without_state_agents_rebuild_the_round(tmp_
             raise AssertionError(f"{exc}\nagents:\n" + "\n---\n".join(a.stderr for a in agents)) from None
         for a in agents:
             a.wait_for_line(r"resumed round 0 \(rebuilt by the server", timeout=30)
+        release.touch()
         for a in agents:
             assert a.wait(timeout=60) == 0, a.stderr
         assert started(tmp_path) == before  # nothing was restarted
         again.wait_for_line(r"job crash: finished", timeout=10)
     finally:
+        release.touch()
         for a in agents:
             a.kill()
         srv.kill()

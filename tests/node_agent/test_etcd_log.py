@@ -12,6 +12,7 @@ from node_agent.rdzv.etcd import (
     TICK,
     BadLogEntry,
     Entry,
+    EtcdConnection,
     Replica,
     decode_entry,
     encode_entry,
@@ -135,3 +136,33 @@ def test_silence_is_not_a_departure_when_leases_keep_liveness() -> None:
 )
 def test_prefix_end_covers_exactly_the_prefix(prefix: bytes, end: bytes) -> None:
     assert prefix_end(prefix) == end
+
+
+def test_a_connections_entries_and_ticks_carry_its_injected_wall_clock() -> None:
+    """No entry reads the host's clock by itself: replicas agree on the proposers' stated time."""
+    import asyncio
+
+    from node_agent.rdzv.etcd_client import EtcdClient
+
+    async def scenario() -> list[tuple[Entry, bytes | None]]:
+        conn = EtcdConnection(
+            EtcdClient("http://etcd.invalid:2379"),
+            b"p/job/",
+            A,
+            10,
+            "10.0.0.1",
+            lambda *a: None,
+            lambda: 1234.5,
+        )
+        conn.send(join("n1"))
+        await conn._tick_when_due(1000.0)  # due long ago on this clock: at once, stamped with it
+        out = []
+        while not conn._outbox.empty():
+            entry, guard, _ = conn._outbox.get_nowait()
+            out.append((entry, guard))
+        await conn.client.close()
+        return out
+
+    (sent, _), (tick, guard) = asyncio.run(scenario())
+    assert (sent.kind, sent.now) == (RECEIVED, 1234.5)
+    assert (tick.kind, tick.now, guard) == (TICK, 1234.5, b"p/job/tick/1000.0")

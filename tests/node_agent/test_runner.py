@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -212,3 +213,26 @@ def test_a_lost_link_is_opened_again_and_the_round_resumes_without_a_restart(tmp
     assert outcome.code == st.EXIT_OK, outcome.reason
     assert isinstance(agent.backend, FakeBackend) and len(agent.backend.opened) == 2
     assert starts.read_text() == "started\n"  # the workers ran on: nothing restarted
+
+
+@pytest.mark.parametrize("nnodes", ["1", "1:2"])  # fixed-size: SIGTERM ends the run; elastic: a drain
+def test_a_sigterm_during_a_long_health_check_ends_the_agent_at_once(tmp_path: Path, nnodes: str) -> None:
+    pidfile = tmp_path / "check.pid"
+    check = f"echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile} && exec sleep 600"
+    cfg = agent_config(tmp_path, "print('never')\n", f"--nnodes={nnodes}", f"--health-check={check}")
+
+    async def scenario() -> tuple[AgentOutcome, Agent]:
+        hub = FakeRendezvous()
+        agent, run, _ = start(cfg, hub)
+        # The check runs (another process: no event to await); the agent's handlers are in place.
+        await hub.wait_until(pidfile.exists, what="the health check to start", timeout=30)
+        os.kill(os.getpid(), signal.SIGTERM)
+        # Far less than the check's own 60 s limit: the signal does not wait for the check.
+        return await asyncio.wait_for(run, 30), agent
+
+    outcome, agent = asyncio.run(scenario())
+    assert outcome.code == st.EXIT_FAILED
+    assert "received SIGTERM" in outcome.reason
+    assert not sent(agent, Join)  # the check never passed: this node never joined
+    with pytest.raises(ProcessLookupError):  # the check's process was killed (and reaped)
+        os.kill(int(pidfile.read_text()), 0)

@@ -393,12 +393,44 @@ def test_a_spare_told_the_job_failed_exits_nonzero_with_the_jobs_reason() -> Non
 
 
 def test_failed_health_check_never_joins() -> None:
-    m = st.AgentMachine(settings())
-    m.start(0.0)
-    eff = m.handle(st.HealthCheckFailed("gpu 3 is missing"), 0.1)
+    m = st.AgentMachine(settings(health_check=True))
+    assert kinds(m.start(0.0)) == [st.RunHealthCheck]
+    eff = m.handle(st.HealthCheckDone(ok=False, detail="gpu 3 is missing"), 0.1)
     assert kinds(eff) == [st.Send, st.Exit]
     ex = eff[-1]
     assert isinstance(ex, st.Exit) and ex.code != 0 and "gpu 3 is missing" in ex.reason
+
+
+def test_the_join_waits_for_the_health_check_once_per_round() -> None:
+    m = st.AgentMachine(settings(health_check=True, reconnect_timeout=30.0))
+    assert kinds(m.start(0.0)) == [st.RunHealthCheck]
+    assert kinds(m.handle(st.HealthCheckDone(ok=True), 1.0)) == [st.SendJoin]
+    # A reconnect while joining joins again without checking again ...
+    m.handle(st.ConnectionLost("reset"), 1.5)
+    assert kinds(m.handle(st.Reconnected(), 1.6)) == [st.SendJoin]
+    m.handle(st.ServerSent(assignment()), 2.0)
+    m.handle(st.WorkersStarted((11,)), 2.1)
+    # ... but the next round's join is checked again, once the workers are down.
+    m.handle(st.ServerSent(Restart(round=0, reason="node n2 left", restart_count=1)), 3.0)
+    assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.RunHealthCheck]
+    assert kinds(m.handle(st.HealthCheckDone(ok=True), 4.0)) == [st.SendJoin]
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_sigterm_during_the_health_check_is_handled_at_once(elastic: bool) -> None:
+    m = st.AgentMachine(settings(health_check=True, elastic=elastic))
+    m.start(0.0)
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
+    (leave,) = [e for e in eff if isinstance(e, st.Send)]
+    assert isinstance(leave.msg, Leave)
+    if elastic:
+        # A drain: the server answers a Leave before any Join at once, and nothing goes on.
+        assert m.phase is st.Phase.LEAVING
+        eff = m.handle(st.ServerSent(Left(job_continues=False, reason="this node had not joined a job")), 1.1)
+    (ex,) = [e for e in eff if isinstance(e, st.Exit)]
+    assert ex.code == st.EXIT_FAILED and "SIGTERM" in ex.reason
+    # The check finishing afterwards joins nothing.
+    assert m.handle(st.HealthCheckDone(ok=True), 2.0) == []
 
 
 def test_first_reason_to_exit_wins_over_the_connection_closing() -> None:

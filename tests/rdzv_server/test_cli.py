@@ -7,23 +7,19 @@ import json
 import re
 import signal
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 
+import aiohttp
 import pytest
 
 from protocol import Assignment, Drain, Restart
 from protocol.auth import TokenTable
-from rdzv_server.cli import (
-    EXIT_ERROR,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_USAGE,
-    CommandError,
-    SafeFormatter,
-    base_url,
-)
+from rdzv_server.cli import EXIT_ERROR, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, main
+from rdzv_server.daemon import SafeFormatter
 from rdzv_server.http_app import Access
+from rdzv_server.ops_client import CommandError, base_url
 from rdzv_server.service import RendezvousService
 
 from .test_http import FakeAgent, Watch, running_job
@@ -59,10 +55,10 @@ async def server():
     await svc.close()
 
 
-async def serving_process() -> tuple[asyncio.subprocess.Process, int]:
-    """``rdzv-server --host 127.0.0.1 --port 0`` as a real process, once it logs its port."""
+async def serving_process(*flags: str) -> tuple[asyncio.subprocess.Process, int]:
+    """``rdzv-server --host 127.0.0.1 --port 0 [flags]`` as a real process, once it logs its port."""
     p = await asyncio.create_subprocess_exec(
-        *CLI, "--host", "127.0.0.1", "--port", "0", stderr=asyncio.subprocess.PIPE
+        *CLI, "--host", "127.0.0.1", "--port", "0", *flags, stderr=asyncio.subprocess.PIPE
     )
     assert p.stderr is not None
     try:
@@ -210,8 +206,9 @@ async def test_drain_with_tokens_sends_the_jobs_token_from_the_token_file(tmp_pa
 
 
 async def test_status_with_tokens_sends_the_jobs_token_or_the_read_token(tmp_path) -> None:
-    svc = RendezvousService(http=True, tokens=TokenTable(per_job={"j": "j-secret"}))
-    svc.http_access = Access(read_token="reader")  # type: ignore[attr-defined]
+    svc = RendezvousService(
+        http=True, tokens=TokenTable(per_job={"j": "j-secret"}), http_access=Access(read_token="reader")
+    )
     port = await svc.start("127.0.0.1", 0)
     try:
         base = ("status", "--endpoint", f"127.0.0.1:{port}")
@@ -283,3 +280,61 @@ async def test_serving_is_still_the_default_and_answers_status() -> None:
         if p.returncode is None:
             p.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(p.wait(), 20) == EXIT_OK
+
+
+async def test_every_serving_flag_reaches_the_server(tmp_path) -> None:
+    """Tokens, the read token and the Host names go from the command line to the service that
+    serves (``ServerConfig``, given at construction), as an operator sees them."""
+    tokens, reader = tmp_path / "tokens", tmp_path / "reader"
+    tokens.write_text("j j-secret\n")
+    reader.write_text("reader\n")
+    p, port = await serving_process(
+        "--token-file", str(tokens), "--read-token-file", str(reader), "--http-host", "rdzv.example"
+    )
+    try:
+        endpoint = f"127.0.0.1:{port}"
+        r = await run("status", "--endpoint", endpoint, "--job", "j")
+        assert r.rc == EXIT_ERROR and "HTTP 401" in r.err, r  # tokens are on
+        r = await run("status", "--endpoint", endpoint, "--job", "j", "--read-token-file", str(reader))
+        assert r.rc == EXIT_NOT_FOUND and "no job 'j'" in r.err, r  # the read token lets it in
+        async with aiohttp.ClientSession(f"http://{endpoint}") as http:
+            async with http.get("/v1/jobs", headers={"Host": "rdzv.example"}) as resp:
+                assert resp.status == 200
+            async with http.get("/v1/jobs", headers={"Host": "other.example"}) as resp:
+                assert resp.status == 421
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(p.wait(), 20) == EXIT_OK
+    assert p.stderr is not None
+    log = (await p.stderr.read()).decode()
+    assert "stopped" in log and "no token" not in log
+
+
+def test_status_and_drain_never_load_the_server() -> None:
+    # They start fast: neither the HTTP server's aiohttp, nor asyncio, nor the machine.
+    code = (
+        "import sys, rdzv_server.cli, rdzv_server.ops_client\n"
+        "heavy = ('aiohttp', 'asyncio', 'msgpack', 'rdzv_server.service', 'rdzv_server.daemon')\n"
+        "print([m for m in heavy if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_client_certificate_without_the_ca_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same words as an agent's (edge/tls.py), naming where each file was given.
+    for var in ("RDZV_TLS_CA", "RDZV_TLS_CERT", "RDZV_TLS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RDZV_TLS_KEY", "k.pem")
+    assert main(["status", "--tls-cert", "c.pem"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "rdzv-server status: error: --tls-cert and RDZV_TLS_KEY: "
+        "a client certificate needs --tls-ca (the CA of the server)"
+    )
+    assert (
+        main(["drain", "--job", "j", "--node", "n", "--tls-ca", "ca.pem", "--tls-key", "k.pem"]) == EXIT_USAGE
+    )
+    assert "go together" in capsys.readouterr().err

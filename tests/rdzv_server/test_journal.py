@@ -18,7 +18,19 @@ from protocol import Assignment, Heartbeat, Leave, WorkersFailed, WorkersSucceed
 from protocol.auth import TokenTable
 from rdzv_server import journal, snapshot
 from rdzv_server.journal import FILE_HEADER, LOG_NAME, StateLog, StateLogError, apply_record, event_record
-from rdzv_server.state import Effect, Event, Rendezvous
+from rdzv_server.state import (
+    Connected,
+    Disconnected,
+    DrainRequested,
+    Effect,
+    Event,
+    NotFound,
+    Received,
+    Rendezvous,
+    Restarted,
+    ShuttingDown,
+    Tick,
+)
 
 from .harness import Harness, failure
 
@@ -40,11 +52,6 @@ class Recording(Rendezvous):
         rec = event_record(event, effects, unchanged=self.unchanged)  # as StateLog.record does
         if rec is not None:
             self._keep(rec, now)
-        return effects
-
-    def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
-        effects = super().drain(job_id, node_id, reason, now)
-        self._keep({"k": "drain", "job": job_id, "node": node_id, "why": reason}, now)
         return effects
 
 
@@ -465,3 +472,88 @@ def test_a_nearly_full_disk_refuses_new_nodes_and_serves_running_jobs(tmp_path: 
     c = h.join(job="other", min_nodes=1, max_nodes=1)
     assert h.last(c, Assignment) is not None
     log.close()
+
+
+# --- one entry point, one table -------------------------------------------------------------
+
+
+def test_the_operators_and_the_servers_own_inputs_are_events_logged_like_any_other() -> None:
+    h = Harness(machine=Recording())
+    busy_history(h)
+    m = h.machine
+    kinds = [r["k"] for r in m.records]
+    assert kinds.count("drain") == 1  # busy_history drains node1 once, through handle
+    h._apply(m.handle(ShuttingDown("SIGTERM"), h.now))
+    assert m.records[-1]["k"] == "going_away" and m.draining
+    assert state(replayed(m.records)) == state(m)
+
+
+def test_a_drain_of_what_does_not_exist_is_not_found_and_not_logged() -> None:
+    h = Harness(machine=Recording())
+    h.join(), h.join()
+    n = len(h.machine.records)
+    for event, text in [
+        (DrainRequested("nojob", "node1"), "no job 'nojob'"),
+        (DrainRequested("job", "nonode"), "job 'job' has no node 'nonode'"),
+    ]:
+        assert h.machine.handle(event, h.now) == [NotFound(text)]
+    assert len(h.machine.records) == n
+    with pytest.raises(KeyError, match="no job"):  # the call form, for the HTTP API's 404
+        h.machine.drain("nojob", "node1", "", h.now)
+
+
+def test_each_record_kind_reads_back_as_the_event_it_was_written_from() -> None:
+    events = [
+        Connected(3, "10.0.0.1:5"),
+        Disconnected(3, "connection lost"),
+        DrainRequested("job", "node1", "scale down"),
+        ShuttingDown("SIGTERM"),
+        Restarted(),
+    ]
+    assert {type(e) for e in events} | {Received, Tick} == {row.event for row in journal.RECORDS.values()}
+    for event in events:
+        rec = event_record(event, [])
+        assert rec is not None and journal.RECORDS[rec["k"]].read(rec) == [event]
+
+
+def test_record_kinds_of_older_servers_still_replay() -> None:
+    """Drains, shutdowns and restarts were appended as ad-hoc records before they were events;
+    a state log written then must replay to the state the events give now."""
+    h = Harness(machine=Recording())
+    a, _ = h.join(), h.join()
+    assert h.last(a, Assignment) is not None
+    old = [
+        {"k": "drain", "job": "job", "node": "node1", "why": "scale down"},
+        {"k": "drain", "job": "nojob", "node": "x", "why": ""},  # a no-op, never an error
+        {"k": "going_away", "why": "SIGTERM"},
+        {"k": "recover"},
+    ]
+    m = replayed([*h.machine.records, *({**r, "t": h.now, "w": 0.0} for r in old)])
+    for event in (DrainRequested("job", "node1", "scale down"), ShuttingDown("SIGTERM"), Restarted()):
+        h._apply(h.machine.handle(event, h.now))
+    assert state(m) == state(h.machine)
+    assert any(e.kind.value == "drain" for e in m.jobs["job"].history)
+    with pytest.raises(StateLogError, match="unknown record kind"):
+        apply_record(m, {"k": "newer", "t": 1.0, "w": 0.0})
+
+
+def test_the_state_log_reads_only_the_clocks_it_is_given(tmp_path: Path) -> None:
+    mono, wall = [100.0], [5_000.0]
+    log, _, _ = StateLog.open(tmp_path, monotonic=lambda: mono[0], wall=lambda: wall[0], fsync=False)
+    assert log.clock() == 100.0
+    h = Harness()
+    drive(log, h)
+    h.now = log.clock()
+    h.join()
+    log.compact()
+    log.close()
+    body = msgpack.unpackb(journal.scan((tmp_path / "state.snap").read_bytes(), FILE_HEADER.size).records[0])
+    assert (body["t"], body["w"]) == (100.0, 5_000.0)
+    # Restarted 60 s later (wall) on a monotonic clock that began again: the machine's clock
+    # goes on from where it was, plus the downtime.
+    mono[0], wall[0] = 7.0, 5_060.0
+    log2, _, _ = StateLog.open(tmp_path, monotonic=lambda: mono[0], wall=lambda: wall[0], fsync=False)
+    assert log2.clock() == 160.0
+    mono[0] += 2.5
+    assert log2.clock() == 162.5
+    log2.close()

@@ -169,8 +169,7 @@ async def test_going_away_ends_the_state_log_in_a_snapshot(tmp_path) -> None:
 
     state = tmp_path / "state"
     log, _, _ = StateLog.open(state)
-    svc = RendezvousService()
-    svc.use_state_log(log)
+    svc = RendezvousService(state_log=log)
     port = await svc.start("127.0.0.1", 0)
     try:
         agents = [await RawAgent.open(port) for _ in range(2)]

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from edge.tls import client_context, server_context
 from node_agent.rdzv import NotARendezvousServer, RendezvousRefused
 from node_agent.rdzv.server import Connection, TLSFailed, connect
-from protocol.tls import client_context, server_context
-from rdzv_server.cli import EXIT_USAGE, CommandError, base_url, load_server_tls, main
+from rdzv_server.cli import EXIT_USAGE, main
+from rdzv_server.config import load_server_tls
+from rdzv_server.ops_client import CommandError, base_url
 from rdzv_server.service import RendezvousService
 from tests.pki import Pki, make_pki
 

@@ -1,4 +1,4 @@
-"""protocol.tls: contexts for both ends, and a TLSConfigError that names the file at fault."""
+"""edge.tls: contexts for both ends, and a TLSConfigError that names the file at fault."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.tls import TLSConfigError, client_context, server_context
+from edge.tls import ClientFiles, TLSConfigError, client_context, client_files, server_context
 from tests.pki import OPENSSL, Pki, make_pki
 
 
@@ -78,3 +78,19 @@ def test_an_encrypted_key_is_refused_without_a_prompt(pki: Pki, tmp_path: Path) 
 
 def test_the_pki_helper_needs_only_openssl() -> None:
     assert shutil.which(OPENSSL) or Path(OPENSSL).exists()
+
+
+def test_client_files_come_from_flags_else_the_environment() -> None:
+    flags = {"ca": ("flag-ca.pem", "--tls-ca"), "cert": (None, "--tls-cert"), "key": (None, "--tls-key")}
+    env = {"RDZV_TLS_CA": "env-ca.pem", "RDZV_TLS_CERT": "c.pem", "RDZV_TLS_KEY": "k.pem"}
+    files = client_files(flags, env)
+    assert files == ClientFiles(
+        ca="flag-ca.pem", cert="c.pem", key="k.pem", origins="--tls-ca and RDZV_TLS_CERT and RDZV_TLS_KEY"
+    )
+    assert client_files({}, {}) is None and client_files(flags | {"ca": (None, "--tls-ca")}, {}) is None
+    with pytest.raises(TLSConfigError, match=r"^RDZV_TLS_CERT: a client certificate needs --tls-ca"):
+        client_files({}, {"RDZV_TLS_CERT": "c.pem"})
+    with pytest.raises(
+        TLSConfigError, match=r"^--tls-ca and RDZV_TLS_KEY: --tls-cert and --tls-key go together"
+    ):
+        client_files(flags, {"RDZV_TLS_KEY": "k.pem"})
