@@ -334,7 +334,7 @@ class AgentMachine:
     local_failures: tuple[Failure, ...] = ()
     _after_stop: AfterStop = AfterStop.NOTHING
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
-    _last_waiting: tuple[int, int, str] | None = None
+    _last_waiting: tuple[int, int, str, bool] | None = None  # joined, round, reason, spare
     _signalled: int | None = None
     _leaving: bool = False  # on our way out of the job by a Leave (a drain, or SIGTERM/SIGINT)
     _leave: Leave | None = None  # the Leave to send once the workers are down (again after a reconnect)
@@ -568,7 +568,7 @@ class AgentMachine:
             return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
             # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
-            spare = self._last_waiting is not None and "spare" in self._last_waiting[2]
+            spare = self._last_waiting is not None and self._last_waiting[3]
             how = "it waited as a spare" if spare else "it had no place in a round yet"
             note = Log(
                 "warning",
@@ -602,7 +602,7 @@ class AgentMachine:
         return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {shown(msg.message)}"))
 
     def _on_waiting(self, msg: Waiting) -> list[Effect]:
-        key = (msg.joined, msg.round, msg.reason)
+        key = (msg.joined, msg.round, msg.reason, msg.spare)
         if key == self._last_waiting:
             return []
         self._last_waiting = key

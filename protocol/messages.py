@@ -27,7 +27,8 @@ working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
   know, so an older peer drops it, and a newer one decoding an older peer's frame gets the
   default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``;
   ``Join.node_secret``, "": an agent that proves nothing about its node;
-  ``Leave.workers_stopping``, False: a plain Leave.)
+  ``Leave.workers_stopping``, False: a plain Leave; ``Waiting.spare``, False: the node waits
+  for its round, not as a hot spare.)
 - A new server -> agent message whose only use is in a moment where an older agent expects
   the connection to close anyway: the older agent fails to decode it, treats that as the lost
   connection it expected, and so does what it did before. (``GoingAway``: it reconnects;
@@ -427,6 +428,8 @@ class Waiting(_Schema):
     min_nodes: int = field(metadata=_integer(1, MAX_NODES))
     max_nodes: int = field(metadata=_integer(1, MAX_NODES))
     reason: str = field(default="", metadata=_TEXT)
+    # The node waits as a hot spare (the job is full), not for its round to form.
+    spare: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:

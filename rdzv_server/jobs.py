@@ -40,7 +40,7 @@ class ConnPhase(enum.Enum):
     READY = "ready"
     JOINED = "joined"
     # A connection of the server's previous process, restored from its state log: its
-    # member waits (see ``recover``) for the agent to come back on a new connection.
+    # member waits (see ``recovery.py``) for the agent to come back on a new connection.
     AWAY = "away"
 
 

@@ -330,7 +330,7 @@ class StateLog:
         fsync: bool = True,
         min_free: int = MIN_FREE_BYTES,
     ) -> tuple[StateLog, Restored, list[Effect]]:
-        """Lock DIR, load its snapshot, replay its log, drop a torn tail; then ``recover``.
+        """Lock DIR, load its snapshot, replay its log, drop a torn tail; then ``Restarted``.
 
         Returns the log (whose ``machine`` is ready to serve), what was found, and the
         effects of recovery (log lines). StateLogError when DIR cannot be used.

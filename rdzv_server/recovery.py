@@ -229,7 +229,7 @@ class Recovery(RoundRules):
         if member.node_id in job.spares:
             self._rebind(job, member, conn, now)
             member.addr, member.master_port = msg.addr, msg.master_port
-            out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
+            out.append(Send(conn.id, self._waiting(job, "spare: the job is full", spare=True)))
             return True
         if member.state in (MemberState.WAITING, MemberState.READY):
             self._rebind(job, member, conn, now)

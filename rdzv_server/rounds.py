@@ -183,7 +183,7 @@ class RoundRules:
                 return
             job.spares[member.node_id] = member
             said.note(job, said.waits_as_spare(now, member), out)
-            out.append(Send(conn.id, self._waiting(job, "spare: the job is full")))
+            out.append(Send(conn.id, self._waiting(job, "spare: the job is full", spare=True)))
             return
         put_member(job, member)
         said.note_join(job, member, now, out)
@@ -666,7 +666,7 @@ class RoundRules:
             raise LocalError(f"joined connection {conn.id} has no member")
         return job, member
 
-    def _waiting(self, job: Job, reason: str) -> Waiting:
+    def _waiting(self, job: Job, reason: str, *, spare: bool = False) -> Waiting:
         return Waiting(
             job_id=job.id,
             round=job.round,
@@ -674,6 +674,7 @@ class RoundRules:
             min_nodes=job.settings.min_nodes,
             max_nodes=job.settings.max_nodes,
             reason=reason,
+            spare=spare,
         )
 
     def _refuse(self, conn: Conn, code: str, message: str, now: float, out: list[Effect]) -> None:

@@ -338,25 +338,6 @@ class Rendezvous(Recovery):
             deadlines.append(due[0][0])
         return min(deadlines) if deadlines else None
 
-    # The operator's and the server's own inputs, as calls; each is an event for ``handle``
-    # (so the state log replays it), and these only build it. A missing job or node: KeyError.
-
-    def drain(self, job_id: str, node_id: str, reason: str, now: float) -> list[Effect]:
-        """``handle(DrainRequested(...))``; KeyError (its text) where it answers NotFound."""
-        out = self.handle(DrainRequested(job_id, node_id, reason), now)
-        missing = next((e for e in out if isinstance(e, NotFound)), None)
-        if missing is not None:
-            raise KeyError(missing.text)
-        return out
-
-    def going_away(self, reason: str, now: float) -> list[Effect]:
-        """``handle(ShuttingDown(reason))``."""
-        return self.handle(ShuttingDown(reason), now)
-
-    def recover(self, now: float) -> list[Effect]:
-        """``handle(Restarted())``."""
-        return self.handle(Restarted(), now)
-
     # -- the operator's and the server's own events ----------------------------------------
 
     def _going_away(self, reason: str, now: float, out: list[Effect]) -> None:

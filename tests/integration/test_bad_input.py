@@ -55,7 +55,7 @@ def test_unreachable_endpoint_retries_then_fails_after_join_timeout() -> None:
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
         "--rdzv-conf",
-        "join_timeout=2,is_host=false",
+        "join_timeout=0.3,is_host=false",
     ]
     p, took = run(agent_cmd(*args, DUMP))
     assert p.p.returncode == 1
@@ -95,17 +95,20 @@ class SilentListener:
 
 
 @pytest.mark.parametrize(
-    ("reply", "needle"),
+    ("reply", "needle", "read_timeout"),
     [
-        (b"", "did not answer as a rendezvous server"),
-        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "does not speak the rendezvous protocol"),
-        (MAGIC + encode(Error(code="version_mismatch", message="we speak versions [7]")), "versions [7]"),
+        # Silence ends at the read timeout: short, as the wait is the test. An answer must
+        # beat it, so those keep a long one (they do not wait it out).
+        (b"", "did not answer as a rendezvous server", 0.3),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "does not speak the rendezvous protocol", 2),
+        (MAGIC + encode(Error(code="version_mismatch", message="we speak versions [7]")), "versions [7]", 2),
     ],
 )
-def test_endpoint_that_is_not_our_server_is_named(reply: bytes, needle: str) -> None:
+def test_endpoint_that_is_not_our_server_is_named(reply: bytes, needle: str, read_timeout: float) -> None:
     srv = SilentListener(reply)
     try:
-        args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{srv.port}", "--rdzv-conf", "read_timeout=2"]
+        args = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{srv.port}"]
+        args += ["--rdzv-conf", f"read_timeout={read_timeout:g}"]
         p, took = run(agent_cmd(*args, DUMP))
     finally:
         srv.close()

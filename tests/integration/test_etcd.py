@@ -80,7 +80,7 @@ def test_unreachable_etcd_is_a_clear_error_after_the_join_timeout(backend: str) 
             "--rdzv-endpoint",
             f"127.0.0.1:{port}",
             "--rdzv-conf",
-            "join_timeout=2",
+            "join_timeout=0.3",
             DUMP,
         )
     )
@@ -120,7 +120,7 @@ def test_https_to_a_plain_etcd_is_a_clear_error(etcd: Etcd) -> None:
             "--nnodes",
             "2",
             "--rdzv-conf",
-            "protocol=https,join_timeout=2",
+            "protocol=https,join_timeout=0.3",
             DUMP,
         )
     )

@@ -149,7 +149,7 @@ def test_a_tls_agent_never_hosts_a_plain_c10d_rendezvous(tmp_path: Path, pki: Pk
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    a = run(job(port, "no-host", "--tls-ca", str(pki.ca), "--rdzv-conf", "join_timeout=1"), tmp_path)
+    a = run(job(port, "no-host", "--tls-ca", str(pki.ca), "--rdzv-conf", "join_timeout=0.3"), tmp_path)
     assert a.p.returncode == 1
     assert "no rendezvous server answered" in a.stderr
     assert "this agent hosts it" not in a.stderr

@@ -17,7 +17,7 @@ from node_agent.args import parse_config
 from node_agent.config import AgentConfig
 from node_agent.rdzv.fake import FakeBackend, FakeLink, FakeRendezvous
 from node_agent.runner import Agent, AgentOutcome
-from protocol import Assignment, Drain, Join, Message, Restart, Resume, WorkersFailed, WorkersSucceeded
+from protocol import Assignment, Drain, Join, Leave, Message, Restart, Resume, WorkersFailed, WorkersSucceeded
 
 
 def test_a_bug_in_the_machine_stops_the_workers_with_sigterm_not_sigkill(
@@ -236,3 +236,89 @@ def test_a_sigterm_during_a_long_health_check_ends_the_agent_at_once(tmp_path: P
     assert not sent(agent, Join)  # the check never passed: this node never joined
     with pytest.raises(ProcessLookupError):  # the check's process was killed (and reaped)
         os.kill(int(pidfile.read_text()), 0)
+
+
+# --- the agent's own deadlines, on a clock the test moves ------------------------------------
+
+
+def on_a_test_clock(agent: Agent) -> list[float]:
+    """Give the agent a clock that stands still until the test moves it (``now[0] = ...``)."""
+    now = [0.0]
+    agent.clock = lambda: now[0]
+    return now
+
+
+def past_the_deadline(agent: Agent, now: list[float], seconds: float) -> None:
+    """Move the agent's clock on by ``seconds``, and wake its loop as its timer would have."""
+    now[0] += seconds
+    agent.events.put_nowait(st.Tick())
+
+
+def test_a_rendezvous_that_never_completes_ends_at_the_join_timeout(tmp_path: Path) -> None:
+    # Two nodes wanted, only this one comes: the agent gives up at join_timeout, says how many
+    # had joined, and tells the server it leaves. (The live wiring of the same timer, a real
+    # agent that gives up: tests/integration/test_bad_input.py, test_etcd.py, test_tls.py.)
+    cfg = agent_config(tmp_path, "print('never')\n", "--nnodes=2", "--nproc-per-node=1")
+
+    async def scenario() -> tuple[AgentOutcome, Agent, str]:
+        hub = FakeRendezvous()
+        agent, run, err = start(cfg, hub)
+        now = on_a_test_clock(agent)
+        await hub.wait_until(lambda: bool(sent(agent, Join)), what="the agent's join")
+        link = hub.link_of(agent.node_id)
+        await hub.wait_until(lambda: not link.inbox, what="the agent to read its Waiting")
+        past_the_deadline(agent, now, cfg.rdzv_conf.join_timeout - 1)
+        await asyncio.sleep(0.05)
+        assert not run.done(), "gave up before the join timeout"
+        past_the_deadline(agent, now, 1)
+        return await asyncio.wait_for(run, 30), agent, err.getvalue()
+
+    outcome, agent, err = asyncio.run(scenario())
+    assert outcome.code == st.EXIT_RDZV
+    why = "timed out after 600 s waiting for the rendezvous to complete (1 joined) (join_timeout)"
+    assert outcome.reason == why and why in err
+    leaves = sent(agent, Leave)
+    assert len(leaves) == 1 and isinstance(leaves[0], Leave) and leaves[0].reason == "join timeout"
+    assert "Traceback" not in err
+
+
+def test_a_server_that_never_gives_its_verdict_does_not_hold_the_agent_forever(tmp_path: Path) -> None:
+    # Moved here from tests/integration/test_attack_agent.py, where a real agent waited out a
+    # 3 s join_timeout: the server takes the failure report and says nothing more.
+    started, release = tmp_path / "started", tmp_path / "release"
+    body = (
+        "import os, sys, time\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(release)!r}):\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(1)\n"
+    )
+    cfg = agent_config(tmp_path, body, "--nnodes=1", "--nproc-per-node=1", "--max-restarts=3")
+
+    async def scenario() -> tuple[AgentOutcome, Agent, str]:
+        hub = FakeRendezvous()
+        agent, run, err = start(cfg, hub)
+        now = on_a_test_clock(agent)
+        try:
+            await hub.wait_until(started.exists, what="the worker to start")
+            # From here the server hears the agent but answers nothing (its Restart is lost).
+            hub.link_of(agent.node_id).deliver = lambda msg: None  # type: ignore[method-assign]
+        finally:
+            release.touch()
+        await hub.wait_until(lambda: bool(sent(agent, WorkersFailed)), what="the failure report")
+        past_the_deadline(agent, now, cfg.rdzv_conf.join_timeout - 1)
+        await asyncio.sleep(0.05)
+        assert not run.done(), "gave up before the join timeout"
+        past_the_deadline(agent, now, 1)
+        return await asyncio.wait_for(run, 30), agent, err.getvalue()
+
+    outcome, agent, err = asyncio.run(scenario())
+    assert outcome.code == st.EXIT_FAILED == 1  # the command's exit code
+    (report,) = sent(agent, WorkersFailed)
+    assert isinstance(report, WorkersFailed) and report.failure.exitcode == 1
+    assert "did not answer" in err, err
+    assert (
+        "did not answer the report of this node's worker failure of round 0 within 600 s (join_timeout)"
+        in outcome.reason
+    )
+    assert "Traceback" not in err

@@ -364,7 +364,10 @@ def test_drain_message_from_server_is_a_clean_leave() -> None:
 def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
     m = st.AgentMachine(settings())
     m.start(0.0)
-    spare = Waiting(job_id="j", round=0, joined=1, min_nodes=1, max_nodes=1, reason="spare: the job is full")
+    # The typed field says so, not the reason's text (which a server may word as it likes).
+    spare = Waiting(
+        job_id="j", round=0, joined=1, min_nodes=1, max_nodes=1, reason="the job is full", spare=True
+    )
     m.handle(st.ServerSent(spare), 0.1)
     eff = m.handle(st.ServerSent(JobDone()), 5.0)
     assert kinds(eff) == [st.Exit]
@@ -379,6 +382,14 @@ def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
     m.start(0.0)
     (note, ex) = m.handle(st.ServerSent(JobDone()), 5.0)
     assert isinstance(ex, st.Exit) and ex.code == 0
+    assert isinstance(note, st.Log) and "no place in a round yet" in note.text
+    # A reason that merely mentions "spare" does not make the node one.
+    m = st.AgentMachine(settings())
+    m.start(0.0)
+    m.handle(
+        st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2, reason="spare")), 0.1
+    )
+    (note, ex) = m.handle(st.ServerSent(JobDone()), 5.0)
     assert isinstance(note, st.Log) and "no place in a round yet" in note.text
 
 
@@ -691,7 +702,7 @@ def in_phase(name: str, *, elastic: bool = False, link: str = "up") -> st.AgentM
         "joining": [],
         "spare": [
             st.ServerSent(
-                Waiting(job_id="j", round=0, joined=2, min_nodes=2, max_nodes=2, reason="spare: full")
+                Waiting(job_id="j", round=0, joined=2, min_nodes=2, max_nodes=2, reason="full", spare=True)
             )
         ],
         "starting": [st.ServerSent(assignment())],

@@ -97,7 +97,15 @@ VALID: dict[type, dict[str, typing.Any]] = {
     WorkersSucceeded: {"round": 2},
     Leave: {"reason": "scale down", "workers_stopping": True},
     Welcome: {"version": 1, "software": "rdzv-server 0.1.0", "challenge": "cd" * 16},
-    Waiting: {"job_id": "job-7", "round": 1, "joined": 1, "min_nodes": 2, "max_nodes": 4, "reason": "1 more"},
+    Waiting: {
+        "job_id": "job-7",
+        "round": 1,
+        "joined": 1,
+        "min_nodes": 2,
+        "max_nodes": 4,
+        "reason": "1 more",
+        "spare": True,
+    },
     Assignment: {
         "job_id": "job-7",
         "round": 1,
@@ -265,6 +273,8 @@ OUT_OF_RANGE = [
     (Waiting, "max_nodes", MAX_NODES + 1, {}, None),
     (Waiting, "min_nodes", 5, {"max_nodes": 4}, "max_nodes"),
     (Waiting, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
+    (Waiting, "spare", 1, {}, None),
+    (Waiting, "spare", "yes", {}, None),
     (Assignment, "job_id", "", {}, None),
     (Assignment, "round", -1, {}, None),
     (Assignment, "group_rank", -1, {}, None),
@@ -366,6 +376,8 @@ def test_defaults():
     failure = Failure(**{k: v for k, v in FAILURE.items() if k not in optional})
     assert (failure.signal, failure.message) == ("", "")
     assert Waiting(**{k: v for k, v in VALID[Waiting].items() if k != "reason"}).reason == ""
+    # An older server sends no "spare": the node then waits for its round, not as a spare.
+    assert Waiting(**{k: v for k, v in VALID[Waiting].items() if k != "spare"}).spare is False
 
 
 @pytest.mark.parametrize("cls", list(VALID), ids=lambda c: c.__name__)

@@ -11,7 +11,7 @@ from protocol import Leave, WorkersFailed
 from protocol.failure_text import describe_failure
 from rdzv_server import snapshot
 from rdzv_server.history import Departure, EventKind
-from rdzv_server.state import JobPhase, Rendezvous
+from rdzv_server.state import JobPhase, Rendezvous, Restarted
 from rdzv_server.status import find_job
 
 from .harness import Harness, failure
@@ -177,5 +177,5 @@ def test_a_version_1_snapshot_still_loads() -> None:
     # The machine goes on from there.
     h = Harness(machine=snapshot.load(data))
     h.now = 6.0
-    h.machine.recover(h.now)
+    h.machine.handle(Restarted(), h.now)
     assert h.machine.jobs["job"].history[-1].kind is EventKind.RECOVERED

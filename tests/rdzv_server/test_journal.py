@@ -18,6 +18,7 @@ from protocol import Assignment, Heartbeat, Leave, WorkersFailed, WorkersSucceed
 from protocol.auth import TokenTable
 from rdzv_server import journal, snapshot
 from rdzv_server.journal import FILE_HEADER, LOG_NAME, StateLog, StateLogError, apply_record, event_record
+from rdzv_server.service import RendezvousService
 from rdzv_server.state import (
     Connected,
     Disconnected,
@@ -88,7 +89,7 @@ def busy_history(h: Harness) -> None:
         h.advance(0.5)
         h.send(a, Heartbeat())
     h.join(a, **kw)
-    h.machine.drain("job", "node1", "scale down", h.now)
+    h.machine.handle(DrainRequested("job", "node1", "scale down"), h.now)
     h.join(**{**kw, "spare": True}, job="job")
     h.send(a, Leave(reason="drained"))
     d = h.join(job="other")
@@ -498,8 +499,8 @@ def test_a_drain_of_what_does_not_exist_is_not_found_and_not_logged() -> None:
     ]:
         assert h.machine.handle(event, h.now) == [NotFound(text)]
     assert len(h.machine.records) == n
-    with pytest.raises(KeyError, match="no job"):  # the call form, for the HTTP API's 404
-        h.machine.drain("nojob", "node1", "", h.now)
+    with pytest.raises(KeyError, match="no job"):  # the service's call form, for the HTTP API's 404
+        RendezvousService().drain("nojob", "node1")
 
 
 def test_each_record_kind_reads_back_as_the_event_it_was_written_from() -> None:

@@ -1,6 +1,6 @@
 """After a restart from the state log: nodes come back into the round the server kept.
 
-``recover`` is what a restarted server does once its state is replayed: the old process's
+``Restarted`` is what a restarted server handles once its state is replayed: the old process's
 connections are gone, so their members wait (AWAY) for their agents' ``Resume``. Pure: a fake
 clock and scripted agents; the harness's connection ids keep growing, as the service's do.
 """
@@ -22,7 +22,7 @@ from protocol import (
     WorkersFailed,
     WorkersSucceeded,
 )
-from rdzv_server.state import RESUME_WINDOW, ConnPhase, JobPhase
+from rdzv_server.state import RESUME_WINDOW, ConnPhase, JobPhase, Restarted, ShuttingDown
 
 from .harness import Harness, failure
 
@@ -49,7 +49,7 @@ def join_msg(conn: int, node: str, **kw: object) -> Join:
 def restart_server(h: Harness) -> None:
     """What StateLog.open does after replay (the replayed state is the harness's own)."""
     h.inbox.clear()
-    h._apply(h.machine.recover(h.now))
+    h._apply(h.machine.handle(Restarted(), h.now))
 
 
 def beat(h: Harness, conns: list[int], seconds: float) -> None:
@@ -176,7 +176,7 @@ def test_going_away_tells_agents_and_refuses_joins_without_blame() -> None:
     h = Harness()
     a = h.join()
     ready = h.connect()
-    h._apply(h.machine.going_away("SIGTERM", h.now))
+    h._apply(h.machine.handle(ShuttingDown("SIGTERM"), h.now))
     assert h.last(a, GoingAway) is not None and h.last(ready, GoingAway) is not None
     h.join(ready)
     err = h.last(ready, Error)
@@ -268,6 +268,20 @@ def test_a_spare_away_after_the_restart_is_not_ready_when_it_takes_a_place() -> 
     h.send(c3, join_msg(c3, "node3", **kw))
     for c in (c1, c3):
         assert h.last(c, Assignment) is not None
+
+
+def test_a_spare_back_after_the_restart_is_told_it_waits_as_a_spare() -> None:
+    h = Harness()
+    running(h)
+    spare = h.join()
+    w = h.last(spare, Waiting)
+    assert w is not None and w.spare
+    restart_server(h)
+    c = h.connect()
+    h.send(c, join_msg(c, "node3"))
+    w = h.last(c, Waiting)
+    assert w is not None and w.spare and h.last(c, Assignment) is None
+    assert "node3" in h.machine.jobs["job"].spares
 
 
 # --- a job token proves the job, not the node (issue 17, item 6) ---------------------------

@@ -23,7 +23,16 @@ from protocol import (
     WorkersSucceeded,
 )
 from rdzv_server.snapshot import dump
-from rdzv_server.state import JOIN_LINES, JOIN_LOG_WINDOW, SERVER_BUSY, Connected, JobPhase, Received
+from rdzv_server.state import (
+    JOIN_LINES,
+    JOIN_LOG_WINDOW,
+    SERVER_BUSY,
+    Connected,
+    DrainRequested,
+    JobPhase,
+    Received,
+    Restarted,
+)
 
 from .harness import Harness, failure
 
@@ -296,11 +305,14 @@ def test_fixed_size_job_waits_for_replacement_when_restarts_remain() -> None:
 def test_spare_waits_and_replaces_a_lost_node() -> None:
     h = Harness()
     kw = dict(min_nodes=2, max_nodes=2, max_restarts=1)
-    a, b = h.join(**kw), h.join(**kw)
+    a = h.join(**kw)
+    w = h.last(a, Waiting)
+    assert w is not None and not w.spare  # waiting for its round, not as a spare
+    b = h.join(**kw)
     assignments(h, [a, b])
     s = h.join(**kw)
     w = h.last(s, Waiting)
-    assert w is not None and "spare" in w.reason and h.last(s, Assignment) is None
+    assert w is not None and w.spare and "spare" in w.reason and h.last(s, Assignment) is None
     h.drop(b)
     h.join(a, **kw)
     got = assignments(h, [a, s])
@@ -364,7 +376,7 @@ def test_drain_request_reaches_only_that_node() -> None:
     kw = dict(min_nodes=1, max_nodes=2)
     a, b = h.join(**kw), h.join(**kw)
     assignments(h, [a, b])
-    h._apply(h.machine.drain("job", "node2", "maintenance", h.now))
+    h._apply(h.machine.handle(DrainRequested("job", "node2", "maintenance"), h.now))
     from protocol import Drain
 
     assert h.last(b, Drain) == Drain(reason="maintenance")
@@ -659,7 +671,7 @@ def test_a_server_short_of_disk_takes_back_nodes_of_a_restored_job() -> None:
     got_a, got_b = h.last(a, Assignment), h.last(b, Assignment)
     assert got_a is not None and got_b is not None
     h.inbox.clear()
-    h._apply(h.machine.recover(h.now))  # what the state log does after a restart
+    h._apply(h.machine.handle(Restarted(), h.now))  # what the state log does after a restart
     h.machine.refuse_joins = "disk full"
     for conn, node, got in ((h.connect(), f"node{a}", got_a), (h.connect(), f"node{b}", got_b)):
         j = Join(**{**_join_fields(h, a if node == f"node{a}" else b), "node_id": node})

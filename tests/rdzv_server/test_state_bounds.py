@@ -31,6 +31,7 @@ from rdzv_server.state import (
     MAX_EXCLUDED,
     MAX_RESTARTS,
     MAX_SPARES,
+    DrainRequested,
     JobPhase,
     Received,
     Rendezvous,
@@ -197,7 +198,7 @@ def test_a_drain_reason_of_any_length_fits_the_drain() -> None:
     h = Harness()
     a, _ = running(h)
     h.take(a)
-    h._apply(h.machine.drain("job", f"node{a}", "why " * 10**6, h.now))
+    h._apply(h.machine.handle(DrainRequested("job", f"node{a}", "why " * 10**6), h.now))
     drain = h.last(a, Drain)
     assert drain is not None and len(drain.reason) <= MAX_TEXT_LEN and "more characters]" in drain.reason
 
