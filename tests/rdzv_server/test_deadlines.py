@@ -171,3 +171,30 @@ def test_a_churn_of_connections_keeps_the_deadline_heap_small() -> None:
     for _ in range(1000):
         h.drop(connect(h))
     assert len(h.machine._handshake_due) <= 64 + 2
+
+
+def test_a_resume_answered_with_restart_stays_on_the_auth_deadline() -> None:
+    # Only a join the machine takes stops the clock: a Resume it answers with "join again"
+    # (the node was dropped while it was away) leaves the connection unjoined, and it is cut
+    # at the auth timeout if it never joins. Before the fix, any Resume cancelled the timer.
+    from protocol import Assignment, Join, Restart, Resume
+
+    h = harness()
+    kw: dict[str, object] = dict(min_nodes=1, max_nodes=2, last_call_timeout=1.0, heartbeat_timeout=30.0)
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(1.0)  # the last call for more nodes ends: one round with both
+    held = h.last(a, Assignment)
+    assert isinstance(held, Assignment) and isinstance(h.last(b, Assignment), Assignment)
+    h.drop(a)  # node a is lost; the elastic job goes on without it
+    h.advance(1.0)
+    c = connect(h)
+    fields = {**dict(job_id="job", node_id=f"node{a}", addr=f"10.0.0.{a}", nproc=2,
+                     entrypoint="train.py", master_port=20000 + a, max_restarts=0,
+                     heartbeat_interval=1.0), **kw}  # fmt: skip
+    h.send(c, Resume(join=Join(**fields), assignment=held))  # type: ignore[arg-type]
+    assert isinstance(h.last(c, Restart), Restart), h.inbox.get(c)
+    assert c not in h.closed and h.machine.next_deadline() is not None
+    h.advance(AUTH - 0.01)
+    assert c not in h.closed
+    h.advance(0.02)
+    assert h.closed[c] == "no join within 0.6 s of its hello"
