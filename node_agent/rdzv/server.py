@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import ssl
@@ -197,9 +198,6 @@ async def retry_until(
             delay = min(delay * 2, 2.0)
 
 
-BUSY_RETRY = 1.0  # seconds between tries while the server says it is at its connection limit
-
-
 async def connect(
     host: str,
     port: int,
@@ -216,19 +214,21 @@ async def connect(
     With ``tls``, the handshake verifies the server's certificate against ``host``. With
     ``need_token`` (the agent holds one), a server whose welcome asks for no token is refused.
     A server that answers the hello with a non-fatal error (at its connection limit: busy) is
-    tried again every BUSY_RETRY seconds until the deadline.
+    tried again, with the same backoff as an unreachable one, until the deadline.
     """
-    while True:
-        try:
-            return await _connect_once(
-                host, port, deadline=deadline, handshake_timeout=handshake_timeout, log=log,
-                clock=clock, tls=tls, need_token=need_token,
-            )  # fmt: skip
-        except _Busy as exc:
-            if clock() + BUSY_RETRY >= deadline:
-                raise RendezvousRefused(str(exc)) from None
-            log(f"{exc}; retrying in {BUSY_RETRY:g} s")
-            await asyncio.sleep(BUSY_RETRY)
+    once = functools.partial(
+        _connect_once, host, port, deadline=deadline, handshake_timeout=handshake_timeout,
+        log=log, clock=clock, tls=tls, need_token=need_token,
+    )  # fmt: skip
+    return await retry_until(
+        once,
+        retry_on=(_Busy,),
+        describe=str,
+        deadline=deadline,
+        clock=clock,
+        waiting=lambda problem: log(f"{problem}; retrying"),
+        give_up=RendezvousRefused,
+    )
 
 
 class _Busy(Exception):
