@@ -17,7 +17,6 @@ fixed below, and every read has a deadline, so the test is bounded in time and w
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -56,6 +55,7 @@ from protocol import (
 )
 from protocol.auth import proof
 
+from .live_job import http, rss_kb, wait_until
 from .procs import WORKERS, Proc, agent_cmd, start_server
 
 HELLO_TIMEOUT = 0.5  # the server's --hello-timeout for this test: the drip must be cut by it
@@ -594,43 +594,8 @@ class Peer:
         self.writer.transport.abort()
 
 
-async def http(port: int, method: str, path: str, token: str | None = None) -> tuple[int, Any]:
-    """One HTTP/1.1 request on its own connection: (status, decoded JSON or None)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        auth = f"Authorization: Bearer {token}\r\n" if token else ""
-        body = b"{}" if method == "POST" else b""
-        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Length: {len(body)}\r\n"
-        writer.write(head.encode() + b"Connection: close\r\n\r\n" + body)
-        raw = await asyncio.wait_for(reader.read(), timeout=10)
-    finally:
-        writer.transport.abort()
-    head_bytes, _, payload = raw.partition(b"\r\n\r\n")
-    status = int(head_bytes.split(b" ", 2)[1])
-    try:
-        return status, json.loads(payload)
-    except ValueError:
-        return status, None
-
-
 def get(port: int, path: str, token: str | None = REAL_TOKEN) -> tuple[int, Any]:
     return asyncio.run(http(port, "GET", path, token=token))
-
-
-def rss_kb(pid: int, key: str = "VmRSS") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {key} for pid {pid}")
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:
-    """Poll a condition of another process (there is no event to await across processes)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.05)
 
 
 def test_fuzz_a_live_server_while_a_real_job_runs(tmp_path: Path) -> None:
