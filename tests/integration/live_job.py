@@ -26,6 +26,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from protocol import (
+    MAGIC,
+    SERVER_MESSAGES,
+    Error,
+    FrameDecoder,
+    Hello,
+    Message,
+    ProtocolError,
+    Welcome,
+    encode,
+)
+
 from .procs import WORKERS, Proc, agent_cmd, pid_alive, start_server
 
 JOB = "live-job"
@@ -83,6 +95,77 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
+
+
+class Peer:
+    """A scripted agent: hello on open, then whatever the test sends."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, read_timeout: float
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        self.read_timeout = read_timeout  # a reply from a live server on 2 busy cores
+        self.decoder = FrameDecoder(allowed=SERVER_MESSAGES, expect_magic=True)
+        self.pending: list[Message] = []
+        self.challenge = ""
+
+    @classmethod
+    async def open(cls, port: int, *, software: str = "attacker", read_timeout: float = 15.0) -> Peer:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(MAGIC + encode(Hello(versions=(1,), software=software)))
+        peer = cls(reader, writer, read_timeout)
+        first = await peer.recv()
+        if not isinstance(first, Welcome):
+            raise ProtocolError(f"expected a welcome, got {first!r}")
+        peer.challenge = first.challenge
+        return peer
+
+    def send(self, msg: Message) -> None:
+        self.writer.write(encode(msg))
+
+    async def recv(self) -> Message | None:
+        """The next message, or None once the server closed."""
+        while not self.pending:
+            try:
+                data = await asyncio.wait_for(self.reader.read(1 << 16), timeout=self.read_timeout)
+            except ConnectionResetError:
+                return None
+            if not data:
+                return None
+            self.pending += self.decoder.feed(data)
+        return self.pending.pop(0)
+
+    async def until(self, *types: type) -> Message | None:
+        """The next message of one of ``types`` (or an Error, or None when closed)."""
+        while True:
+            msg = await self.recv()
+            if msg is None or isinstance(msg, (Error, *types)):
+                return msg
+
+    async def expect(self, *types: type) -> Message:
+        """The next message of ``types[0]``, skipping the others of ``types``; else ProtocolError."""
+        while True:
+            msg = await self.recv()
+            if msg is None or isinstance(msg, Error):
+                raise ProtocolError(f"expected {[t.__name__ for t in types]}, got {msg!r}")
+            if isinstance(msg, types[0]):
+                return msg
+            if not isinstance(msg, types):
+                raise ProtocolError(f"expected {types[0].__name__}, got {msg!r}")
+
+    async def drain(self) -> tuple[list[str], bool]:
+        """Error codes until the server closes (waiting at most the read timeout)."""
+        codes = []
+        try:
+            while (msg := await self.recv()) is not None:
+                if isinstance(msg, Error):
+                    codes.append(msg.code)
+        except TimeoutError:
+            return codes, False
+        return codes, True
+
+    def close(self) -> None:
+        self.writer.transport.abort()
 
 
 class LiveJob:

@@ -20,79 +20,24 @@ import msgpack
 
 from protocol import (
     HEADER,
-    MAGIC,
     MAX_TEXT_LEN,
-    SERVER_MESSAGES,
     Assignment,
     Drain,
     Error,
     Failure,
-    FrameDecoder,
-    Hello,
     Join,
     Leave,
     Left,
     Message,
-    ProtocolError,
     Restart,
     Resume,
     Resumed,
-    Welcome,
     WorkersFailed,
-    encode,
 )
 from rdzv_server.state import FAILURES_KEPT
 
-from .live_job import LiveJob, http
+from .live_job import LiveJob, Peer, http
 from .procs import Proc, server_cmd
-
-READ_TIMEOUT = 15.0  # a reply from a live server on 2 busy cores
-
-
-class Client:
-    """A scripted agent: hello on open, then whatever the test sends."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.decoder = FrameDecoder(allowed=SERVER_MESSAGES, expect_magic=True)
-        self.pending: list[Message] = []
-        self.challenge = ""
-
-    @classmethod
-    async def open(cls, port: int) -> Client:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(MAGIC + encode(Hello(versions=(1,), software="attacker")))
-        client = cls(reader, writer)
-        first = await client.recv()
-        if not isinstance(first, Welcome):
-            raise ProtocolError(f"expected a welcome, got {first!r}")
-        client.challenge = first.challenge
-        return client
-
-    def send(self, msg: Message) -> None:
-        self.writer.write(encode(msg))
-
-    async def recv(self) -> Message | None:
-        """The next message, or None once the server closed."""
-        while not self.pending:
-            try:
-                data = await asyncio.wait_for(self.reader.read(1 << 16), timeout=READ_TIMEOUT)
-            except ConnectionResetError:
-                return None
-            if not data:
-                return None
-            self.pending += self.decoder.feed(data)
-        return self.pending.pop(0)
-
-    async def until(self, *types: type) -> Message | None:
-        """The next message of one of ``types`` (or an Error, or None when closed)."""
-        while True:
-            msg = await self.recv()
-            if msg is None or isinstance(msg, (Error, *types)):
-                return msg
-
-    def close(self) -> None:
-        self.writer.transport.abort()
 
 
 def join(job_id: str, node_id: str, **kw: Any) -> Join:
@@ -123,7 +68,7 @@ def failure(node_id: str, message: str = "") -> Failure:
 async def fail_loop(port: int, seconds: float, *, job_id: str = "bloat", text: int = 65536) -> int:
     """One connection: join a one-node job, fail, re-join when told to restart, for ``seconds``.
     Every failure carries a ``text``-character message. Returns the rounds it went through."""
-    c = await Client.open(port)
+    c = await Peer.open(port)
     rounds = 0
     try:
         msg = join(job_id, "looper")
@@ -170,8 +115,8 @@ def test_item3_a_fail_restart_rejoin_loop_keeps_the_server_bounded(tmp_path: Pat
         live.assert_intact()
 
 
-async def _pair(port: int, job_id: str, **kw: Any) -> tuple[Client, Client]:
-    a, b = await Client.open(port), await Client.open(port)
+async def _pair(port: int, job_id: str, **kw: Any) -> tuple[Peer, Peer]:
+    a, b = await Peer.open(port), await Peer.open(port)
     a.send(join(job_id, "pair-a", min_nodes=2, max_nodes=2, **kw))
     b.send(join(job_id, "pair-b", min_nodes=2, max_nodes=2, **kw))
     for c in (a, b):
@@ -186,7 +131,7 @@ def test_item5_texts_the_server_builds_from_hostile_ones_fit_their_fields(tmp_pa
             long = "e" * MAX_TEXT_LEN
             a, b = await _pair(live.port, "texts", entrypoint=long)
             # A mismatch refusal quoting two entrypoints of 64 KiB.
-            c = await Client.open(live.port)
+            c = await Peer.open(live.port)
             c.send(join("texts", "pair-c", min_nodes=2, max_nodes=2, entrypoint="f" * MAX_TEXT_LEN))
             err = await c.until()
             assert isinstance(err, Error) and err.code == "job_mismatch", err
@@ -243,7 +188,7 @@ def test_item6_a_stranger_with_the_token_cannot_resume_a_real_node_after_a_resta
 
                 got = []
                 for secret in ("", "f" * 32):
-                    c = await Client.open(live.port)
+                    c = await Peer.open(live.port)
                     j = join(
                         live.job,
                         victim["node_id"],
@@ -299,7 +244,7 @@ def test_items_10_and_14_hostile_ids_proofs_and_duplicates_get_a_clear_error(tmp
                 ("evil\x1b[2J", ""),  # an ANSI escape
                 ("n1", "\u00e9" * 64),  # item 14: a non-ASCII proof
             ):
-                c = await Client.open(live.port)
+                c = await Peer.open(live.port)
                 c.writer.write(_raw_join_frame(node_id, proof))
                 got.append(await c.until())
                 c.close()
@@ -307,7 +252,7 @@ def test_items_10_and_14_hostile_ids_proofs_and_duplicates_get_a_clear_error(tmp
             from protocol.auth import proof as make_proof
 
             real = live.nodes[0]
-            c = await Client.open(live.port)
+            c = await Peer.open(live.port)
             c.send(
                 join(live.job, real, min_nodes=2, max_nodes=2, max_restarts=0,
                      proof=make_proof(token, c.challenge, live.job, real))

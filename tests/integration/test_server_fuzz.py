@@ -49,13 +49,12 @@ from protocol import (
     ProtocolError,
     Resume,
     Waiting,
-    Welcome,
     WorkersFailed,
     encode,
 )
 from protocol.auth import proof
 
-from .live_job import http, rss_kb, wait_until
+from .live_job import Peer, http, rss_kb, wait_until
 from .procs import WORKERS, Proc, agent_cmd, start_server
 
 HELLO_TIMEOUT = 0.5  # the server's --hello-timeout for this test: the drip must be cut by it
@@ -425,7 +424,7 @@ class Campaign:
             own_job = f"stranger-{i}"
             node = real[i % len(real)]
             step = i % 6
-            peer = await Peer.open(self.port)
+            peer = await Peer.open(self.port, software="fuzzer", read_timeout=SLACK + 5)
             try:
                 ch = peer.challenge
                 if step == 0:  # a failure report before any join
@@ -532,66 +531,6 @@ def real_assignment() -> Assignment:
         restart_count=0,
         max_restarts=0,
     )
-
-
-class Peer:
-    """A scripted agent: hello, then whatever the test sends."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.decoder = FrameDecoder(allowed=SERVER_MESSAGES, expect_magic=True)
-        self.pending: list[Message] = []
-        self.challenge = ""
-
-    @classmethod
-    async def open(cls, port: int) -> Peer:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(MAGIC + encode(hello()))
-        peer = cls(reader, writer)
-        first = await peer.recv()
-        if not isinstance(first, Welcome):
-            raise ProtocolError(f"expected a welcome, got {first!r}")
-        peer.challenge = first.challenge
-        return peer
-
-    def send(self, msg: Message) -> None:
-        self.writer.write(encode(msg))
-
-    async def recv(self) -> Message | None:
-        """The next message, or None once the server closed."""
-        while not self.pending:
-            try:
-                data = await asyncio.wait_for(self.reader.read(1 << 16), timeout=SLACK + 5)
-            except ConnectionResetError:
-                return None
-            if not data:
-                return None
-            self.pending += self.decoder.feed(data)
-        return self.pending.pop(0)
-
-    async def expect(self, *types: type) -> Message:
-        while True:
-            msg = await self.recv()
-            if msg is None or isinstance(msg, Error):
-                raise ProtocolError(f"expected {[t.__name__ for t in types]}, got {msg!r}")
-            if isinstance(msg, types[0]):
-                return msg
-            if not isinstance(msg, types):
-                raise ProtocolError(f"expected {types[0].__name__}, got {msg!r}")
-
-    async def drain(self) -> tuple[list[str], bool]:
-        """Error codes until the server closes (waiting at most the read timeout)."""
-        codes = []
-        try:
-            while (msg := await self.recv()) is not None:
-                if isinstance(msg, Error):
-                    codes.append(msg.code)
-        except TimeoutError:
-            return codes, False
-        return codes, True
-
-    def close(self) -> None:
-        self.writer.transport.abort()
 
 
 def get(port: int, path: str, token: str | None = REAL_TOKEN) -> tuple[int, Any]:
