@@ -256,6 +256,8 @@ OUT_OF_RANGE = [
     (Join, "heartbeat_interval", 0.0, {}, None),
     (Join, "heartbeat_timeout", 0, {}, None),
     (Join, "heartbeat_timeout", 1e8, {}, None),
+    (Join, "proof", "a" * 129, {}, None),
+    (Join, "node_secret", "a" * 129, {}, None),
     (WorkersFailed, "round", -1, {}, None),
     (WorkersFailed, "round", 2**63, {}, None),
     (WorkersFailed, "failure", None, {}, None),
