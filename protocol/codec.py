@@ -63,22 +63,29 @@ from protocol.messages import (
     MAX_ADDR_LEN,
     MAX_CODE_LEN,
     MAX_COUNT,
+    MAX_HUNG_RANKS,
     MAX_ID_LEN,
     MAX_NODES,
     MAX_NPROC,
     MAX_PATH_LEN,
+    MAX_PHASE_LEN,
+    MAX_STACK_LEN,
+    MAX_STACK_RANKS,
     MAX_TEXT_LEN,
     MAX_TIMEOUT,
     MAX_VERSIONS,
     MESSAGE_TYPES,
     Assignment,
     Failure,
+    HangDetected,
     Heartbeat,
     Hello,
     Join,
     Leave,
     Message,
+    Progress,
     Resume,
+    Stacks,
     WorkersFailed,
     WorkersSucceeded,
     negotiate_version,
@@ -105,15 +112,15 @@ HEADER = struct.Struct("!I")
 
 # msgpack's limits, sized to the schema. The widest map is a message's fields plus "t"; the
 # slack lets a newer minor revision of version 1 add fields (which we then ignore). The
-# longest array is Hello.versions. A text field holds up to MAX_TEXT_LEN characters, each at
+# longest array is Progress.compute_ms (one number per local rank). A text field holds up to MAX_TEXT_LEN characters, each at
 # most 4 bytes of UTF-8. No message holds bytes or ext types: a short one is let through to be
 # refused by its field's rule, which names the field.
 _MOST_FIELDS = max(len(fields(cls)) for cls in (*MESSAGE_TYPES.values(), Failure)) + 1
 MAX_MAP_LEN = _MOST_FIELDS + 32
-MAX_ARRAY_LEN = MAX_VERSIONS + 48
+MAX_ARRAY_LEN = max(MAX_VERSIONS, MAX_NPROC, MAX_HUNG_RANKS, MAX_STACK_RANKS) + 48
 MAX_STR_BYTES = 4 * max(MAX_TEXT_LEN, MAX_PATH_LEN, MAX_ID_LEN, MAX_ADDR_LEN)
-# Maps and arrays in one payload, nested ones included: the most any message has is four
-# (Resume: itself, its Join and its Assignment; Hello: itself and its versions).
+# Maps and arrays in one payload, nested ones included: the most any message has is six
+# (Stacks: itself and its five lists), so at most 32 arrays of MAX_ARRAY_LEN items are decoded.
 MAX_CONTAINERS = 32
 _MAX_BIN_LEN = 256
 _MAX_EXT_LEN = 16
@@ -241,9 +248,34 @@ def largest_client_messages() -> dict[type, Message]:
         Join: join,
         Resume: Resume(join=join, assignment=assignment, succeeded=True),
         Heartbeat: Heartbeat(),
-        WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure),
+        WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure, step=_BIG_INT),
         WorkersSucceeded: WorkersSucceeded(round=_BIG_INT),
         Leave: Leave(reason=_WIDE * MAX_TEXT_LEN, workers_stopping=True),
+        Progress: Progress(
+            round=_BIG_INT,
+            min_step=_BIG_INT,
+            max_step=_BIG_INT,
+            step_p50_ms=MAX_TIMEOUT * 1000,
+            step_p90_ms=MAX_TIMEOUT * 1000,
+            phase=_WIDE * MAX_PHASE_LEN,
+            age_ms=MAX_TIMEOUT * 1000,
+            compute_ms=(MAX_TIMEOUT * 1000,) * MAX_NPROC,
+        ),
+        HangDetected: HangDetected(
+            round=_BIG_INT,
+            ranks=(_BIG_INT,) * MAX_HUNG_RANKS,
+            step=_BIG_INT,
+            phase=_WIDE * MAX_PHASE_LEN,
+            silent_s=MAX_TIMEOUT,
+        ),
+        Stacks: Stacks(
+            round=_BIG_INT,
+            ranks=(_BIG_INT,) * MAX_STACK_RANKS,
+            steps=(_BIG_INT,) * MAX_STACK_RANKS,
+            phases=(_WIDE * MAX_PHASE_LEN,) * MAX_STACK_RANKS,
+            silent_s=(MAX_TIMEOUT,) * MAX_STACK_RANKS,
+            stacks=(_WIDE * MAX_STACK_LEN,) * MAX_STACK_RANKS,
+        ),
     }
 
 

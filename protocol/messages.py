@@ -96,6 +96,13 @@ MAX_TIMEOUT = 1e7
 MAX_VERSIONS = 16
 # Counts, rounds and versions stay below 2**63 so they fit msgpack's int64.
 MAX_COUNT = 2**63 - 1
+MAX_PHASE_LEN = 32
+# A Stacks message holds at most MAX_STACK_RANKS ranks (the hung ones first) of at most
+# MAX_STACK_LEN characters each (innermost frames kept), so it stays under the member frame
+# limit; the agent's log dir keeps every rank's full stacks.
+MAX_STACK_RANKS = 32
+MAX_STACK_LEN = 2048
+MAX_HUNG_RANKS = 64  # the hung ranks one HangDetected names (a node has at most MAX_NPROC)
 _MIN_INT64 = -(2**63)
 # Unix seconds; 2**53 is where floats stop holding every integer exactly.
 _MAX_TIMESTAMP = float(2**53)
@@ -239,6 +246,25 @@ def _nested(cls: type) -> dict[str, Any]:
     return _rule(check, nested=cls)
 
 
+def _items(check_item: _Rule, what: str, max_items: int) -> dict[str, Any]:
+    """A list of at most ``max_items`` values, each passing ``check_item`` (a field's rule)."""
+
+    def check(value: Any) -> tuple[Any, ...]:
+        if not isinstance(value, list | tuple):
+            raise _Reject(f"must be a list of {what}, got {describe(value)}")
+        if len(value) > max_items:
+            raise _Reject(f"must hold at most {max_items} items, got {len(value)}")
+        out = []
+        for i, item in enumerate(value):
+            try:
+                out.append(check_item(item))
+            except _Reject as why:
+                raise _Reject(f"item {i}: {why}") from None
+        return tuple(out)
+
+    return _rule(check)
+
+
 _ID = _text(MAX_ID_LEN, nonempty=True, plain=True)
 _ADDR = _text(MAX_ADDR_LEN, plain=True)
 _TEXT = _text(MAX_TEXT_LEN)
@@ -248,6 +274,9 @@ _COUNT = _integer(0, MAX_COUNT)
 _PORT = _integer(1, 65535)
 _TIMEOUT = _number()
 _INTERVAL = _number(positive=True)
+_STEP = _integer(-1, MAX_COUNT)  # a training step; -1: none reported yet
+_PHASE = _text(MAX_PHASE_LEN, plain=True)  # a worker's phase name ("": none)
+_MILLIS = _number(hi=MAX_TIMEOUT * 1000)
 
 
 class _Schema:
@@ -376,6 +405,10 @@ class WorkersFailed(_Schema):
     TYPE: ClassVar[str] = "workers_failed"
     round: int = field(metadata=_COUNT)
     failure: Failure = field(metadata=_failure())
+    # The highest step any rank of this node reported in the round (-1: none), so that the
+    # server's crash-loop rule rests on what its state log keeps (Progress is not logged).
+    # Added within version 1: an older agent sends none.
+    step: int = field(default=-1, metadata=_STEP)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -400,6 +433,71 @@ class Leave(_Schema):
     TYPE: ClassVar[str] = "leave"
     reason: str = field(default="", metadata=_TEXT)
     workers_stopping: bool = field(default=False, metadata=_flag())
+
+
+# --- training progress and hangs (client -> server) ---------------------------
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class Progress(_Schema):
+    """The node's training progress in ``round``, sent with its heartbeats while it changes.
+
+    One summary per node, so its size does not grow with the job: the slowest and fastest
+    rank's last step, the node's step-time percentiles, the phase of its least recent rank and
+    how long ago that rank last reported, and, per local rank, the median time a step spent in
+    the "compute" phase (0: not reported), from which the server scores stragglers.
+    """
+
+    TYPE: ClassVar[str] = "progress"
+    round: int = field(metadata=_COUNT)
+    min_step: int = field(metadata=_STEP)
+    max_step: int = field(metadata=_STEP)
+    step_p50_ms: float = field(default=0.0, metadata=_MILLIS)
+    step_p90_ms: float = field(default=0.0, metadata=_MILLIS)
+    phase: str = field(default="", metadata=_PHASE)
+    age_ms: float = field(default=0.0, metadata=_MILLIS)
+    compute_ms: tuple[float, ...] = field(default=(), metadata=_items(_MILLIS["check"], "numbers", MAX_NPROC))
+
+    def _check_relations(self) -> None:
+        if self.max_step < self.min_step:
+            raise self._invalid("max_step", f"must be >= min_step ({self.min_step}), got {self.max_step}")
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class HangDetected(_Schema):
+    """Ranks of this node made no progress past their deadline in ``round``.
+
+    The server asks every node of the job for its ranks' stacks (``CollectStacks``); this
+    node collects its own, sends them, and then reports its failure as usual.
+    """
+
+    TYPE: ClassVar[str] = "hang_detected"
+    round: int = field(metadata=_COUNT)
+    ranks: tuple[int, ...] = field(metadata=_items(_COUNT["check"], "ranks", MAX_HUNG_RANKS))
+    step: int = field(metadata=_STEP)  # the first hung rank's last step
+    phase: str = field(default="", metadata=_PHASE)
+    silent_s: float = field(default=0.0, metadata=_TIMEOUT)  # how long it had made no progress
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class Stacks(_Schema):
+    """Each local rank's stacks (every thread) in ``round``, after a hang; parallel lists."""
+
+    TYPE: ClassVar[str] = "stacks"
+    round: int = field(metadata=_COUNT)
+    ranks: tuple[int, ...] = field(metadata=_items(_COUNT["check"], "ranks", MAX_STACK_RANKS))
+    steps: tuple[int, ...] = field(metadata=_items(_STEP["check"], "steps", MAX_STACK_RANKS))
+    phases: tuple[str, ...] = field(metadata=_items(_PHASE["check"], "phase names", MAX_STACK_RANKS))
+    silent_s: tuple[float, ...] = field(metadata=_items(_TIMEOUT["check"], "numbers", MAX_STACK_RANKS))
+    stacks: tuple[str, ...] = field(metadata=_items(_text(MAX_STACK_LEN)["check"], "texts", MAX_STACK_RANKS))
+
+    def _check_relations(self) -> None:
+        n = len(self.ranks)
+        for name in ("steps", "phases", "silent_s", "stacks"):
+            if len(getattr(self, name)) != n:
+                raise self._invalid(
+                    name, f"must hold one item per rank ({n}), got {len(getattr(self, name))}"
+                )
 
 
 # --- server -> client --------------------------------------------------------
@@ -511,6 +609,19 @@ class JobFailed(_Schema):
     TYPE: ClassVar[str] = "job_failed"
     reason: str = field(metadata=_TEXT)
     failure: Failure | None = field(default=None, metadata=_failure(optional=True))
+    # Why, as a stable code: "" (a failure past the restart budget, an invalid job ...) or
+    # "crash_loop" (restarts in a row made no step progress: the agent's distinct exit code).
+    # Added within version 1: an older agent ignores it.
+    code: str = field(default="", metadata=_text(MAX_CODE_LEN, plain=True))
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class CollectStacks(_Schema):
+    """A rank of the job hung in ``round``: send your ranks' stacks (``Stacks``) before any stop."""
+
+    TYPE: ClassVar[str] = "collect_stacks"
+    round: int = field(metadata=_COUNT)
+    reason: str = field(default="", metadata=_TEXT)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -578,6 +689,9 @@ Message: TypeAlias = (
     | WorkersSucceeded
     | Leave
     | Resume
+    | Progress
+    | HangDetected
+    | Stacks
     | Welcome
     | Resumed
     | Waiting
@@ -586,13 +700,26 @@ Message: TypeAlias = (
     | JobFailed
     | JobDone
     | Drain
+    | CollectStacks
     | GoingAway
     | Left
     | Error
 )
 
 CLIENT_MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Join, Heartbeat, WorkersFailed, WorkersSucceeded, Leave, Resume)
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Join,
+        Heartbeat,
+        WorkersFailed,
+        WorkersSucceeded,
+        Leave,
+        Resume,
+        Progress,
+        HangDetected,
+        Stacks,
+    )
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
@@ -608,6 +735,7 @@ SERVER_MESSAGES: dict[str, type[Message]] = {
         Resumed,
         GoingAway,
         Left,
+        CollectStacks,
     )
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}
