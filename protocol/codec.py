@@ -209,6 +209,9 @@ def _largest_join() -> Join:
         proof="f" * 128,
         node_rank=MAX_NODES - 1,
         node_secret="f" * 128,
+        straggler_threshold=1.0,
+        exclude_stragglers=True,
+        crash_loop_restarts=1_000_000,
     )
 
 

@@ -385,6 +385,15 @@ class Join(_Schema):
     # inside a Resume): only the holder may resume this node's place, since a job token
     # proves the job, not the node. Never shown by the server. "": an older agent.
     node_secret: str = field(default="", metadata=_SECRET)
+    # Training-health settings of the job, from --rdzv-conf (issue 19); like exclude_after,
+    # every node of a job must send the same. Added within version 1: an older server ignores
+    # them. straggler_threshold: a rank whose compute speed is below this fraction of the
+    # job's median is flagged; exclude_stragglers: a flagged node is left out of the next
+    # planned round; crash_loop_restarts: this many restarts in a row with no step progress
+    # end the job (0: never).
+    straggler_threshold: float = field(default=0.75, metadata=_number(hi=1.0))
+    exclude_stragglers: bool = field(default=False, metadata=_flag())
+    crash_loop_restarts: int = field(default=3, metadata=_integer(0, 1_000_000))
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
