@@ -71,6 +71,9 @@ class EventKind(str, enum.Enum):
     RESUMED = "resumed"  # a node came back after a server restart
     SERVER = "server"  # the server is going away
     RANKS = "ranks"  # --node-rank does not order this job's ranks
+    HANG = "hang"  # a rank made no progress past its deadline; every node sends its stacks
+    STRAGGLER = "straggler"  # a node's rank computes slower than the job's threshold allows
+    CRASH_LOOP = "crash_loop"  # restarts in a row made no step progress: the job fails
 
 
 class Departure(str, enum.Enum):
@@ -111,6 +114,12 @@ class JobEvent:
     departure: Departure | None = None  # how the node went (departures)
     spare: bool = False  # the node was a spare: its going disturbs no round
     failure_no: int = 0  # a worker failure's number in the job (1: the first); 0: none
+    ranks: tuple[int, ...] = ()  # global ranks (HANG: hung; STRAGGLER: flagged)
+    step: int | None = None  # HANG: the hung rank's last step; CRASH_LOOP: the step stuck at
+    phase: str = ""  # HANG: the hung rank's phase
+    silent_s: float | None = None  # HANG: how long it had made no progress
+    scores: tuple[float, ...] = ()  # STRAGGLER: the flagged ranks' scores (parallel to ranks)
+    restarts: int = 0  # CRASH_LOOP: the restarts in a row without progress
 
 
 @record(slots=True)
@@ -310,6 +319,88 @@ def resuming(now: float, rnd: int) -> JobEvent:
 def resumed(now: float, m: Member, rnd: int) -> JobEvent:
     text = f"node {m.node_id} resumed round {rnd}; nothing restarts"
     return JobEvent(now, EventKind.RESUMED, text, node=m.node_id, addr=m.addr, round=rnd)
+
+
+HANG_RANKS_SHOWN = 16  # hung ranks named in a HANG sentence (the typed field has them all)
+
+
+def hang(
+    now: float,
+    node: str,
+    addr: str,
+    rnd: int,
+    ranks: Sequence[int],
+    step: int,
+    phase: str,
+    silent: float,
+) -> JobEvent:
+    """Rank R on node N made no progress (first report of round ``rnd``; ``ranks``: every hung
+    rank reported so far, the first one first)."""
+    shown = ", ".join(map(str, ranks[:HANG_RANKS_SHOWN])) + (
+        f" and {len(ranks) - HANG_RANKS_SHOWN} more" if len(ranks) > HANG_RANKS_SHOWN else ""
+    )
+    first = ranks[0] if ranks else None
+    text = f"round {rnd}: {hang_reason(first, node, step, phase, silent)}" + (
+        f"; hung ranks: {shown}" if shown else ""
+    )
+    return JobEvent(
+        now,
+        EventKind.HANG,
+        text,
+        node=node,
+        addr=addr,
+        round=rnd,
+        ranks=tuple(ranks),
+        step=step,
+        phase=phase,
+        silent_s=silent,
+    )
+
+
+def hang_reason(rank: int | None, node: str, step: int, phase: str, silent: float) -> str:
+    """What CollectStacks says (and the HANG event begins with); ``rank`` None: not named."""
+    where = f"step {step}" if step >= 0 else "no step reported"
+    if phase:
+        where += f", phase {phase}"
+    who = f"rank {rank}" if rank is not None else "a rank"
+    return f"{who} on node {node} made no progress for {silent:.0f} s ({where})"
+
+
+def straggler(
+    now: float,
+    node: str,
+    addr: str,
+    rnd: int,
+    ranks: Sequence[int],
+    scores: Sequence[float],
+    threshold: float,
+) -> JobEvent:
+    shown = ", ".join(f"rank {r} at {s:.2f}" for r, s in list(zip(ranks, scores, strict=True))[:8])
+    more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+    text = (
+        f"round {rnd}: node {node} has straggler(s): {shown}{more} of the job's median compute "
+        f"speed (threshold {threshold:g})"
+    )
+    return JobEvent(
+        now,
+        EventKind.STRAGGLER,
+        text,
+        node=node,
+        addr=addr,
+        round=rnd,
+        ranks=tuple(ranks),
+        scores=tuple(scores),
+    )
+
+
+def crash_loop(now: float, rnd: int, restarts: int, step: int) -> JobEvent:
+    text = f"round {rnd}: {crash_loop_reason(restarts, step)}"
+    return JobEvent(now, EventKind.CRASH_LOOP, text, round=rnd, step=step, restarts=restarts)
+
+
+def crash_loop_reason(restarts: int, step: int) -> str:
+    restarts_text = "1 restart" if restarts == 1 else f"{restarts} restarts"
+    return f"{restarts_text} in a row made no step progress (stuck at step {step})"
 
 
 def rejoined(now: float, m: Member) -> JobEvent:

@@ -17,6 +17,7 @@ from protocol.messages import clip_text
 from protocol.records import record
 
 from .history import HISTORY_LEN, HISTORY_TEXT_LEN, JobEvent, node_range
+from .progress import HangState, JobProgress
 
 # Bounds on what one job and one server keep, whatever their peers send (the README's
 # per-job memory bound is computed from these; tests/rdzv_server/test_state_bounds.py checks it).
@@ -107,6 +108,12 @@ class JobSettings:
     last_call_timeout: float
     heartbeat_timeout: float
     exclude_after: int = 0
+    # Training health (issue 19): a rank below this fraction of the job's median compute
+    # speed is a straggler; exclude_stragglers leaves such a node out of the next round;
+    # crash_loop_restarts restarts in a row with no step progress fail the job (0: never).
+    straggler_threshold: float = 0.75
+    exclude_stragglers: bool = False
+    crash_loop_restarts: int = 3
 
     @classmethod
     def from_join(cls, msg: Join) -> JobSettings:
@@ -118,9 +125,12 @@ class JobSettings:
             last_call_timeout=msg.last_call_timeout,
             heartbeat_timeout=msg.heartbeat_timeout,
             exclude_after=msg.exclude_after,
+            straggler_threshold=msg.straggler_threshold,
+            exclude_stragglers=msg.exclude_stragglers,
+            crash_loop_restarts=msg.crash_loop_restarts,
         )
 
-    def to_dict(self) -> dict[str, int | float | str]:
+    def to_dict(self) -> dict[str, int | float | str | bool]:
         """The settings by name (the status API shows them; a snapshot keeps them)."""
         return {
             "min_nodes": self.min_nodes,
@@ -130,6 +140,9 @@ class JobSettings:
             "last_call_timeout": self.last_call_timeout,
             "heartbeat_timeout": self.heartbeat_timeout,
             "exclude_after": self.exclude_after,
+            "straggler_threshold": self.straggler_threshold,
+            "exclude_stragglers": self.exclude_stragglers,
+            "crash_loop_restarts": self.crash_loop_restarts,
         }
 
     def mismatch(self, other: JobSettings) -> str | None:
@@ -146,7 +159,15 @@ class JobSettings:
                 f"max restarts: the job has --max-restarts {self.max_restarts}, "
                 f"this agent has --max-restarts {other.max_restarts}"
             )
+        for name in ("straggler_threshold", "exclude_stragglers", "crash_loop_restarts"):
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if ours != theirs:
+                return f"--rdzv-conf {name}: the job has {_conf(ours)}, this agent has {_conf(theirs)}"
         return None
+
+
+def _conf(value: float | bool) -> str:
+    return str(int(value)) if isinstance(value, bool) else f"{value:g}"
 
 
 def entrypoint_key(entrypoint: str) -> str:
@@ -204,6 +225,16 @@ class Job:
     # Fixed-size jobs: node rank -> the node that gave it. Entries of nodes gone since are
     # stale and are dropped when looked up (rank_holder), so removals need not keep it.
     rank_holders: dict[int, str] = field(default_factory=dict)
+    # Crash loops (kept in snapshots): the highest step a failing round reported
+    # (WorkersFailed.step; -1: none), and the restarts in a row whose failure made no progress
+    # past it. fail_code: JobFailed.code of the job's end ("crash_loop" or "").
+    best_step: int = -1
+    stuck_restarts: int = 0
+    fail_code: str = ""
+    hang_round: int = -1  # the round of the job's latest HANG event (kept in snapshots)
+    # Training progress and the latest hang (volatile: not in snapshots; progress.py).
+    progress: JobProgress = field(default_factory=JobProgress)
+    hang: HangState | None = None
 
     def __post_init__(self) -> None:
         self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}

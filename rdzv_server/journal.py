@@ -8,7 +8,11 @@ are rewritten so that replay needs nothing but the log:
 
 - heartbeats, and any event the machine marks ``unchanged`` (a stale or ignored message),
   are not logged: they change nothing replay needs (at most a connection's "last seen" time),
-  so a member repeating such frames cannot grow the log;
+  so a member repeating such frames cannot grow the log; nor are training ``Progress`` and
+  ``Stacks``, which change only volatile views (not in snapshots). A decision the machine
+  takes from those views (a straggler noted, a node left out of a round) is kept as the
+  ``facts`` (``x``) of the record of the event that took it, and replay takes it from there
+  (``Rendezvous.facts``, ``logged_facts``), never from its own partial view;
 - a Tick's heartbeat sweep depends on those times, so the log keeps the Tick and, as
   separate disconnections, the silent nodes the sweep dropped; replay runs the machine with
   ``expire_silent=False`` and gets the same drops from the log;
@@ -78,7 +82,7 @@ from typing import Any
 
 import msgpack
 
-from protocol import HEADER, Heartbeat, Hello, ProtocolError, decode_payload, encode
+from protocol import HEADER, Heartbeat, Hello, Progress, ProtocolError, Stacks, decode_payload, encode
 from protocol.auth import TokenTable
 from protocol.records import record
 
@@ -234,27 +238,57 @@ RECORDS: dict[str, RecordKind] = {
 _KIND_OF: dict[type, RecordKind] = {row.event: row for row in RECORDS.values()}
 
 
-def event_record(event: Event, effects: list[Effect], *, unchanged: bool = False) -> Record | None:
+def event_record(
+    event: Event,
+    effects: list[Effect],
+    *,
+    unchanged: bool = False,
+    facts: dict[str, list[Any]] | None = None,
+) -> Record | None:
     """What the log keeps of one handled event (None: nothing that replay needs).
 
     ``unchanged``: the machine said the event changed no state (``Rendezvous.unchanged``).
+    ``facts``: what the machine derived from volatile state while handling it
+    (``Rendezvous.facts``), kept in the record (``x``) for replay to take instead.
     """
-    if unchanged:
+    if unchanged and not facts:
+        return None
+    if isinstance(event, Received) and isinstance(event.msg, _VOLATILE) and not facts:
         return None
     row = _KIND_OF.get(type(event))
     if row is None:
         raise TypeError(f"not a machine event: {event!r}")
-    return row.write(event, effects)
+    rec = row.write(event, effects)
+    if rec is not None and facts:
+        rec["x"] = facts
+    return rec
+
+
+# Training progress and stacks change only the machine's volatile views (not in snapshots, not
+# needed by replay); a node sends one Progress a second, so they are not logged. A decision
+# taken from them (a straggler noted, a node left out of a round) is: as the facts of the
+# event that took it.
+_VOLATILE = (Progress, Stacks)
 
 
 def apply_record(machine: Rendezvous, rec: Record) -> None:
-    """Feed one logged input to a machine built with ``expire_silent=False`` (replay)."""
+    """Feed one logged input to a machine built with ``expire_silent=False`` (replay).
+
+    The record's facts (``x``; none: {}) stand in, for this record's events, for what the
+    live machine derived from volatile state, so replay never decides from its own."""
     row = RECORDS.get(rec["k"])
     if row is None:
         raise StateLogError(f"unknown record kind {rec['k']!r} (written by a newer server?)")
     now = float(rec["t"])
-    for event in row.read(rec):
-        machine.handle(event, now)
+    facts = rec.get("x", {})
+    if not isinstance(facts, dict):
+        raise StateLogError(f"a record's facts are a {type(facts).__name__}, not a map")
+    machine.logged_facts = dict(facts)  # the machine takes facts out as it uses them: a copy
+    try:
+        for event in row.read(rec):
+            machine.handle(event, now)
+    finally:
+        machine.logged_facts = None
 
 
 def _unpack(payload: bytes) -> dict[str, Any]:
@@ -382,7 +416,7 @@ class StateLog:
     def record(self, event: Event, effects: list[Effect], now: float) -> None:
         """Log one event the machine just handled, unless it changed nothing (``unchanged``)."""
         self.check_space()
-        rec = event_record(event, effects, unchanged=self.machine.unchanged)
+        rec = event_record(event, effects, unchanged=self.machine.unchanged, facts=self.machine.facts)
         if rec is not None:
             # A connection and its hello change no job state, and what they are told (the
             # welcome) promises nothing: their records ride on the next fsync. Replay needs

@@ -5,8 +5,12 @@
 (never pickle, never ``asdict``): a change to the machine's state shows up as a change to
 this file, with ``VERSION`` bumped when the format changes; every version in ``READS`` still
 loads. A field added since is read with its default when missing (``Member.node_rank``,
-``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``), so snapshots of every
-age load.
+``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``; issue 19's job settings
+``straggler_threshold``, ``exclude_stragglers``, ``crash_loop_restarts``, the counters
+``Job.best_step``, ``Job.stuck_restarts``, ``Job.fail_code``, ``Job.hang_round`` and the
+history's typed fields ``ranks``, ``step``, ``phase``, ``silent_s``, ``scores``,
+``restarts``), so snapshots of every age load; such additions keep the version at 2. A
+job's training progress and latest hang report are volatile (``progress.py``): not kept.
 
 Versions: 1 kept each history event as ``[time, kind, text]``; 2 (typed history) adds the
 event's typed fields, ``[time, kind, text, {field: value}]`` (only those not empty). A
@@ -33,7 +37,7 @@ from typing import Any
 
 from protocol import Failure
 from protocol.errors import InvalidField, ProtocolError
-from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, clip_text
+from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
 from .history import Departure, EventKind, JobEvent
 from .state import (
@@ -140,6 +144,10 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "resume_expect": None if j.resume_expect is None else list(j.resume_expect),
         "resume_slots": [[rank, nid] for rank, nid in j.resume_slots.items()],
         "ranks_noted": j.ranks_noted,
+        "best_step": j.best_step,
+        "stuck_restarts": j.stuck_restarts,
+        "fail_code": j.fail_code,
+        "hang_round": j.hang_round,
     }
 
 
@@ -159,6 +167,18 @@ def _dump_event(e: JobEvent) -> list[Any]:
         fields["spare"] = True
     if e.failure_no:
         fields["failure_no"] = e.failure_no
+    if e.ranks:
+        fields["ranks"] = list(e.ranks)
+    if e.step is not None:
+        fields["step"] = e.step
+    if e.phase:
+        fields["phase"] = e.phase
+    if e.silent_s is not None:
+        fields["silent_s"] = e.silent_s
+    if e.scores:
+        fields["scores"] = list(e.scores)
+    if e.restarts:
+        fields["restarts"] = e.restarts
     return [e.time, e.kind.value, e.text, fields]
 
 
@@ -253,6 +273,10 @@ def _load_job(d: dict[str, Any]) -> Job:
             last_call_timeout=float(s["last_call_timeout"]),
             heartbeat_timeout=float(s["heartbeat_timeout"]),
             exclude_after=_int(s["exclude_after"]),
+            # Absent from snapshots before issue 19: the defaults of Join.
+            straggler_threshold=float(s.get("straggler_threshold", 0.75)),
+            exclude_stragglers=bool(s.get("exclude_stragglers", False)),
+            crash_loop_restarts=_int(s.get("crash_loop_restarts", 3)),
         ),
         phase=JobPhase(d["phase"]),
         round=_int(d["round"]),
@@ -268,6 +292,10 @@ def _load_job(d: dict[str, Any]) -> Job:
         outcome=str(d["outcome"]),
         resume_slots={_int(rank): str(nid) for rank, nid in d["resume_slots"]},
         ranks_noted=bool(d.get("ranks_noted", False)),
+        best_step=_int(d.get("best_step", -1)),  # absent before crash loops were counted
+        stuck_restarts=_int(d.get("stuck_restarts", 0)),
+        fail_code=str(d.get("fail_code", ""))[:MAX_CODE_LEN],
+        hang_round=_int(d.get("hang_round", -1)),
     )
     failures = [_load_failure(f) for f in d["failures"]]
     for f in failures:
@@ -291,6 +319,7 @@ def _load_event(e: list[Any]) -> JobEvent:
         raise ValueError(f"a history event of {len(e)} items")
     f: dict[str, Any] = more[0] if more else {}
     departure, nproc, rnd = f.get("departure"), f.get("nproc"), f.get("round")
+    step, silent = f.get("step"), f.get("silent_s")
     return JobEvent(
         float(t),
         EventKind(kind),
@@ -302,6 +331,12 @@ def _load_event(e: list[Any]) -> JobEvent:
         departure=None if departure is None else Departure(departure),
         spare=bool(f.get("spare", False)),
         failure_no=_int(f.get("failure_no", 0)),
+        ranks=tuple(_int(r) for r in f.get("ranks", ())),
+        step=None if step is None else _int(step),
+        phase=str(f.get("phase", ""))[:MAX_PHASE_LEN],
+        silent_s=None if silent is None else float(silent),
+        scores=tuple(float(x) for x in f.get("scores", ())),
+        restarts=_int(f.get("restarts", 0)),
     )
 
 

@@ -57,18 +57,22 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import replace
+from typing import Any
 
 from protocol import (
     Drain,
     Error,
     GoingAway,
+    HangDetected,
     Heartbeat,
     Hello,
     Join,
     Leave,
     Left,
     Message,
+    Progress,
     Resume,
+    Stacks,
     VersionMismatch,
     Welcome,
     WorkersFailed,
@@ -239,12 +243,20 @@ class Rendezvous(Recovery):
         # a node to a job (a new member, spare or job) is refused with this text; members
         # coming back (resumes, rejoins) are still served, so running jobs go on.
         self.refuse_joins = ""
+        # Set by handle(): facts the event's handling derived from volatile state (stragglers
+        # noted from Progress, nodes left out of a round for it), for the state log to keep
+        # with the event's record; None when there are none. ``logged_facts``: set by the
+        # log's replay around one record, the facts the live server derived for it (see
+        # rounds.RoundRules.facts).
+        self.facts: dict[str, list[Any]] | None = None
+        self.logged_facts: dict[str, Any] | None = None
 
     # -- public API ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         out: list[Effect] = []
         self.unchanged = False
+        self.facts = None
         if isinstance(event, Received) and event.conn not in self.conns:
             raise LocalError(f"message {type(event.msg).__name__} on unknown connection {event.conn}")
         try:
@@ -422,6 +434,12 @@ class Rendezvous(Recovery):
             self._on_failed(job, member, msg, now, out)
         elif isinstance(msg, WorkersSucceeded):
             self._on_succeeded(job, member, msg, now, out)
+        elif isinstance(msg, Progress):
+            self._on_progress(job, member, msg, now, out)
+        elif isinstance(msg, Stacks):
+            self._on_stacks(job, member, msg, now, out)
+        elif isinstance(msg, HangDetected):
+            self._on_hang(job, member, msg, now, out)
         elif isinstance(msg, Leave) and msg.workers_stopping:
             self._on_leaving_soon(job, member, msg, now, out)
         elif isinstance(msg, Leave):

@@ -14,7 +14,17 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol import Assignment, Heartbeat, Leave, WorkersFailed, WorkersSucceeded, decode_payload
+from protocol import (
+    Assignment,
+    HangDetected,
+    Heartbeat,
+    Leave,
+    Progress,
+    Stacks,
+    WorkersFailed,
+    WorkersSucceeded,
+    decode_payload,
+)
 from protocol.auth import TokenTable
 from rdzv_server import journal, snapshot
 from rdzv_server.journal import FILE_HEADER, LOG_NAME, StateLog, StateLogError, apply_record, event_record
@@ -50,7 +60,8 @@ class Recording(Rendezvous):
 
     def handle(self, event: Event, now: float) -> list[Effect]:
         effects = super().handle(event, now)
-        rec = event_record(event, effects, unchanged=self.unchanged)  # as StateLog.record does
+        # As StateLog.record does.
+        rec = event_record(event, effects, unchanged=self.unchanged, facts=self.facts)
         if rec is not None:
             self._keep(rec, now)
         return effects
@@ -119,6 +130,52 @@ def test_replay_from_any_snapshot_point_agrees() -> None:
         for rec in records[cut:]:
             apply_record(restored, rec)
         assert state(restored) == state(h.machine)
+
+
+def training_history(h: Harness) -> None:
+    """Issue 19's inputs: progress (a straggler noted), a hang reported by two nodes with
+    their stacks, the straggler left out of the next round, then a crash loop."""
+    kw = dict(min_nodes=2, max_nodes=3, max_restarts=9, last_call_timeout=1.0, exclude_stragglers=True)
+    a, b, c = h.join(**kw), h.join(**kw), h.join(**kw)
+    h.advance(0.1)
+    for i in range(3):
+        for x in (a, b, c):
+            slow = 300.0 if x == c else 100.0
+            h.send(x, Progress(round=0, min_step=i, max_step=i, compute_ms=(100.0, slow)))
+        h.advance(1.0)
+    h.send(b, HangDetected(round=0, ranks=(2,), step=2, phase="compute", silent_s=30.0))
+    h.send(a, HangDetected(round=0, ranks=(0, 1), step=2, silent_s=31.0))
+    st = Stacks(round=0, ranks=(2,), steps=(2,), phases=("compute",), silent_s=(30.0,), stacks=("frame",))
+    h.send(b, st)
+    h.send(b, WorkersFailed(round=0, failure=failure(rank=2, node="node2"), step=2))
+    for x in (a, b, c):
+        h.join(x, **kw)
+    h.advance(0.1)  # the round forms without the straggler
+    for rnd in (1, 2, 3):
+        h.send(a, WorkersFailed(round=rnd, failure=failure(), step=2))
+        if rnd < 3:  # the third fails the job
+            h.join(a, **kw), h.join(b, **kw)
+            h.advance(1.1)
+
+
+def test_training_health_replays_from_any_snapshot_point() -> None:
+    """Hang events, straggler notes and exclusions, crash-loop counters: a replay agrees with
+    the live machine from every cut, though Progress and Stacks are never logged."""
+    h = Harness(machine=Recording())
+    training_history(h)
+    job = h.machine.jobs["job"]
+    kinds = {e.kind.value for e in job.history}
+    assert {"hang", "straggler", "excluded", "crash_loop", "failed"} <= kinds, kinds
+    assert job.fail_code == "crash_loop" and "node3" in job.excluded
+    records = h.machine.records
+    for cut in range(len(records) + 1):
+        restored = snapshot.load(
+            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
+            Rendezvous(None, expire_silent=False),
+        )
+        for rec in records[cut:]:
+            apply_record(restored, rec)
+        assert state(restored) == state(h.machine), f"replay from record {cut} differs"
 
 
 def test_snapshot_round_trips_and_rejects_what_it_does_not_know() -> None:

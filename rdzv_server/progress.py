@@ -1,0 +1,234 @@
+"""A job's training progress, its stragglers and its latest hang, as the server sees them (pure).
+
+The agents send one ``Progress`` per node while their ranks' steps move (with their
+heartbeats), a ``HangDetected`` when a rank of theirs stops, and their ranks' ``Stacks``
+after a hang. This module keeps what the status surfaces show of them and scores stragglers;
+``rounds.py`` routes the messages here and decides what follows (a HANG or STRAGGLER history
+event, ``CollectStacks``, leaving a straggler out of the next round).
+
+Volatile on purpose: Progress and Stacks are never written to the state log (they change
+nothing a replay needs, and a node sends one a second), so nothing here is in a snapshot, and
+a decision taken from it is written into the log as a fact of the event that took it (see
+``Rendezvous.facts``). After a server restart the view starts empty and fills again within a
+heartbeat interval.
+
+Bounds: a job keeps one :class:`NodeProgress` per member of its round (O(nodes), compute
+times O(world size) floats) and one :class:`HangState` (at most HANG_NODES_KEPT nodes' stacks
+and HANG_TEXT_KEPT characters of them, HANG_RANKS_KEPT hung ranks).
+
+Straggler scores. Ranks spend the same wall time per step in synchronous training (the
+collectives wait for the slowest), so the score is from the time a step spent in the
+"compute" phase, each rank's median over the agent's window (``Progress.compute_ms``):
+score = job median / rank's value (1.0: the median; 0.5: twice as slow). A rank with no
+compute time (0: it does not mark the phase) is not scored, and with fewer than two known
+ranks nobody is.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import field
+
+from protocol import Progress, Stacks
+from protocol.records import record
+
+HANG_NODES_KEPT = 64  # nodes whose stacks a hang report keeps (the others are counted)
+HANG_TEXT_KEPT = 1 << 20  # characters of stacks a hang report keeps in all
+HANG_RANKS_KEPT = 256  # hung ranks a hang report names
+RATE_WINDOW = 10.0  # seconds over which steps/s is measured
+STRAGGLER_CHECK_EVERY = 1.0  # seconds between a job's straggler checks (each is O(world size))
+
+
+@record(slots=True)
+class NodeProgress:
+    """One node's last Progress of the round (see ``protocol.Progress``)."""
+
+    round: int
+    min_step: int
+    max_step: int
+    step_p50_ms: float
+    step_p90_ms: float
+    phase: str  # a peer's text: escape it to show it
+    age_ms: float  # the agent's age of its least recent rank's progress, when it sent this
+    received_at: float  # the machine's clock when this arrived
+    compute_ms: tuple[float, ...]  # by local rank; 0.0: unknown
+    rank_offset: int  # global rank of local rank 0 in the round
+
+    def age_s(self, now: float) -> float:
+        """Seconds since the node's least recent rank last made progress, as of ``now``."""
+        return self.age_ms / 1000.0 + max(0.0, now - self.received_at)
+
+
+@record(slots=True)
+class JobProgress:
+    """The progress of a job's current round (per node) and of the job (highest step, rate)."""
+
+    round: int = -1  # the round ``nodes`` belong to (-1: none yet)
+    nodes: dict[str, NodeProgress] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)  # node -> rank offset in ``round``
+    max_step: int = -1  # highest step ever reported in the job, any round
+    steps_per_s: float = 0.0  # of the round's fastest node; 0.0: not known yet
+    # node -> its global ranks flagged as stragglers in ``round`` (a STRAGGLER event was noted)
+    flagged: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    checked_at: float = float("-inf")  # the last straggler check (machine clock)
+    decided_round: int = -1  # the last forming round stragglers were left out of
+    _rate_at: float = 0.0  # the rate's anchor: when, and the fastest step then
+    _rate_step: int = -1
+    _fastest: int = -1  # highest max_step of the round
+
+    def start_round(self, rnd: int, offsets: dict[str, int]) -> None:
+        """The first Progress of round ``rnd`` arrived: the previous round's view goes."""
+        self.round = rnd
+        self.nodes.clear()
+        self.offsets = offsets
+        self.flagged.clear()
+        self.steps_per_s, self._rate_step, self._fastest = 0.0, -1, -1
+        self.checked_at = float("-inf")
+
+    def update(self, node_id: str, msg: Progress, nproc: int, now: float) -> NodeProgress:
+        """Keep ``msg`` as the node's latest (its compute times cut to its ``nproc`` ranks)."""
+        compute = msg.compute_ms if len(msg.compute_ms) <= nproc else msg.compute_ms[:nproc]
+        np = NodeProgress(
+            round=msg.round,
+            min_step=msg.min_step,
+            max_step=msg.max_step,
+            step_p50_ms=msg.step_p50_ms,
+            step_p90_ms=msg.step_p90_ms,
+            phase=msg.phase,
+            age_ms=msg.age_ms,
+            received_at=now,
+            compute_ms=compute,
+            rank_offset=self.offsets.get(node_id, 0),
+        )
+        self.nodes[node_id] = np
+        self.max_step = max(self.max_step, msg.max_step)
+        if msg.max_step > self._fastest:
+            self._fastest = msg.max_step
+            self._observe_rate(now)
+        return np
+
+    def _observe_rate(self, now: float) -> None:
+        # Two points: an anchor and now; the anchor moves on once it is RATE_WINDOW old, so
+        # the estimate covers the last 10 to 20 s of steps at O(1) memory.
+        if self._rate_step < 0:
+            self._rate_at, self._rate_step = now, self._fastest
+            return
+        dt = now - self._rate_at
+        if dt > 0:
+            self.steps_per_s = (self._fastest - self._rate_step) / dt
+        if dt >= RATE_WINDOW:
+            self._rate_at, self._rate_step = now, self._fastest
+
+    def forget(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+        self.flagged.pop(node_id, None)
+
+    def fastest(self) -> int:
+        """The highest step any node reported in the round (-1: none)."""
+        return max((n.max_step for n in self.nodes.values()), default=-1)
+
+    def min_step(self) -> int:
+        """The lowest step of any node's slowest rank in the round (-1: none)."""
+        return min((n.min_step for n in self.nodes.values()), default=-1)
+
+    def lag(self, node_id: str) -> int:
+        """How many steps the node's fastest rank is behind the round's fastest node."""
+        n = self.nodes.get(node_id)
+        if n is None or n.max_step < 0:
+            return 0
+        return max(0, self.fastest() - n.max_step)
+
+    def oldest(self, now: float) -> NodeProgress | None:
+        """The node whose least recent rank's progress is the oldest (None: no node reported)."""
+        return max(self.nodes.values(), key=lambda n: n.age_s(now), default=None)
+
+
+@record(frozen=True, slots=True)
+class RankScore:
+    """One rank's straggler score."""
+
+    rank: int  # global rank
+    node: str
+    local_rank: int
+    compute_ms: float
+    score: float  # the job's median compute time / this rank's (1.0: the median)
+    flagged: bool  # score < the job's straggler_threshold
+
+
+def straggler_scores(progress: JobProgress, threshold: float) -> list[RankScore]:
+    """Every rank with a known compute time, scored against the job's median, by global rank;
+    [] when fewer than two ranks are known. O(world size log world size)."""
+    known = [
+        (n.rank_offset + lr, nid, lr, ms)
+        for nid, n in progress.nodes.items()
+        for lr, ms in enumerate(n.compute_ms)
+        if ms > 0
+    ]
+    if len(known) < 2:
+        return []
+    median = statistics.median(ms for _, _, _, ms in known)
+    out = []
+    for rank, nid, lr, ms in sorted(known):
+        score = median / ms
+        out.append(RankScore(rank, nid, lr, ms, score, score < threshold))
+    return out
+
+
+def flagged_by_node(scores: list[RankScore]) -> dict[str, list[RankScore]]:
+    """The flagged ranks of ``straggler_scores``, by node (in rank order)."""
+    out: dict[str, list[RankScore]] = {}
+    for s in scores:
+        if s.flagged:
+            out.setdefault(s.node, []).append(s)
+    return out
+
+
+@record(slots=True)
+class HangState:
+    """The job's latest hang: who reported it first, every hung rank, and the nodes' stacks."""
+
+    round: int
+    node: str  # the node whose HangDetected came first, and its address
+    addr: str
+    ranks: list[int]  # hung global ranks of every HangDetected of the round (HANG_RANKS_KEPT)
+    step: int  # the first hung rank's last step, phase and silence
+    phase: str
+    silent_s: float
+    detected_at: float  # the machine's clock
+    reason: str  # the text CollectStacks carried
+    stacks: dict[str, Stacks] = field(default_factory=dict)  # node -> its Stacks
+    nodes_dropped: int = 0  # nodes whose stacks did not fit HANG_NODES_KEPT / HANG_TEXT_KEPT
+    text_kept: int = 0  # characters of stacks kept
+
+    def add_ranks(self, ranks: tuple[int, ...]) -> bool:
+        """Name more hung ranks (bounded); True if any was new."""
+        new = [r for r in ranks if r not in self.ranks][: max(0, HANG_RANKS_KEPT - len(self.ranks))]
+        self.ranks.extend(new)
+        return bool(new)
+
+    def add_stacks(self, node_id: str, msg: Stacks) -> bool:
+        """Keep a node's stacks (its latest replaces an earlier one); False if over the caps."""
+        size = sum(map(len, msg.stacks))
+        old = self.stacks.get(node_id)
+        freed = sum(map(len, old.stacks)) if old is not None else 0
+        if (old is None and len(self.stacks) >= HANG_NODES_KEPT) or (
+            self.text_kept - freed + size > HANG_TEXT_KEPT
+        ):
+            self.nodes_dropped += 1
+            return False
+        self.stacks[node_id] = msg
+        self.text_kept += size - freed
+        return True
+
+    def entries(self) -> list[tuple[int, int, str, float, str]]:
+        """(rank, step, phase, silent_s, stack text) of every kept rank, by rank: what
+        ``protocol.hang_report.merge`` takes."""
+        out = [
+            (rank, step, phase, silent, text)
+            for msg in self.stacks.values()
+            for rank, step, phase, silent, text in zip(
+                msg.ranks, msg.steps, msg.phases, msg.silent_s, msg.stacks, strict=True
+            )
+        ]
+        out.sort(key=lambda e: e[0])
+        return out
