@@ -112,9 +112,9 @@ HEADER = struct.Struct("!I")
 
 # msgpack's limits, sized to the schema. The widest map is a message's fields plus "t"; the
 # slack lets a newer minor revision of version 1 add fields (which we then ignore). The
-# longest array is Progress.compute_ms (one number per local rank). A text field holds up to MAX_TEXT_LEN characters, each at
-# most 4 bytes of UTF-8. No message holds bytes or ext types: a short one is let through to be
-# refused by its field's rule, which names the field.
+# longest array is Progress.compute_ms (one number per local rank). A text field holds up to
+# MAX_TEXT_LEN characters, each at most 4 bytes of UTF-8. No message holds bytes or ext
+# types: a short one is let through to be refused by its field's rule, which names the field.
 _MOST_FIELDS = max(len(fields(cls)) for cls in (*MESSAGE_TYPES.values(), Failure)) + 1
 MAX_MAP_LEN = _MOST_FIELDS + 32
 MAX_ARRAY_LEN = max(MAX_VERSIONS, MAX_NPROC, MAX_HUNG_RANKS, MAX_STACK_RANKS) + 48

@@ -7,6 +7,16 @@ service's monotonic clock for the heartbeat ages.
 
 Each service has its own registry (tests run several services in one process, and an
 embedded server must not register anything process-wide).
+
+Counts only, no ids: ``/metrics`` is the one page besides ``/healthz`` that answers any
+``Host`` (scrapers use service names and IPs; ``http_app.py``), so it must tell a web page
+that rebinds its DNS name to this server nothing a job's id would; and ids are the peers'
+texts, so a label per job would let agents grow the series without bound. Training health
+(issue 19) is therefore server-wide aggregates over the running jobs: jobs reporting
+progress, jobs whose running round hung, ranks flagged as stragglers now (scored at the
+scrape, as the status API does: O(world size) per job), and the distribution of the jobs'
+oldest last-progress ages (a job's own numbers are in its status,
+``/v1/jobs/{id}``).
 """
 
 from __future__ import annotations
@@ -25,10 +35,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from .progress import straggler_scores
 from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
 # Upper bounds for the heartbeat-age distribution: agents beat every second or so by default.
 HEARTBEAT_LAG_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# ... and for the jobs' oldest last-progress ages: steps take from milliseconds to minutes,
+# and the agent's default hang budgets are 120 s (after warm-up) and 30 min (the first step).
+PROGRESS_AGE_BUCKETS = (1.0, 5.0, 15.0, 60.0, 120.0, 300.0, 900.0, 1800.0)
 
 
 def _le(bound: float) -> str:
@@ -101,6 +115,51 @@ class RendezvousCollector(Collector):
             ],
             gsum_value=sum(lags),
         )
+        yield from _training(m, now)
+
+
+def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
+    """Training health over the running jobs: no ids (see the module's docstring)."""
+    running = [j for j in m.jobs.values() if j.phase is JobPhase.RUNNING]
+    ages = []
+    for j in running:
+        oldest = j.progress.oldest(now) if j.progress.round == j.round else None
+        if oldest is not None:
+            ages.append(oldest.age_s(now))
+    ages.sort()
+    yield GaugeMetricFamily(
+        "rdzv_jobs_reporting_progress",
+        "Running jobs whose agents report training progress in the running round.",
+        value=len(ages),
+    )
+    yield GaugeMetricFamily(
+        "rdzv_jobs_hung",
+        "Running jobs whose running round has a hang report (a rank made no progress).",
+        value=sum(1 for j in running if j.hang is not None and j.hang.round == j.round),
+    )
+    yield GaugeMetricFamily(
+        "rdzv_stragglers_flagged",
+        "Ranks of running jobs whose compute speed is now below their job's straggler threshold.",
+        value=sum(
+            sum(1 for sc in straggler_scores(j.progress, j.settings.straggler_threshold) if sc.flagged)
+            for j in running
+            if j.progress.round == j.round
+        ),
+    )
+    yield GaugeMetricFamily(
+        "rdzv_progress_age_max_seconds",
+        "The oldest last progress of any running job's rank (0 when none reports progress).",
+        value=ages[-1] if ages else 0.0,
+    )
+    yield GaugeHistogramMetricFamily(
+        "rdzv_progress_age_seconds",
+        "Running jobs by the age of their least recent rank's last progress, now.",
+        buckets=[
+            *((_le(b), bisect.bisect_right(ages, b)) for b in PROGRESS_AGE_BUCKETS),
+            ("+Inf", len(ages)),
+        ],
+        gsum_value=sum(ages),
+    )
 
 
 def make_registry(machine: Callable[[], Rendezvous], clock: Callable[[], float]) -> CollectorRegistry:

@@ -12,6 +12,13 @@ the nodes that took part and are gone ("departed"): those of the last round's ra
 are no longer there, the excluded ones, and any named by a ``joined`` event still in the
 job's history. Why each one went comes from the history (``lost``, ``left``, ``excluded``).
 
+Training (issue 19). A job shows its ``progress`` (the round's highest and lowest step, the
+job's best step, steps/s, the oldest last-progress age and its phase), each member its own
+(step, lag behind the fastest node, phase, age with a verdict, step-time percentiles, its
+slowest rank's straggler score), the job's ``stragglers`` and its latest ``hang`` report (the
+stacks every node sent, merged by ``protocol.hang_report``). All of it is volatile machine
+state (``progress.py``): empty after a server restart until the agents' next Progress.
+
 Facts come from the history events' typed fields (``history.py``: a round's number, a departed
 node's address, which failure an event reports), never from their sentences, which are for
 people. An event older than its field (restored from a version 1 snapshot) has the field
@@ -20,14 +27,18 @@ empty, and the fact it would give shows as ``None``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict
+from functools import lru_cache
 from itertools import islice
 from typing import Any
 
+from protocol import Stacks
 from protocol.failure_text import describe_failure
 
 from .history import EventKind, JobEvent
+from .progress import HangState, NodeProgress, RankScore, straggler_scores
 from .state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
 
 K = EventKind
@@ -38,6 +49,27 @@ _DEPARTURES = frozenset({K.LOST, K.LEFT, K.EXCLUDED})
 TERMINAL_PHASES = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
 
 JOBS_LISTED = 200  # jobs in one GET /v1/jobs (active first); each job's detail is per id
+STRAGGLERS_SHOWN = 64  # flagged ranks listed in a job's detail, slowest first (all are counted)
+# A hang report's bounds: groups listed (the rest counted), ranks named per group, frames per
+# group and characters per frame. With the machine's own caps (HANG_TEXT_KEPT characters of
+# stacks), a job's hang report is at most about 32 x 2 KiB of stacks and frames.
+HANG_GROUPS_SHOWN = 32
+HANG_GROUP_RANKS_SHOWN = 256
+HANG_FRAMES_KEPT = 30
+HANG_FRAME_LEN = 300
+
+# A node's last-progress age gets a verdict (the dashboard's colour, the table's mark):
+# "ok" up to AGE_LATE_STEPS x its p90 step time, "late" past that, "stalled" past
+# max(AGE_STALLED_STEPS x p90, AGE_STALLED_MIN_S): about where the agent's default hang
+# policy (5x the largest step interval, at least 120 s) would soon call it hung. Each bound
+# has AGE_SLACK_S added, because Progress rides the heartbeats (about 1 s apart), so the age
+# the server knows grows by up to an interval between two of them. Before the node has a
+# p90 (no step interval yet: the first step may take many minutes) it is "ok" up to
+# AGE_STALLED_MIN_S and "late" after, never "stalled"; a node with no step yet is "none".
+AGE_SLACK_S = 2.0
+AGE_LATE_STEPS = 2.0
+AGE_STALLED_STEPS = 5.0
+AGE_STALLED_MIN_S = 60.0
 
 
 class Clock:
@@ -121,7 +153,14 @@ def job_summary(job: Job, clock: Clock, *, forgotten: bool) -> dict[str, Any]:
         "nodes": len(job.members),
         "spares": len(job.spares),
         "world_size": _world_size(job),
+        # O(1) per job: the highest step ever reported, and the round of the latest hang.
+        "step": _step(job.progress.max_step),
+        "hang_round": _step(job.hang_round),
     }
+
+
+def _step(step: int) -> int | None:
+    return step if step >= 0 else None
 
 
 def _world_size(job: Job) -> int | None:
@@ -155,6 +194,12 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         if nid in job.members:
             ranks[nid] = (group_rank, offset)
             offset += job.members[nid].nproc
+    scores = straggler_scores(job.progress, s.straggler_threshold)  # once: O(world size log)
+    worst: dict[str, RankScore] = {}  # node id -> its slowest scored rank
+    for sc in scores:
+        if sc.node not in worst or sc.score < worst[sc.node].score:
+            worst[sc.node] = sc
+    training = _Training(job, clock, worst)
     return {
         "id": job.id,
         # Opaque and stable across requests: tells this job from an older one of the same id.
@@ -177,14 +222,26 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
             {"addr": master.addr, "port": master.master_port} if master is not None and running else None
         ),
         "members": [
-            *(_member_view(machine, m, "member", ranks.get(m.node_id), clock) for m in _in_order(job)),
-            *(_member_view(machine, m, "spare", None, clock) for m in job.spares.values()),
+            *(
+                _member_view(machine, m, "member", ranks.get(m.node_id), clock, training)
+                for m in _in_order(job)
+            ),
+            *(_member_view(machine, m, "spare", None, clock, None) for m in job.spares.values()),
             *_departed(job, history, present, clock),
         ],
         "excluded": [{"node_id": nid, "reason": why} for nid, why in job.excluded.items()],
         "failures": _failures(job, history),
         "rounds": _rounds(job, history, clock),
         "history": [_event_view(e, clock) for e in history],
+        "fail_code": job.fail_code or None,
+        "progress": _job_progress(job, clock),
+        "crash_loop": {
+            "restarts_without_progress": job.stuck_restarts,
+            "limit": s.crash_loop_restarts,
+            "best_step": _step(job.best_step),
+        },
+        "stragglers": _stragglers(job, scores),
+        "hang": _hang_view(job, clock),
     }
 
 
@@ -200,6 +257,12 @@ def _event_view(e: JobEvent, clock: Clock) -> dict[str, Any]:
         "round": e.round,
         "departure": None if e.departure is None else e.departure.value,
         "spare": e.spare,
+        "ranks": list(e.ranks),
+        "step": e.step,
+        "phase": e.phase,
+        "silent_s": e.silent_s,
+        "scores": [round(x, 3) for x in e.scores],
+        "restarts": e.restarts,
     }
 
 
@@ -214,7 +277,12 @@ def _in_order(job: Job) -> Iterable[Member]:
 
 
 def _member_view(
-    machine: Rendezvous, m: Member, role: str, ranks: tuple[int, int] | None, clock: Clock
+    machine: Rendezvous,
+    m: Member,
+    role: str,
+    ranks: tuple[int, int] | None,
+    clock: Clock,
+    training: _Training | None,
 ) -> dict[str, Any]:
     conn = machine.conns.get(m.conn)
     group_rank, rank_offset = ranks if ranks is not None else (None, None)
@@ -233,6 +301,7 @@ def _member_view(
         "last_heartbeat_ago": clock.ago(conn.last_seen) if conn is not None else None,
         "peer": conn.peer if conn is not None else None,
         "reason": "",
+        "progress": training.node(m.node_id) if training is not None else None,
     }
 
 
@@ -273,6 +342,7 @@ def _departed(
                 "last_heartbeat_ago": None,
                 "peer": None,
                 "reason": reason,
+                "progress": None,
                 "departed_at": clock.wall(event.time) if event is not None else None,
             }
         )
@@ -351,3 +421,191 @@ def _rounds(job: Job, history: list[JobEvent], clock: Clock) -> list[dict[str, A
 def _ends_round(e: JobEvent) -> bool:
     # A spare that leaves does not disturb the round.
     return e.kind in _ROUND_ENDERS and not (e.kind in _DEPARTURES and e.spare)
+
+
+# --- training: progress, stragglers, hangs -------------------------------------------------
+
+
+def _ms(value: float) -> float | None:
+    return round(value, 3) if value > 0 else None
+
+
+def age_state(age_s: float, p90_ms: float, step: int) -> str:
+    """The verdict on a node's last-progress age: none, ok, late or stalled (AGE_* above)."""
+    if step < 0:
+        return "none"
+    p90 = p90_ms / 1000.0
+    if p90 <= 0:
+        return "ok" if age_s <= AGE_STALLED_MIN_S + AGE_SLACK_S else "late"
+    if age_s <= AGE_LATE_STEPS * p90 + AGE_SLACK_S:
+        return "ok"
+    if age_s <= max(AGE_STALLED_STEPS * p90, AGE_STALLED_MIN_S) + AGE_SLACK_S:
+        return "late"
+    return "stalled"
+
+
+class _Training:
+    """A job's per-node training views, from one reading of its progress and scores."""
+
+    def __init__(self, job: Job, clock: Clock, worst: dict[str, RankScore]) -> None:
+        self.progress = job.progress
+        self.fastest = job.progress.fastest()
+        self.clock = clock
+        self.worst = worst
+        self.flagged = job.progress.flagged
+
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        n: NodeProgress | None = self.progress.nodes.get(node_id)
+        if n is None:
+            return None
+        age = n.age_s(self.clock.mono_now)
+        worst = self.worst.get(node_id)
+        return {
+            "round": n.round,
+            "step": _step(n.max_step),
+            "min_step": _step(n.min_step),
+            "lag": max(0, self.fastest - n.max_step) if n.max_step >= 0 else None,
+            "phase": n.phase,
+            "age_s": round(age, 3),
+            "age_state": age_state(age, n.step_p90_ms, n.max_step),
+            "step_p50_ms": _ms(n.step_p50_ms),
+            "step_p90_ms": _ms(n.step_p90_ms),
+            "straggler": (
+                None
+                if worst is None
+                else {
+                    "rank": worst.rank,
+                    "local_rank": worst.local_rank,
+                    "compute_ms": round(worst.compute_ms, 3),
+                    "score": round(worst.score, 3),
+                    "flagged": worst.flagged,
+                }
+            ),
+        }
+
+
+def _job_progress(job: Job, clock: Clock) -> dict[str, Any] | None:
+    p = job.progress
+    if p.max_step < 0 and not p.nodes:
+        return None
+    oldest = p.oldest(clock.mono_now)
+    return {
+        "round": p.round if p.nodes else None,
+        "step": _step(p.fastest()),
+        "min_step": _step(p.min_step()),
+        "best_step": _step(p.max_step),
+        "steps_per_s": round(p.steps_per_s, 3) if p.steps_per_s > 0 else None,
+        "last_progress_age_s": round(oldest.age_s(clock.mono_now), 3) if oldest is not None else None,
+        "phase": oldest.phase if oldest is not None else "",
+        "nodes_reporting": len(p.nodes),
+    }
+
+
+def _score_view(sc: RankScore) -> dict[str, Any]:
+    return {
+        "rank": sc.rank,
+        "node_id": sc.node,
+        "local_rank": sc.local_rank,
+        "compute_ms": round(sc.compute_ms, 3),
+        "score": round(sc.score, 3),
+    }
+
+
+def _stragglers(job: Job, scores: list[RankScore]) -> dict[str, Any]:
+    flagged = sorted((sc for sc in scores if sc.flagged), key=lambda sc: (sc.score, sc.rank))
+    return {
+        "threshold": job.settings.straggler_threshold,
+        "exclude": job.settings.exclude_stragglers,
+        "scored": len(scores),
+        "flagged_total": len(flagged),
+        "flagged": [_score_view(sc) for sc in flagged[:STRAGGLERS_SHOWN]],
+    }
+
+
+def _hang_view(job: Job, clock: Clock) -> dict[str, Any] | None:
+    h: HangState | None = job.hang
+    if h is None:
+        return None
+    return {
+        "round": h.round,
+        "node_id": h.node,
+        "addr": h.addr,
+        "ranks": list(h.ranks),
+        "step": _step(h.step),
+        "phase": h.phase,
+        "silent_s": round(h.silent_s, 3),
+        "detected_at": clock.wall(h.detected_at),
+        "ago": clock.ago(h.detected_at),
+        "reason": h.reason,
+        "nodes_reported": len(h.stacks),
+        "nodes_dropped": h.nodes_dropped,
+        "report": hang_report_view(h),
+    }
+
+
+def hang_report_view(h: HangState) -> dict[str, Any] | None:
+    """The nodes' stacks merged; None before any arrived. Cached on what it is made of (the
+    kept Stacks messages and the hung ranks), so a dashboard polling every second does not
+    parse up to HANG_TEXT_KEPT characters of stacks each time."""
+    if not h.stacks:
+        return None
+    return _merged(tuple(h.stacks.values()), tuple(h.ranks))
+
+
+@lru_cache(maxsize=8)
+def _merged(stacks: tuple[Stacks, ...], hung: tuple[int, ...]) -> dict[str, Any]:
+    groups: dict[tuple[str, ...], list[tuple[int, str]]] = {}
+    for msg in stacks:
+        for rank, text in zip(msg.ranks, msg.stacks, strict=True):
+            groups.setdefault(main_frames(text), []).append((rank, text))
+    largest = max(map(len, groups.values()), default=0)  # 0: every node sent no rank
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(r for r, _ in kv[1])))
+    odd_ranks = {r for members in groups.values() if len(members) < largest for r, _ in members}
+    suspects = [r for r in hung if r in odd_ranks] or list(hung)
+    out = []
+    for frames, members in ordered[:HANG_GROUPS_SHOWN]:
+        members.sort()
+        out.append(
+            {
+                "ranks": [r for r, _ in members[:HANG_GROUP_RANKS_SHOWN]],
+                "ranks_total": len(members),
+                "odd": len(members) < largest,
+                "frames": list(frames),
+                "stack": members[0][1],
+            }
+        )
+    return {"suspects": suspects[:HANG_GROUP_RANKS_SHOWN], "groups": out, "groups_total": len(groups)}
+
+
+_FAULTHANDLER_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
+_PYSPY_FRAME = re.compile(r"^\s+(\S.*) \((.*):(\d+)\)$")
+
+
+def main_frames(text: str) -> tuple[str, ...]:
+    """A rank's main thread's frames, innermost first, as ``file:line in function``.
+
+    faulthandler marks the thread that took its signal (the main one) "Current thread";
+    py-spy names it "MainThread"; else the first thread is taken. A text of neither format
+    is kept whole as one opaque "frame", so identical texts still group together.
+    """
+    threads: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith(("Thread ", "Current thread ")):
+            threads.append((line, []))
+            continue
+        m = _FAULTHANDLER_FRAME.match(line)
+        if m:
+            frame = f"{m[1]}:{m[2]} in {m[3]}"
+        elif (p := _PYSPY_FRAME.match(line)) is not None:
+            frame = f"{p[2]}:{p[3]} in {p[1]}"
+        else:
+            continue
+        if not threads:
+            threads.append(("", []))
+        threads[-1][1].append(frame)
+    if not threads:
+        return (text.strip()[:HANG_FRAME_LEN],)
+    main = next(
+        (t for t in threads if t[0].startswith("Current thread") or '"MainThread"' in t[0]), threads[0]
+    )
+    return tuple(f[:HANG_FRAME_LEN] for f in main[1][:HANG_FRAMES_KEPT])

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 HISTORY_SHOWN = 15  # a job's most recent history events in its detail
+STRAGGLER_LINES = 10  # flagged ranks listed under a job (the rest are counted)
+HANG_GROUPS_SHOWN = 8  # stack groups of a hang report listed (odd ones out first)
+HANG_FRAMES_SHOWN = 3  # innermost frames shown per group
+HANG_RANKS_SHOWN = 16  # ranks named per line
 
 
 # C0 and C1 controls, DEL, and the bidirectional overrides that reorder what a terminal shows.
@@ -121,6 +125,7 @@ def format_job(job: dict[str, Any]) -> str:
             first, last = m["rank_offset"], m["rank_offset"] + m["nproc"] - 1
             ranks = str(first) if first == last else f"{first}-{last}"
         beat = "-" if m["last_heartbeat_ago"] is None else _age(m["last_heartbeat_ago"]) + " ago"
+        step, age, note = _node_progress(m.get("progress"))
         rows.append(
             (
                 m["node_id"],
@@ -129,17 +134,42 @@ def format_job(job: dict[str, Any]) -> str:
                 "-" if m["nproc"] is None else m["nproc"],
                 "-" if m["group_rank"] is None else m["group_rank"],
                 ranks,
+                step,
+                age,
                 beat,
                 m["failures"],
-                m["reason"] if departed else "",
+                m["reason"] if departed else note,
             )
         )
+    progress = job.get("progress")
+    if progress:
+        lines.append("  " + _job_progress(progress))
+    loop = job.get("crash_loop")
+    if loop and loop["restarts_without_progress"]:
+        limit = f"/{loop['limit']}" if loop["limit"] else " (no limit)"
+        best = "" if loop["best_step"] is None else f" past step {loop['best_step']}"
+        n = loop["restarts_without_progress"]
+        lines.append(f"  crash loop: {n}{limit} restarts in a row made no progress{best}")
     lines.append("")
     if rows:
-        headers = ("NODE", "STATE", "ADDRESS", "NPROC", "RANK", "RANKS", "HEARTBEAT", "FAILURES", "NOTE")
+        headers = (
+            "NODE",
+            "STATE",
+            "ADDRESS",
+            "NPROC",
+            "RANK",
+            "RANKS",
+            "STEP",
+            "AGE",
+            "HEARTBEAT",
+            "FAILURES",
+            "NOTE",
+        )
         lines.append(table(headers, rows))
     else:
         lines.append("no nodes")
+    lines += _hang_lines(job.get("hang"))
+    lines += _straggler_lines(job.get("stragglers"))
     if job["failures"]:
         lines += ["", "failures (the root cause of each restart):"]
         for f in job["failures"]:
@@ -159,3 +189,107 @@ def format_job(job: dict[str, Any]) -> str:
             f"  {_clock(e['time'])}  {shown(e['kind']).ljust(width)}  {shown(e['text'])}" for e in recent
         ]
     return "\n".join(lines)
+
+
+# --- training -------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}ms" if value < 10_000 else _age(value / 1000)
+
+
+def _node_progress(p: dict[str, Any] | None) -> tuple[str, str, str]:
+    """A member's STEP and AGE cells, and its note (lag, phase, a late age, a straggler)."""
+    if not p:
+        return "-", "-", ""
+    step = "-" if p["step"] is None else str(p["step"])
+    if p["min_step"] is not None and p["step"] is not None and p["min_step"] != p["step"]:
+        step = f"{p['min_step']}-{p['step']}"
+    age = _age(p["age_s"]) + (
+        "!" if p["age_state"] == "late" else "!!" if p["age_state"] == "stalled" else ""
+    )
+    notes = []
+    if p["lag"]:
+        notes.append(f"{p['lag']} behind")
+    if p["phase"]:
+        notes.append(f"in {p['phase']}")
+    if p["age_state"] in ("late", "stalled"):
+        notes.append(f"no progress: {p['age_state']} (p90 step {_ms(p['step_p90_ms'])})")
+    s = p["straggler"]
+    if s is not None and s["flagged"]:
+        notes.append(f"straggler: rank {s['rank']} at {s['score']:.2f}")
+    return step, age, "; ".join(notes)
+
+
+def _job_progress(p: dict[str, Any]) -> str:
+    parts = [f"step {'-' if p['step'] is None else p['step']}"]
+    if p["min_step"] is not None and p["step"] is not None and p["min_step"] != p["step"]:
+        parts[0] += f" (slowest rank at {p['min_step']})"
+    if p["best_step"] is not None and p["best_step"] != p["step"]:
+        parts.append(f"best {p['best_step']}")
+    if p["steps_per_s"] is not None:
+        parts.append(f"{p['steps_per_s']:.3g} steps/s")
+    if p["last_progress_age_s"] is not None:
+        where = f" (in {shown(p['phase'])})" if p["phase"] else ""
+        parts.append(f"last progress {_age(p['last_progress_age_s'])} ago{where}")
+    return "training: " + ", ".join(parts)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    text = ",".join(map(str, ranks[:HANG_RANKS_SHOWN]))
+    return text + (f" (+{len(ranks) - HANG_RANKS_SHOWN} more)" if len(ranks) > HANG_RANKS_SHOWN else "")
+
+
+def _straggler_lines(st: dict[str, Any] | None) -> list[str]:
+    if not st or not st["flagged"]:
+        return []
+    out = ["", f"stragglers (compute speed below {st['threshold']:g} of the job's median):"]
+    for f in st["flagged"][:STRAGGLER_LINES]:
+        out.append(
+            f"  rank {f['rank']} (local rank {f['local_rank']}) on {shown(f['node_id'])}: "
+            f"score {f['score']:.2f}, {_ms(f['compute_ms'])} compute per step"
+        )
+    if st["flagged_total"] > STRAGGLER_LINES:
+        out.append(f"  ... and {st['flagged_total'] - STRAGGLER_LINES} more")
+    return out
+
+
+def _hang_lines(hang: dict[str, Any] | None) -> list[str]:
+    """The job's latest hang: who reported it, the hung ranks, and the merged stacks."""
+    if not hang:
+        return []
+    step = "no step reported" if hang["step"] is None else f"step {hang['step']}"
+    phase = f", phase {shown(hang['phase'])}" if hang["phase"] else ""
+    out = [
+        "",
+        f"hang in round {hang['round']} ({_age(hang['ago'])} ago): "
+        + (f"ranks {_ranks(hang['ranks'])}" if hang["ranks"] else "a rank")
+        + f" made no progress for {_age(hang['silent_s'])} ({step}{phase}); "
+        f"first reported by {shown(hang['node_id'])}",
+    ]
+    out += _report_lines(hang)
+    return out
+
+
+def _report_lines(hang: dict[str, Any]) -> list[str]:
+    """The suspects, then each group of ranks with the same stack (odd ones out first), with
+    its innermost frames; the whole stacks are in ``--json`` and on the dashboard."""
+    report = hang["report"]
+    if report is None:
+        return ["  no stacks received yet"]
+    suspects = _ranks(report["suspects"]) if report["suspects"] else "none named"
+    dropped = f", {hang['nodes_dropped']} not kept" if hang["nodes_dropped"] else ""
+    out = [f"  suspects: rank {suspects} (stacks from {_n(hang['nodes_reported'], 'node')}{dropped})"]
+    for g in report["groups"][:HANG_GROUPS_SHOWN]:
+        label = "odd one out: " if g["odd"] else ""
+        count = f" ({g['ranks_total']} ranks)" if g["ranks_total"] > 1 else ""
+        out.append(f"  {label}rank{'s' if g['ranks_total'] > 1 else ''} {_ranks(g['ranks'])}{count}:")
+        out += [f"      {shown(f)}" for f in g["frames"][:HANG_FRAMES_SHOWN]]
+        if len(g["frames"]) > HANG_FRAMES_SHOWN:
+            out.append(f"      ... {len(g['frames']) - HANG_FRAMES_SHOWN} more frames")
+    hidden = report["groups_total"] - min(len(report["groups"]), HANG_GROUPS_SHOWN)
+    if hidden > 0:
+        out.append(f"  ... and {_n(hidden, 'more group')} (rdzv-server status --json has them)")
+    return out

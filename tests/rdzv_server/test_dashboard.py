@@ -22,10 +22,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-from protocol import Assignment, Heartbeat, JobDone, Restart, WorkersSucceeded
+from protocol import (
+    Assignment,
+    CollectStacks,
+    HangDetected,
+    Heartbeat,
+    JobDone,
+    Progress,
+    Restart,
+    Stacks,
+    WorkersSucceeded,
+)
 from rdzv_server.service import RendezvousService
 
-from .test_http import FakeAgent, FakeClock, Watch, last_seen
+from .test_http import FakeAgent, FakeClock, Watch, last_seen, running_job
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -269,3 +279,197 @@ async def test_dashboard_shows_jobs_live_and_marks_a_lost_node(browser: Browser,
         for a in agents:
             await a.kill()
         await svc.close()
+
+
+TRAINING_ROW = """
+const card = document.querySelector(`section.job[data-job-id="${arguments[0]}"][data-forgotten="false"]`);
+const row = card && card.querySelector(`tr[data-node="${arguments[1]}"]`);
+if (!row || row.dataset.step === undefined) return null;
+const age = row.querySelector("td.age");
+return {step: row.dataset.step, ageState: row.dataset.ageState, age: age.innerText,
+        color: getComputedStyle(age).color, lag: row.querySelector("td.lag").innerText,
+        phase: row.querySelector("td.phase").innerText, score: row.querySelector("td.score").innerText};
+"""
+
+
+async def test_dashboard_shows_step_age_stragglers_and_a_hang_report(
+    browser: Browser, tmp_path: Path
+) -> None:
+    clock = FakeClock()
+    svc = RendezvousService(http=True, clock=clock)
+    port = await svc.start("127.0.0.1", 0)
+    watch = Watch(svc)
+    agents: list[FakeAgent] = []
+    try:
+        agents = await running_job(port, ["node-a", "node-b"], job="train", heartbeat_timeout=600.0)
+        a, b = agents
+        await browser.goto(f"http://127.0.0.1:{port}/")
+        await browser.until(ROW_STATE, "train", "node-b")
+        a.send(
+            Progress(
+                round=0,
+                min_step=120,
+                max_step=120,
+                step_p50_ms=480.0,
+                step_p90_ms=500.0,
+                phase="compute",
+                compute_ms=(100.0, 100.0),
+            )
+        )
+        jobs = svc.machine.jobs
+        await watch.until(lambda: "node-a" in jobs["train"].progress.nodes)
+        clock.now += 1.5  # stragglers are scored at most once a second
+        b.send(
+            Progress(
+                round=0,
+                min_step=117,
+                max_step=118,
+                step_p50_ms=490.0,
+                step_p90_ms=500.0,
+                phase="\u202eckpt",
+                age_ms=300.0,
+                compute_ms=(100.0, 210.0),
+            )
+        )
+        jobs = svc.machine.jobs
+        await watch.until(lambda: len(jobs["train"].progress.nodes) == 2)
+        clock.now += 2.0  # node-a moves on 4 steps in 3.5 s
+        a.send(
+            Progress(
+                round=0,
+                min_step=124,
+                max_step=124,
+                step_p50_ms=480.0,
+                step_p90_ms=500.0,
+                compute_ms=(100.0, 100.0),
+            )
+        )
+        await watch.until(lambda: jobs["train"].progress.nodes["node-a"].max_step == 124)
+        rate = await browser.until(
+            "return document.querySelector('section.job[data-job-id=\"train\"] .job-rate')?.innerText"
+        )
+        assert rate == "1.14"
+        row_b = await browser.until(TRAINING_ROW, "train", "node-b")
+        assert (row_b["step"], row_b["lag"]) == ("118", "6")
+        assert row_b["phase"] == "\\u202eckpt"  # a worker's text, its control shown escaped
+        assert row_b["ageState"] == "ok" and row_b["color"] == "rgb(31, 138, 76)"  # green
+        assert row_b["score"] == "0.48 straggler"
+        straggler = await browser.js(
+            "return document.querySelector('section.job[data-job-id=\"train\"] ul.stragglers').innerText"
+        )
+        assert "rank 3 (local 1) on node-b: score 0.48" in straggler
+        # time passes with no progress: node-a's age goes amber, then red
+        clock.now += 30.0
+        a.send(Heartbeat())
+        await watch.until(lambda: last_seen(svc, "node-a", "train") == clock.now)
+        row_a = await browser.until(
+            "const r = (() => {" + TRAINING_ROW + "})(); return r && r.ageState === 'late' ? r : null;",
+            "train",
+            "node-a",
+        )
+        assert row_a["color"] == "rgb(183, 121, 31)" and row_a["age"] == "30s ago"
+        clock.now += 60.0
+        a.send(Heartbeat())
+        await watch.until(lambda: last_seen(svc, "node-a", "train") == clock.now)
+        row_a = await browser.until(
+            "const r = (() => {" + TRAINING_ROW + "})(); return r && r.ageState === 'stalled' ? r : null;",
+            "train",
+            "node-a",
+        )
+        assert row_a["color"] == "rgb(198, 40, 40)" and row_a["step"] == "124"
+        head = await browser.js(
+            "return document.querySelector('section.job[data-job-id=\"train\"] .job-step').innerText"
+        )
+        assert head == "124"
+        await hang_and_check(svc, watch, browser, a, b, tmp_path)
+    finally:
+        for x in agents:
+            await x.kill()
+        await svc.close()
+
+
+SLEEPING = (
+    "Current thread 0x00007f3a2d4e6740 (most recent call first):\n"
+    '  File "/job/train.py", line 41 in stuck\n'
+    '  File "/job/train.py", line 60 in main\n'
+    "  \u202e<script>alert(1)</script>\n"
+)
+ALL_REDUCE = (
+    "Current thread 0x00007f3a2d4e6740 (most recent call first):\n"
+    '  File "/venv/torch/distributed/distributed_c10d.py", line 2501 in all_reduce\n'
+    '  File "/job/train.py", line 55 in main\n'
+)
+
+
+async def hang_and_check(
+    svc: RendezvousService, watch: Watch, browser: Browser, a: FakeAgent, b: FakeAgent, tmp_path: Path
+) -> None:
+    """Rank 3 (node-b) hangs; both nodes send their stacks: the page shows the report."""
+    b.send(HangDetected(round=0, ranks=(3,), step=118, phase="compute", silent_s=95.0))
+    for x in (a, b):
+        await x.expect(CollectStacks)
+    hang_box = "section.job[data-job-id='train'] .hang"
+    headline = await browser.until(
+        "return document.querySelector(arguments[0] + ' .headline')?.innerText", hang_box
+    )
+    assert "Hang in round 0: rank 3 made no progress for 1m 35s (step 118, phase compute)" in headline
+    assert "reported by node-b" in headline
+    n = 2
+    a.send(
+        Stacks(
+            round=0,
+            ranks=(0, 1),
+            steps=(120,) * n,
+            phases=("",) * n,
+            silent_s=(1.0,) * n,
+            stacks=(ALL_REDUCE,) * n,
+        )
+    )
+    b.send(
+        Stacks(
+            round=0,
+            ranks=(2, 3),
+            steps=(118,) * n,
+            phases=("",) * n,
+            silent_s=(1.0, 95.0),
+            stacks=(ALL_REDUCE, SLEEPING),
+        )
+    )
+    job = svc.machine.jobs["train"]
+    await watch.until(lambda: job.hang is not None and len(job.hang.stacks) == 2)
+    suspects = await browser.until(
+        "return document.querySelector(arguments[0] + ' .suspects')?.innerText", hang_box
+    )
+    assert "Suspects: rank 3" in suspects and "stacks from 2 nodes" in suspects
+    groups = await browser.js(
+        """
+        return Array.from(document.querySelectorAll(arguments[0] + ' details.group')).map((d) => ({
+          ranks: d.dataset.ranks, odd: d.classList.contains('odd'), open: d.open,
+          summary: d.querySelector('summary').innerText, stack: d.querySelector('pre').textContent}));
+        """,
+        hang_box,
+    )
+    odd, rest = groups
+    # the odd one out comes first, open, with its stack; the others' group is collapsed
+    assert (odd["ranks"], odd["odd"], odd["open"]) == ("3", True, True)
+    assert odd["summary"].startswith("odd one out: rank 3") and "/job/train.py:41 in stuck" in odd["summary"]
+    assert 'line 41 in stuck\n  File "/job/train.py", line 60 in main' in odd["stack"]
+    # a peer's text is text: no element made of it, and its bidi override is shown escaped
+    assert "\\u202e<script>" in odd["stack"] and "\u202e" not in odd["stack"]
+    assert await browser.js("return document.querySelectorAll('.hang script').length") == 0
+    assert (rest["ranks"], rest["odd"], rest["open"]) == ("0,1,2", False, False)
+    # collapsible: opening the group shows its stack, and it stays open across redraws
+    await browser.js(
+        "document.querySelectorAll(arguments[0] + ' details.group')[1].querySelector('summary').click()",
+        hang_box,
+    )
+    polls = int(await browser.js("return document.body.dataset.polls"))
+    await browser.until("return Number(document.body.dataset.polls) >= arguments[0] + 2", polls)
+    still_open = await browser.js(
+        "const d = document.querySelectorAll(arguments[0] + ' details.group')[1];"
+        "return d.open && d.querySelector('pre').getBoundingClientRect().height > 0;",
+        hang_box,
+    )
+    assert still_open
+    png = await browser.screenshot()
+    (tmp_path / "dashboard-training.png").write_bytes(png)

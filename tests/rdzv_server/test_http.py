@@ -23,14 +23,18 @@ from protocol import (
     SERVER_MESSAGES,
     SUPPORTED_VERSIONS,
     Assignment,
+    CollectStacks,
     Drain,
     Failure,
     FrameDecoder,
+    HangDetected,
     Heartbeat,
     Hello,
     Join,
     Message,
+    Progress,
     Restart,
+    Stacks,
     Welcome,
     WorkersFailed,
     encode,
@@ -547,6 +551,18 @@ class ThreadedServer:
             await a.kill()
         await Watch(self.service).until(lambda: "old" not in self.service.machine.jobs)
         self.agents = await running_job(self.port, ["n1", "n2"], job="demo")
+        # training progress, a straggler and a hang report with both nodes' stacks, so the
+        # job's detail has every part of its schema filled in
+        n1, n2 = self.agents
+        n1.send(Progress(round=0, min_step=9, max_step=10, step_p90_ms=80.0, compute_ms=(50.0, 50.0)))
+        n2.send(Progress(round=0, min_step=7, max_step=7, phase="ckpt", compute_ms=(50.0, 120.0)))
+        n2.send(HangDetected(round=0, ranks=(3,), step=7, phase="ckpt", silent_s=12.5))
+        for a in self.agents:
+            await a.expect(CollectStacks)
+        n1.send(stacks_of(0, (0, 1), 10, 'File "train.py", line 9 in all_reduce'))
+        n2.send(stacks_of(0, (2, 3), 7, 'File "train.py", line 5 in sleep'))
+        job = self.service.machine.jobs["demo"]
+        await Watch(self.service).until(lambda: job.hang is not None and len(job.hang.stacks) == 2)
 
     async def _stop(self) -> None:
         for a in self.agents:
@@ -569,6 +585,15 @@ class ThreadedServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def stacks_of(rnd: int, ranks: tuple[int, ...], step: int, frame: str) -> Stacks:
+    """A node's Stacks: each rank's main thread in ``frame``, as faulthandler writes it."""
+    text = f"Current thread 0x00007f0000000001 (most recent call first):\n  {frame}\n"
+    n = len(ranks)
+    return Stacks(
+        round=rnd, ranks=ranks, steps=(step,) * n, phases=("",) * n, silent_s=(1.0,) * n, stacks=(text,) * n
+    )
 
 
 @pytest.fixture(scope="module")
@@ -616,7 +641,11 @@ try:
         case = op.Case(path_parameters={"job_id": path.rsplit("/", 1)[1]})
         response = case.call_and_validate(base_url=threaded_server.base_url, timeout=10)
         assert response.status_code == 200
-        assert json.loads(response.content)["id"] == path.rsplit("/", 1)[1]
+        body = json.loads(response.content)
+        assert body["id"] == path.rsplit("/", 1)[1]
+        if body["id"] == "demo":  # its training parts are filled in, and conform too
+            assert body["progress"]["step"] == 10 and body["stragglers"]["flagged_total"] == 1
+            assert body["hang"]["report"]["suspects"] == [3]
 
 except ImportError:  # pragma: no cover - schemathesis is in the test extra
 
