@@ -400,6 +400,9 @@ def _load_result(results_dir: str, rank: int) -> Any:
 
 
 def _launch_error(name: str, outcome: AgentOutcome) -> LaunchError:
+    from protocol.failure_text import describe_failure
+
+    from .agent_log import shown
     from .report import failure_summary
 
     code = outcome.code
@@ -408,12 +411,9 @@ def _launch_error(name: str, outcome: AgentOutcome) -> LaunchError:
     root = outcome.failure or (min(local, key=lambda f: f.timestamp) if local else None)
     if root is None:
         return LaunchError(f"{name} failed: {reason} (exit code {code})", exit_code=code, reason=reason)
-    how = f"exit code {root.exitcode}" + (f" ({root.signal})" if root.signal else "")
+    # Worded as everywhere else a failure is shown; its texts may come from another node.
     error = next((line for line in root.message.splitlines() if line.strip()), "no error message")
-    headline = (
-        f"{name} failed: rank {root.rank} (local rank {root.local_rank} on {root.addr}) "
-        f"exited with {how}: {error}"
-    )
+    headline = f"{name} failed: {shown(describe_failure(root))}: {shown(error)}"
     summary = failure_summary(name, root, local)
     return LaunchError(
         f"{headline}\n{summary}", exit_code=code, reason=reason, root_cause=root, failures=local

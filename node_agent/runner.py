@@ -6,9 +6,10 @@ stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the
 
 Which rendezvous the agent talks to is not this module's business: it gets a
 :class:`~node_agent.rdzv.RendezvousBackend` (from :func:`~node_agent.rdzv.open_backend`, or one
-a test gives it) and only ever connects, sends, receives and closes. What each worker gets is
-decided by :func:`worker_specs`, a pure function of the config, the assignment and the
-environment. :meth:`Agent.run` returns an :class:`AgentOutcome`: the exit code and why.
+a test gives it) and only ever connects, sends, receives and closes. What each worker gets,
+what the agent sends and the failures it reports are plain functions in :mod:`node_agent.specs`;
+this module only carries them out. :meth:`Agent.run` returns an :class:`AgentOutcome`: the exit
+code and why.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
-import string
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Heartbeat, Join, Message, Resume
+from protocol import Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
 from protocol.errors import ProtocolError
 from protocol.records import record
@@ -37,8 +36,9 @@ from .events import EventLog
 from .logs import RunLogs
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
-from .supervisor import GroupResult, WorkerExit, WorkerGroup, WorkerSpawnError, WorkerSpec
-from .worker_env import NodeAssignment, omp_threads_notice, worker_argv, worker_env
+from .specs import failure_of, failures_of, join_message, machine_settings, make_node_id, worker_specs
+from .supervisor import WorkerGroup, WorkerSpawnError
+from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:
     from .rdzv import RendezvousBackend, RendezvousLink
@@ -56,148 +56,6 @@ class AgentOutcome:
     local_failures: tuple[Failure, ...] = ()  # this node's failed workers, first first
     # {local rank: global rank} of the last workers this node started; empty if none were
     ranks: Mapping[int, int] = field(default_factory=dict)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port(attempts: int = 50) -> int:
-    """A port free right now, for worker rank 0's TCPStore, which binds it seconds later.
-
-    Ports the kernel hands out for outgoing connections (the ephemeral range) can be taken in
-    those seconds by any connect() on this machine, gloo's included; a port below that range
-    is only taken by an explicit bind. So we look there first, and fall back to port 0.
-    """
-    lo, _ = _ephemeral_range()
-    low_end = max(1024, lo - 1)
-    for _ in range(attempts if low_end > 10000 else 0):
-        port = 10000 + int.from_bytes(os.urandom(4), "big") % (low_end - 9999)  # not `random`: 2 ms to import
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def line_prefix(cfg: AgentConfig, local_rank: int, rank: int) -> str:
-    """torchrun's tee prefix, ``[default0]:``, or its TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE."""
-    if cfg.log_line_prefix_template is None:
-        return f"[{cfg.role}{local_rank}]:"
-    return string.Template(cfg.log_line_prefix_template).safe_substitute(
-        role_name=cfg.role, local_rank=local_rank, rank=rank
-    )
-
-
-def make_node_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
-
-
-class AttemptPaths(Protocol):
-    """Where one attempt's files go (:class:`node_agent.logs.Attempt`)."""
-
-    def error_file(self, local_rank: int) -> str: ...
-    def stdout_path(self, local_rank: int) -> str: ...
-    def stderr_path(self, local_rank: int) -> str: ...
-    def filtered_stdout_path(self) -> str: ...
-    def filtered_stderr_path(self) -> str: ...
-
-
-def worker_specs(
-    cfg: AgentConfig, a: Assignment, environ: Mapping[str, str], paths: AttemptPaths
-) -> list[WorkerSpec]:
-    """What to start for one assignment: a spec per local rank, its argv, environment and files."""
-    node = NodeAssignment(
-        run_id=cfg.rdzv_id,
-        group_rank=a.group_rank,
-        group_world_size=a.group_world_size,
-        rank_offset=a.rank_offset,
-        world_size=a.world_size,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
-        restart_count=a.restart_count,
-        max_restarts=a.max_restarts,
-    )
-    specs = []
-    for local_rank in range(cfg.nproc_per_node):
-        error_file = paths.error_file(local_rank)
-        rank = a.rank_offset + local_rank
-        specs.append(
-            WorkerSpec(
-                local_rank=local_rank,
-                rank=rank,
-                argv=worker_argv(cfg, local_rank),
-                env=worker_env(
-                    config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
-                ),
-                redirect=cfg.redirect_for(local_rank),
-                tee=cfg.tee_for(local_rank),
-                stdout_path=paths.stdout_path(local_rank),
-                stderr_path=paths.stderr_path(local_rank),
-                console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
-                prefix=line_prefix(cfg, local_rank, rank),
-                error_file=error_file,
-                duplicate_stdout_filters=cfg.duplicate_stdout_filters,
-                duplicate_stderr_filters=cfg.duplicate_stderr_filters,
-                filtered_stdout_path=paths.filtered_stdout_path(),
-                filtered_stderr_path=paths.filtered_stderr_path(),
-            )
-        )
-    return specs
-
-
-def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str) -> Join:
-    """This node's Join for the next round, with a master port free right now."""
-    return Join(
-        job_id=cfg.rdzv_id,
-        node_id=node_id,
-        addr=addr,
-        nproc=cfg.nproc_per_node,
-        min_nodes=cfg.min_nodes,
-        max_nodes=cfg.max_nodes,
-        entrypoint=cfg.entrypoint_name,
-        master_port=free_port(),
-        max_restarts=cfg.max_restarts,
-        last_call_timeout=cfg.rdzv_conf.last_call_timeout,
-        heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
-        heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
-        exclude_after=cfg.rdzv_conf.exclude_after,
-        proof=proof,
-        # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
-        node_rank=cfg.node_rank if cfg.node_rank_given else -1,
-        node_secret=node_secret,
-    )
-
-
-def failure_of(w: WorkerExit, node_id: str, addr: str) -> Failure:
-    """A worker's exit as the failure we report, its texts cut to fit the message."""
-    return Failure(
-        node_id=node_id,
-        addr=addr,
-        rank=w.rank,
-        local_rank=w.local_rank,
-        exitcode=w.exitcode,
-        signal=w.signal_name,
-        timestamp=w.timestamp,
-        message=w.error_message[-MAX_TEXT_LEN // 2 :],
-        pid=w.pid,
-        error_file=w.error_file[-MAX_PATH_LEN:],
-    )
-
-
-def failures_of(result: GroupResult, node_id: str, addr: str) -> tuple[Failure, ...]:
-    """This node's failed workers, first first (those we stop afterwards are not causes)."""
-    exits = sorted((w for w in result.exits if w.failed), key=lambda w: w.timestamp)
-    return tuple(failure_of(w, node_id, addr) for w in exits)
 
 
 async def health_check(cmd: str, timeout: float = HEALTH_CHECK_TIMEOUT) -> str | None:
@@ -325,21 +183,8 @@ class Agent:
             return self._gave_up(str(exc))
         self.addr = cfg.local_addr or conn.local_ip
         machine = st.AgentMachine(
-            settings=st.AgentSettings(
-                node_id=self.node_id,
-                addr=self.addr,
-                join_timeout=cfg.rdzv_conf.join_timeout,
-                exit_barrier_timeout=cfg.rdzv_conf.exit_barrier_timeout,
-                shutdown_timeout=cfg.shutdown_timeout,
-                elastic=cfg.elastic,
-                reconnect_timeout=cfg.rdzv_conf.reconnect_timeout if backend.reconnects else 0.0,
-                health_check=bool(cfg.health_check),
-                handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
-                nproc=cfg.nproc_per_node,
-                job_id=cfg.rdzv_id,
-                max_restarts=cfg.max_restarts,
-                min_nodes=cfg.min_nodes,
-                max_nodes=cfg.max_nodes,
+            settings=machine_settings(
+                cfg, node_id=self.node_id, addr=self.addr, reconnects=backend.reconnects
             )
         )
         notice = omp_threads_notice(cfg, os.environ)

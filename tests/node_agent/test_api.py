@@ -86,7 +86,7 @@ def test_a_failing_callable_raises_launch_error_naming_the_root_cause() -> None:
 def test_a_failing_script_names_rank_and_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
-    with pytest.raises(LaunchError, match=r"rank 0 \(local rank 0 .*exit code 3") as caught:
+    with pytest.raises(LaunchError, match=r"rank 0 \(local rank 0\) .*exit code 3") as caught:
         launch(LaunchConfig(nproc_per_node=2), str(script))
     assert caught.value.rank == 0
 

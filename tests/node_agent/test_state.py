@@ -768,7 +768,7 @@ PHASES = [
 
 
 def server_messages() -> list[object]:
-    from protocol import SERVER_MESSAGES, GoingAway, Resumed, Welcome
+    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, Resumed, Welcome
 
     msgs = [
         Welcome(version=1, software="s"),
@@ -786,6 +786,8 @@ def server_messages() -> list[object]:
         GoingAway(reason="upgrade"),
         Left(job_continues=True, reason="goes on"),
         Left(job_continues=False, reason="does not"),
+        CollectStacks(round=0, reason="rank 3 hung"),
+        JobFailed(reason="3 restarts in a row made no step progress", code="crash_loop"),
     ]
     assert {type(m) for m in msgs} == set(SERVER_MESSAGES.values())  # none forgotten
     return msgs
