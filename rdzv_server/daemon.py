@@ -73,7 +73,13 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
 
     state_log = None
     if config.state_dir is not None:
-        state_log = open_state_dir(config.state_dir, config.tokens, config.state_min_free)
+        state_log = open_state_dir(
+            config.state_dir,
+            config.tokens,
+            config.state_min_free,
+            hello_timeout=config.hello_timeout,
+            auth_timeout=config.auth_timeout,
+        )
         if state_log is None:
             return EXIT_ERROR
     cap = kernel_accept_cap()
@@ -137,14 +143,26 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
 
 
 def open_state_dir(
-    state_dir: str, tokens: TokenTable | None, min_free: int = DEFAULT_MIN_FREE_MIB << 20
+    state_dir: str,
+    tokens: TokenTable | None,
+    min_free: int = DEFAULT_MIN_FREE_MIB << 20,
+    *,
+    hello_timeout: float,
+    auth_timeout: float,
 ) -> StateLog | None:
-    """Restore the machine from --state-dir, saying what was found; None (logged) if unusable."""
+    """Restore the machine from --state-dir, saying what was found; None (logged) if unusable.
+    It is built with the server's handshake timeouts (the service is given the same ones)."""
     from .journal import StateLog, StateLogError
     from .state import Log
 
     try:
-        state_log, found, effects = StateLog.open(Path(state_dir), tokens=tokens, min_free=min_free)
+        state_log, found, effects = StateLog.open(
+            Path(state_dir),
+            tokens=tokens,
+            min_free=min_free,
+            hello_timeout=hello_timeout,
+            auth_timeout=auth_timeout,
+        )
     except (StateLogError, OSError) as exc:
         log.error("cannot use --state-dir %s: %s", state_dir, exc)
         return None

@@ -88,6 +88,8 @@ from protocol.records import record
 
 from . import snapshot
 from .state import (
+    AUTH_TIMEOUT,
+    HELLO_TIMEOUT,
     Close,
     Connected,
     Disconnected,
@@ -358,6 +360,8 @@ class StateLog:
         directory: Path,
         *,
         tokens: TokenTable | None = None,
+        hello_timeout: float = HELLO_TIMEOUT,
+        auth_timeout: float = AUTH_TIMEOUT,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         snapshot_every: int = SNAPSHOT_EVERY,
@@ -367,12 +371,17 @@ class StateLog:
         """Lock DIR, load its snapshot, replay its log, drop a torn tail; then ``Restarted``.
 
         Returns the log (whose ``machine`` is ready to serve), what was found, and the
-        effects of recovery (log lines). StateLogError when DIR cannot be used.
+        effects of recovery (log lines). StateLogError when DIR cannot be used. The
+        handshake timeouts are the serving process's (the service must be given the same):
+        they are not state, and replay sets no handshake deadline.
         """
         _private_dir(directory)
         lock_fd = _lock(directory)
         try:
-            machine = Rendezvous(None, expire_silent=False)  # replay: drops come from the log
+            # Replay: drops come from the log.
+            machine = Rendezvous(
+                None, expire_silent=False, hello_timeout=hello_timeout, auth_timeout=auth_timeout
+            )
             snap_seq, last_t, last_w = _load_snapshot(directory / SNAP_NAME, machine)
             seq, replayed, dropped, last = replay_log(directory / LOG_NAME, machine, snap_seq)
             if last is not None:

@@ -549,10 +549,16 @@ class RendezvousService:
         self._inflight: asyncio.Future[None] | None = None  # the fsync of the batch being committed
         self._gone = False  # told the agents we are going away: the machine takes no more events
         if state_log is not None:
-            self.machine = state_log.machine
-            # The restored machine holds no unjoined connection yet; it times ours from now.
-            self.machine.hello_timeout = self.hello_timeout
-            self.machine.auth_timeout = self.auth_timeout
+            restored = state_log.machine
+            given = (self.hello_timeout, self.auth_timeout)
+            if (restored.hello_timeout, restored.auth_timeout) != given:
+                # StateLog.open built it: the timeouts must be given there too, never patched here.
+                raise ValueError(
+                    f"the state log's machine has hello/auth timeouts {restored.hello_timeout:g}/"
+                    f"{restored.auth_timeout:g} s, the service {given[0]:g}/{given[1]:g} s: "
+                    "pass the same ones to StateLog.open"
+                )
+            self.machine = restored
             self.clock = state_log.clock
             # Restored members hold the old process's connection ids (AWAY): never reuse one.
             self._next_id = max(self.machine.conns, default=0)

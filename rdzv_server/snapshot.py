@@ -14,9 +14,11 @@ job's training progress and latest hang report are volatile (``progress.py``): n
 
 Versions: 1 kept each history event as ``[time, kind, text]``; 2 (typed history) adds the
 event's typed fields, ``[time, kind, text, {field: value}]`` (only those not empty). A
-version 1 event loads with its typed fields empty: its sentence is never parsed, so the
-status API shows the facts only newer events carry (an older round's number is ``None``, and
-a node that departed before the upgrade is no longer listed).
+version 1 event gets the typed fields its sentence states without doubt (``_V1Facts``: a
+join's node, address and nproc; a departure's node; a round's number; which failure a failure
+event reports), by a few bounded splits, never a regular expression; a field it cannot tell
+for sure stays empty (a ``lost`` node's kind of departure, an id that is not exactly one
+known id).
 
 Loading applies the machine's bounds (``jobs.py``) to what an older server kept without
 them: a job's failures (the first, the last few and a count), its history texts, exclusions
@@ -32,11 +34,12 @@ token table (configuration, from the command line).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from protocol import Failure
 from protocol.errors import InvalidField, ProtocolError
+from protocol.failure_text import describe_failure
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
 from .history import Departure, EventKind, JobEvent
@@ -55,6 +58,7 @@ from .state import (
     entrypoint_key,
     escape,
 )
+from .status import failure_numbers  # the numbers Job.add_failure keeps failures under
 
 FORMAT = "rdzv-server state"
 VERSION = 2
@@ -303,8 +307,13 @@ def _load_job(d: dict[str, Any]) -> Job:
     job.failures_total = max(_int(d.get("failures_total", 0)), len(failures))
     for nid, why in d["excluded"]:
         job.exclude(str(nid), str(why))
+    v1: _V1Facts | None = None
     for e in d["history"]:
-        job.record(_load_event(e))
+        event = _load_event(e)
+        if len(e) == 3:  # version 1: no typed fields, only the sentence
+            v1 = v1 or _V1Facts(job)
+            event = v1.recover(event)
+        job.record(event)
     expect = d["resume_expect"]
     if expect is not None:
         r, n, world, addr, port = expect
@@ -338,6 +347,88 @@ def _load_event(e: list[Any]) -> JobEvent:
         scores=tuple(float(x) for x in f.get("scores", ())),
         restarts=_int(f.get("restarts", 0)),
     )
+
+
+class _V1Facts:
+    """The typed fields a version 1 event's sentence states without doubt, for the status API.
+
+    Version 1's sentences (fixed by that server) begin ``node ID (ADDR, nproc N) joined (...)``
+    (joins), ``node ID ...`` or ``spare ID ...`` (departures, spares, drains, resumes) and
+    ``round N ...`` (rounds, worker failures); a failure's sentence holds its description. Ids and
+    addresses may hold spaces and parentheses, so an id is taken only when the text's prefix is
+    exactly one known id (the job's members, spares, rank order, exclusions, failures, and the
+    joins before it), and a join's id and address only when one `` (`` separates them. No
+    regular expression: a few splits and set lookups over at most 512 characters an event.
+    """
+
+    def __init__(self, job: Job) -> None:
+        self.ids = {*job.members, *job.spares, *job.order, *job.excluded, *(f.node_id for f in job.failures)}
+        self.failures = [
+            (describe_failure(f), n) for f, n in zip(job.failures, failure_numbers(job), strict=True)
+        ]
+
+    def recover(self, e: JobEvent) -> JobEvent:
+        if e.kind is EventKind.JOINED:
+            return self._node_and_addr(e, ") joined (")
+        if e.kind is EventKind.SPARE and e.text.endswith(") waits as a spare"):
+            return self._node_and_addr(e, ") waits as a spare")
+        if e.kind in (EventKind.ROUND, EventKind.FAILURE):
+            digits = e.text[len("round ") : len("round ") + 20].partition(" ")[0].rstrip(":")
+            rnd = int(digits) if e.text.startswith("round ") and digits.isdecimal() else None
+            number = (
+                next((n for text, n in self.failures if text in e.text), 0)
+                if e.kind is EventKind.FAILURE
+                else 0
+            )
+            return replace(e, round=rnd, failure_no=number)
+        if e.kind in _V1_ABOUT_A_NODE:
+            spare = e.text.startswith("spare ")
+            node = self._known_id(e.text, "spare " if spare else "node ")
+            departure = _V1_DEPARTURES.get(e.kind)
+            return replace(
+                e, node=node, spare=spare and departure is not None, departure=departure if node else None
+            )
+        return e
+
+    def _known_id(self, text: str, prefix: str) -> str:
+        """The one known id that ``text`` names right after ``prefix`` (then a space); else ""."""
+        if not text.startswith(prefix):
+            return ""
+        head = text[len(prefix) : len(prefix) + MAX_ID_LEN + 1]
+        found = [head[:i] for i, ch in enumerate(head) if ch == " " and head[:i] in self.ids]
+        return found[0] if len(found) == 1 else ""
+
+    def _node_and_addr(self, e: JobEvent, end: str) -> JobEvent:
+        # "node ID (ADDR, nproc N) joined (K of RANGE)", "node ID (ADDR) waits as a spare": the
+        # last ``end`` and ", nproc " are the sentence's own (the server's text follows them);
+        # then exactly one " (" must remain between the id and the address.
+        head, sep, tail = e.text.rpartition(end)
+        nproc = None
+        if e.kind is EventKind.JOINED:
+            head, sep2, digits = head.rpartition(", nproc ")
+            if not (sep2 and tail.endswith(")") and digits.isdecimal()):
+                return e
+            nproc = int(digits[:9])
+        if not (sep and head.startswith("node ")):
+            return e
+        node, sep, addr = head[len("node ") :].partition(" (")
+        if not sep or " (" in addr or not node or len(node) > MAX_ID_LEN or len(addr) > MAX_ADDR_LEN:
+            return e
+        self.ids.add(node)
+        return replace(e, node=node, addr=addr, nproc=nproc)
+
+
+# The v1 kinds whose sentence begins with the node's id, and the departure each one was.
+_V1_ABOUT_A_NODE = {
+    EventKind.LOST,
+    EventKind.LEFT,
+    EventKind.EXCLUDED,
+    EventKind.SPARE,
+    EventKind.DRAIN,
+    EventKind.RESUMED,
+}
+# A v1 "lost" is not told apart (connection, silence, refused, not back, stale): left empty.
+_V1_DEPARTURES = {EventKind.LEFT: Departure.LEFT, EventKind.EXCLUDED: Departure.EXCLUDED}
 
 
 def _load_failure(d: dict[str, Any]) -> Failure:

@@ -10,7 +10,8 @@ workers, ``/healthz`` answers, no traceback; and the attacker is refused or cut 
   flood caps, the stall credit);
 - item 8: slowloris HTTP is cut at its deadline; caps fit the open-files limit, and an agent
   over them is told the server is busy;
-- item 16: a Resume answered with Restart does not cancel the auth timeout.
+- item 16: a Resume answered with Restart does not cancel the auth timeout (now proved on a
+  fake clock: see the note at the end).
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ from protocol import (
     HEADER,
     MAGIC,
     SERVER_MESSAGES,
-    Assignment,
     Error,
     FrameDecoder,
     Heartbeat,
     Hello,
     Join,
     Message,
-    Restart,
-    Resume,
     Waiting,
     Welcome,
     WorkersSucceeded,
@@ -58,6 +56,11 @@ class ShortHeartbeatJob(LiveJob):
     def agent_args(self) -> list[str]:
         conf = f"heartbeat_interval=0.5,heartbeat_timeout={HEARTBEAT_TIMEOUT:g}"
         return [*super().agent_args(), "--rdzv-conf", conf]
+
+    def heard_since(self, wall: float) -> bool:
+        """Whether the server took a heartbeat from every member after Unix time ``wall``."""
+        members = self.job_status()["members"]
+        return bool(members) and all((m["last_heartbeat_at"] or 0.0) > wall for m in members)
 
     def __enter__(self) -> ShortHeartbeatJob:
         if self.fd_limit is None:
@@ -251,7 +254,10 @@ def test_preauth_bombs_and_member_floods_fail_no_job(tmp_path: Path) -> None:
         assert all(_refused(m, "flooding") for m in floods), Counter(map(repr, floods))
         wait_until("beats cut", lambda: live.srv.stderr.count("sent frames faster than") == 2, 10)
         assert live.srv.stderr.count("sent more than 20 messages that change nothing") == 2
-        time.sleep(HEARTBEAT_TIMEOUT)  # a sweep that held a stall against the agents has run
+        # The agents are heard again after the attacks, and a sweep (every timeout / 4) has run
+        # since: one that held a stall or a starved read against them would have dropped them.
+        after = time.time() + HEARTBEAT_TIMEOUT / 4
+        wait_until("both agents heard since the attacks", lambda: live.heard_since(after), 20)
         live.assert_intact()
         assert live.rss_kb("VmHWM") < 200 * 1024  # before: 327 MB at the peak
         live.finish()
@@ -259,15 +265,18 @@ def test_preauth_bombs_and_member_floods_fail_no_job(tmp_path: Path) -> None:
 
 def test_a_stopped_server_is_no_agents_silence(tmp_path: Path) -> None:
     # SIGSTOP for longer than the agents' heartbeat timeout: on SIGCONT the sweep must not
-    # declare them silent (the watchdog credits the stall first).
+    # declare them silent (the watchdog credits the stall first). The rule is scripted on a
+    # fake clock in tests/rdzv_server/test_stall.py; this is the real process's wiring, and
+    # needs real seconds: a stop must outlast a heartbeat timeout that exceeds scheduling noise.
     with ShortHeartbeatJob(tmp_path) as live:
         live.srv.signal(signal.SIGSTOP)
         try:
-            time.sleep(HEARTBEAT_TIMEOUT + 3)
+            time.sleep(HEARTBEAT_TIMEOUT + 1.5)  # past every agent's last beat by > 1 s
         finally:
             live.srv.signal(signal.SIGCONT)
         live.srv.wait_for_line(r"the server did not run for [\d.]+ s", timeout=20)
-        time.sleep(2)  # several sweeps
+        # The overdue sweep ran in the loop turn that logged this (both timers were due), so
+        # the HTTP requests below are answered after it.
         live.assert_intact()
         live.finish()
 
@@ -365,34 +374,8 @@ async def _welcomed(port: int) -> bool:
 
 # --- item 16 --------------------------------------------------------------------------------
 
-
-def test_a_resume_answered_with_restart_keeps_the_auth_timeout(tmp_path: Path) -> None:
-    # Before: the Restart answer cancelled --auth-timeout, and the connection stayed open unjoined.
-    with ShortHeartbeatJob(tmp_path, "--auth-timeout", "1") as live:
-
-        async def resume() -> tuple[Message, bool]:
-            # A job of two, one node in: a Resume from another node of it is told to Restart
-            # (the server knows the job, not that node) and stays unjoined.
-            first = await Peer.open(live.port)
-            assert isinstance(await first.recv(), Welcome)
-            first.writer.write(encode(fake_join("ghost-job", "node-a", nnodes=2)))
-            assert isinstance(await first.recv(), Waiting)
-            peer = await Peer.open(live.port)
-            assert isinstance(await peer.recv(), Welcome)
-            assignment = Assignment(
-                job_id="ghost-job", round=0, group_rank=1, group_world_size=2, rank_offset=1, world_size=2,
-                master_addr="127.0.0.1", master_port=29999, restart_count=0, max_restarts=0,
-            )  # fmt: skip
-            join = fake_join("ghost-job", "node-b", nnodes=2)
-            peer.writer.write(encode(Resume(join=join, assignment=assignment)))
-            answer = await peer.recv()
-            closed = await peer.closed_within(10)
-            peer.close()
-            first.close()
-            return answer, closed
-
-        answer, closed = asyncio.run(resume())
-        assert isinstance(answer, Restart), answer
-        assert closed, "still open 10 s after --auth-timeout 1"
-        live.srv.wait_for_line("no join within 1 s of its hello", timeout=10)
-        live.assert_intact()
+# A Resume answered with Restart keeps the auth timeout: the rule is scripted on a fake clock in
+# tests/rdzv_server/test_deadlines.py::test_a_resume_answered_with_restart_stays_on_the_auth_deadline;
+# that a real server process honours --auth-timeout is test_server_fuzz.py's (its "drip" after a
+# hello), and that the service closes the socket is test_limits.py's. This file's live version
+# waited out a real --auth-timeout of 1 s.

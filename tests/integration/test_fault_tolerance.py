@@ -113,6 +113,9 @@ def test_sigterm_reaches_workers_before_sigkill(tmp_path: Path, ignore_term: boo
     env = {"DUMP_DIR": str(tmp_path)}
     if ignore_term:
         env["IGNORE_TERM"] = "1"
+    # Real seconds, kept: with ignore_term the agent waits the whole grace, which must let a
+    # loaded worker's SIGTERM handler run before the SIGKILL (1 s is that margin). The group's
+    # escalation rule is tests/node_agent/test_supervisor.py's (a 0.5 s grace, in-process).
     a = Proc(agent_cmd("--standalone", "--nproc-per-node", "2", "--shutdown-timeout", "1", SLEEPER), env=env)
     try:
         a.wait_for_line(r"started 1 ", stream="out", timeout=30)

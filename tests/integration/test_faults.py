@@ -153,6 +153,9 @@ def test_an_agent_frozen_past_its_heartbeat_with_a_restart_queued_rejoins_when_t
     env = {"DUMP_DIR": str(tmp_path), "RELEASE_FILE": str(release), "FAIL_FILE": str(fail), "FAIL_RANK": "1"}
     args = ("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2")
     args += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "faults-frozen")
+    # Real seconds, kept: the agent must stay frozen past a heartbeat timeout that exceeds
+    # scheduling noise. The agent's rule is scripted on a fake clock in tests/node_agent/
+    # test_state.py::test_a_restart_queued_behind_a_frozen_agent_ends_in_a_rejoin_once_it_is_back.
     args += ("--rdzv-conf", "heartbeat_timeout=3", WORKER)
     agents = [Proc(agent_cmd(*args), env=env) for _ in range(2)]
     try:

@@ -57,8 +57,11 @@ from protocol.auth import proof
 from .live_job import Peer, http, rss_kb, wait_until
 from .procs import WORKERS, Proc, agent_cmd, start_server
 
+# When each handshake deadline falls is scripted on a fake clock in
+# tests/rdzv_server/test_deadlines.py; here they only bound how long hostile input may hold a
+# socket, so they are short, yet long enough that the real agents' hello and join beat them.
 HELLO_TIMEOUT = 0.5  # the server's --hello-timeout for this test: the drip must be cut by it
-AUTH_TIMEOUT = 1.0  # its --auth-timeout: a hello without a join is cut by this
+AUTH_TIMEOUT = 0.75  # its --auth-timeout: a hello without a join is cut by this
 SLACK = 3.0  # how much later than promised a close may come on 2 slow, busy cores
 JOB = "fuzz-real"
 REAL_TOKEN = "real-job-token-0123456789"

@@ -4,10 +4,14 @@ wiring (the service delivers the Tick and closes the socket)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgpack
+import pytest
 
 from protocol import SUPPORTED_VERSIONS, Error, Heartbeat, Hello, Waiting
-from rdzv_server.journal import apply_record, event_record
+from rdzv_server.journal import StateLog, apply_record, event_record
+from rdzv_server.service import RendezvousService
 from rdzv_server.snapshot import dump
 from rdzv_server.state import (
     Close,
@@ -198,3 +202,30 @@ def test_a_resume_answered_with_restart_stays_on_the_auth_deadline() -> None:
     assert c not in h.closed
     h.advance(0.02)
     assert h.closed[c] == "no join within 0.6 s of its hello"
+
+
+def test_a_machine_restored_from_the_state_log_is_built_with_its_timeouts(tmp_path: Path) -> None:
+    # --state-dir: the machine StateLog.open restores is constructed with the process's
+    # timeouts (before, the service patched them onto it afterwards).
+    log, _, _ = StateLog.open(
+        tmp_path / "state", hello_timeout=HELLO, auth_timeout=AUTH, monotonic=lambda: 100.0, wall=lambda: 0.0
+    )
+    try:
+        h = Harness(machine=log.machine, now=log.clock())
+        quiet, unjoined = connect(h, hello=False), connect(h)
+        h.advance(AUTH)
+        assert h.closed == {quiet: "no hello within 0.3 s", unjoined: "no join within 0.6 s of its hello"}
+    finally:
+        log.close()
+
+
+def test_a_service_refuses_a_restored_machine_with_other_timeouts(tmp_path: Path) -> None:
+    # Its sockets' deadlines and the machine's would disagree: refused, never patched over.
+    log, _, _ = StateLog.open(tmp_path / "state", hello_timeout=HELLO, auth_timeout=AUTH)
+    try:
+        with pytest.raises(ValueError, match=r"pass the same ones to StateLog\.open"):
+            RendezvousService(state_log=log)
+        svc = RendezvousService(state_log=log, hello_timeout=HELLO, auth_timeout=AUTH)
+        assert svc.machine is log.machine
+    finally:
+        log.close()
