@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from . import launch_cases as lc
+from . import progress_cost
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
 from .report import (
     Row,
@@ -171,6 +172,30 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
             )
         ],
         "scale": [],
+        "progress": [
+            Variant(
+                "8. watching the training (ours only)",
+                "progress",
+                progress_cost.measure,
+                [
+                    Metric(
+                        "progress_attached_ns",
+                        "worker.progress(step), attached",
+                        "ns",
+                        at_most(1000, "< 1 µs"),
+                    ),
+                    Metric("progress_noop_ns", "worker.progress(step), outside node-agent", "ns"),
+                    Metric("phase_attached_ns", 'with worker.phase("compute"): enter + exit', "ns"),
+                    Metric(
+                        "import_ms", "import node_agent.worker, fresh interpreter", "ms", at_most(5, "< 5 ms")
+                    ),
+                    Metric("agent_read_ns", "agent: one page read (8 pages per poll)", "ns"),
+                    Metric("agent_poll_pct", "agent: reading 8 ranks every 50 ms", "%"),
+                ],
+                launchers=("ours",),
+                smoke=True,
+            )
+        ],
     }
     for n in (2, 4, 8):
         out["nnode"].append(
@@ -290,7 +315,7 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
     return out
 
 
-ALL_CASES = ("standalone", "nnode", "restart", "scaleup", "nodekill", "footprint", "scale")
+ALL_CASES = ("standalone", "nnode", "restart", "scaleup", "nodekill", "footprint", "scale", "progress")
 
 
 def run_variant(

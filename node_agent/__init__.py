@@ -6,9 +6,12 @@ worker running ``python -m node_agent.api`` pays for it (nor imports it twice).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+# Not ``typing``: a worker's ``from node_agent import worker`` imports this file, and typing
+# costs it milliseconds. mypy treats a module-level ``TYPE_CHECKING = False`` as the real one.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from .api import LaunchConfig, LaunchError, launch, launch_async
 
 __all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]

@@ -285,6 +285,23 @@ _FLAGS: tuple[_Flag, ...] = (
     ),
     _f("log_format", *_both("--log-format"), default="text", metavar="{text,json}", help="agent log format"),
     _f(
+        "hang_timeout",
+        *_both("--hang-timeout"),
+        default="auto",
+        metavar="auto|SECONDS|off",
+        help="a rank that reports progress (node_agent.worker) and then makes none for this long is "
+        "hung: its stacks and every rank's are collected, then the job restarts; auto (the default) "
+        "calibrates the budget from the step times seen",
+    ),
+    _f(
+        "hang_conf",
+        *_both("--hang-conf"),
+        default="",
+        metavar="KEY=VALUE,...",
+        help="the hang budgets: first_step, floor, factor, warmup, checkpoint (seconds, except factor "
+        "and warmup) and phase.NAME=SECONDS for any phase",
+    ),
+    _f(
         "health_check",
         *_both("--health-check"),
         default=None,
@@ -575,6 +592,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         shutdown_timeout=_shutdown_timeout(inputs, environ),
         virtual_local_rank=virtual_local_rank,
         pass_local_rank=_choice(inputs, "pass_local_rank", PASS_LOCAL_RANK_STYLES, optional=True),
+        **_hang_flags(inputs),
         health_check=inputs.get("health_check").value or None,
         health_check_port=_health_check_port(environ),
         token=_token(inputs.get("token_file").value, environ, rdzv_id),
@@ -967,6 +985,22 @@ def _log_level(environ: Mapping[str, str]) -> str | None:
     if level not in LOG_LEVELS:
         raise ConfigError(f"LOGLEVEL={text!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def _hang_flags(inputs: _Inputs) -> dict[str, str]:
+    """--hang-timeout and --hang-conf as given, once HangPolicy.parse accepts them."""
+    from .watch import HangPolicy
+
+    timeout, conf = inputs.get("hang_timeout"), inputs.get("hang_conf")
+    flags = {"hang_timeout": timeout.value or "auto", "hang_conf": conf.value or ""}
+    try:
+        HangPolicy.parse(flags["hang_timeout"], flags["hang_conf"])
+    except ValueError as why:
+        where = f"{timeout.what(_BY_DEST['hang_timeout'])}={flags['hang_timeout']!r}"
+        if flags["hang_conf"]:
+            where += f", {conf.what(_BY_DEST['hang_conf'])}={flags['hang_conf']!r}"
+        raise ConfigError(f"{where}: {why}") from None
+    return flags
 
 
 def _health_check_port(environ: Mapping[str, str]) -> int | None:

@@ -207,6 +207,10 @@ class RdzvConf:
     reconnect_timeout: float = 30.0
     # Exclude a node from the job once its workers have failed this many times (0: never).
     exclude_after: int = 0
+    # Training health (issue 19), sent in the Join; every node of a job must give the same.
+    straggler_threshold: float = 0.75  # flag a rank slower than this fraction of the median
+    exclude_stragglers: bool = False  # leave a flagged node out of the next planned round
+    crash_loop_restarts: int = 3  # restarts in a row with no step progress that end the job
     extra: Mapping[str, str] = field(default_factory=_frozen_map)
 
     def __post_init__(self) -> None:
@@ -255,10 +259,23 @@ class RdzvConf:
                 kwargs[key] = parse_float(pairs[key], what=f"{origin} {key}")
         if "is_host" in pairs:
             kwargs["is_host"] = parse_bool(pairs["is_host"], what=f"{origin} is_host")
-        if "exclude_after" in pairs:
-            kwargs["exclude_after"] = parse_int(pairs["exclude_after"], what=f"{origin} exclude_after")
-            if kwargs["exclude_after"] < 0:
-                raise ConfigError(f"{origin} exclude_after={pairs['exclude_after']} must be >= 0")
+        for key in ("exclude_after", "crash_loop_restarts"):
+            if key in pairs:
+                kwargs[key] = parse_int(pairs[key], what=f"{origin} {key}")
+                if not 0 <= kwargs[key] <= 1_000_000:
+                    raise ConfigError(f"{origin} {key}={pairs[key]} must be in 0..1000000")
+        if "exclude_stragglers" in pairs:
+            kwargs["exclude_stragglers"] = parse_bool(
+                pairs["exclude_stragglers"], what=f"{origin} exclude_stragglers"
+            )
+        if "straggler_threshold" in pairs:
+            threshold = parse_float(pairs["straggler_threshold"], what=f"{origin} straggler_threshold")
+            if not 0 < threshold <= 1:
+                raise ConfigError(
+                    f"{origin} straggler_threshold={pairs['straggler_threshold']} must be in (0, 1]: "
+                    "the fraction of the median speed below which a rank is flagged"
+                )
+            kwargs["straggler_threshold"] = threshold
 
         # torchrun declares a node dead after keep_alive_interval x keep_alive_max_attempt
         # seconds without a heartbeat; that product is exactly our heartbeat_timeout, and
@@ -306,12 +323,15 @@ class RdzvConf:
 
     @staticmethod
     def accepted_keys() -> tuple[str, ...]:
-        return (*_FLOAT_KEYS, "is_host", "exclude_after", *_KEEP_ALIVE_KEYS, *EXTRA_RDZV_KEYS)
+        return (*_FLOAT_KEYS, "is_host", *_OWN_KEYS, *_KEEP_ALIVE_KEYS, *EXTRA_RDZV_KEYS)
+
+
+_OWN_KEYS = ("exclude_after", "straggler_threshold", "exclude_stragglers", "crash_loop_restarts")
 
 
 def _accepted_keys() -> str:
     return (
-        f"accepted keys: {', '.join((*_FLOAT_KEYS, 'is_host', 'exclude_after', *_KEEP_ALIVE_KEYS))}; "
+        f"accepted keys: {', '.join((*_FLOAT_KEYS, 'is_host', *_OWN_KEYS, *_KEEP_ALIVE_KEYS))}; "
         f"accepted for torchrun compatibility but unused: {', '.join(EXTRA_RDZV_KEYS)}"
     )
 
@@ -379,6 +399,8 @@ class AgentConfig:
     virtual_local_rank: bool = False
 
     # node-agent's own
+    hang_timeout: str = "auto"  # --hang-timeout, checked by node_agent.watch.HangPolicy.parse
+    hang_conf: str = ""  # --hang-conf
     pass_local_rank: str | None = None  # None | "dash" (--local-rank=N) | "underscore" (--local_rank=N)
     health_check: str | None = None
     health_check_port: int | None = None  # TORCHELASTIC_HEALTH_CHECK_PORT: serve liveness there

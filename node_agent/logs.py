@@ -1,6 +1,8 @@
 """Where worker logs go: torchrun's directory layout, minus its overwriting.
 
     <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout.log,stderr.log,error.json}
+    <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/progress.page[.stacks]  (node_agent.worker)
+    <log_dir>/<run_id>_<random>/attempt_<k>/{hang_report.txt,fr/}  (after a hang)
 
 torchrun names the attempt directory after TORCHELASTIC_RESTART_COUNT and ``rmtree``s it when a
 membership change restarts the workers with the same count, so the logs of the attempt that
@@ -64,6 +66,19 @@ class Attempt:
 
     def stderr_path(self, local_rank: int) -> str:
         return os.path.join(self.rank_dir(local_rank), "stderr.log")
+
+    def page_path(self, local_rank: int) -> str:
+        """The rank's progress page (``node_agent.worker`` writes it; ``<page>.stacks`` beside it)."""
+        return os.path.join(self.rank_dir(local_rank), "progress.page")
+
+    def hang_report_path(self) -> str:
+        return os.path.join(self.dir, "hang_report.txt")
+
+    def flight_recorder_stem(self, kind: str) -> str:
+        """``<attempt>/fr/<kind>_rank_``: torch appends the rank (and ``.pipe`` to a pipe)."""
+        folder = os.path.join(self.dir, "fr")
+        os.makedirs(folder, exist_ok=True)
+        return os.path.join(folder, f"{kind}_rank_")
 
     def filtered_stdout_path(self) -> str:
         """--duplicate-stdout-filters' lines of every rank of the attempt (torchrun's name and place)."""

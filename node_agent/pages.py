@@ -1,8 +1,37 @@
-"""The agent's side of the progress pages (layout: :mod:`node_agent.worker.layout`)."""
+"""The agent's side of the progress pages (layout: :mod:`node_agent.worker.layout`).
+
+The agent creates each rank's page before starting the worker (:func:`create_page`), reads it
+every poll (:class:`Page`, :class:`PageSet`), may write its stop record, and reads what the
+worker's stacks file gained after a stack signal (:func:`read_stacks_since`).
+
+The agent reads a page with ``pread`` rather than through a mapping: a worker may truncate or
+replace its file (it runs the user's code), and a read past the end of a shrunk mapping kills
+the reader with SIGBUS; a short ``pread`` is only a bad page. A read costs one system call
+(about a microsecond), nothing beside a poll every 50 ms or more. The worker maps its page, so
+its writes cost no system call.
+
+A page that is not one (wrong magic, version or size, too short, gone) reads as None, as does
+a page no worker attached yet; a record caught halfway through a write (its check word does not
+match) is read again, up to :data:`READ_TRIES` times within the call, then reads as None. No
+read raises.
+"""
 
 from __future__ import annotations
 
+import os
+
 from protocol.records import record
+
+from .worker import layout as L
+
+__all__ = ["Page", "PageSet", "RankSample", "create_page", "read_page", "read_stacks_since", "write_stop"]
+
+READ_TRIES = 3
+STACKS_READ_MAX = 1 << 20  # bytes of a stacks file read per call
+# The bytes a read needs: header, the three records and the phase names.
+_SPAN = L.NAMES_OFFSET + L.NAME_SLOTS * L.NAME_SIZE
+_ZERO_RECORD = (0, 0, 0, 0)
+UNKNOWN_PHASE = "?"  # a phase slot outside 0..15 in a record whose check holds (a writer's bug)
 
 
 @record(frozen=True, slots=True, kw_only=True)
@@ -18,3 +47,193 @@ class RankSample:
     pid: int  # the writer's pid (0: no worker attached yet)
     stack_signal: int  # the signal that makes the worker dump its stacks (0: cannot)
     attached_ns: int  # CLOCK_MONOTONIC ns when the worker attached (0: not yet)
+
+
+def page_bytes(stop_step: int = L.NO_STEP) -> bytes:
+    """A fresh page: the header with no writer, the stop record, everything else zero."""
+    page = bytearray(L.PAGE_SIZE)
+    L.HEADER.pack_into(page, 0, L.MAGIC, L.VERSION, L.PAGE_SIZE, 0, 0, 0)
+    L.STOP.pack_into(page, L.STOP_OFFSET, stop_step, L.check(stop_step, 0, 0))
+    return bytes(page)
+
+
+def create_page(path: str) -> None:
+    """Create the page at ``path`` (mode 0600) for a worker about to start.
+
+    An existing file is replaced, not rewritten: the new file is written beside it and renamed
+    over it, so a process still mapping the old one never sees it shrink or change.
+    """
+    tmp = f"{path}.{os.getpid()}.new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # O_TRUNC kept the mode of a leftover file
+            os.write(fd, page_bytes())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _sample(data: bytes) -> RankSample | None:
+    """A sample from a page's first bytes, or None (not a page, not attached, torn)."""
+    if len(data) < _SPAN:
+        return None
+    magic, version, size, pid, sig, attached_ns = L.HEADER.unpack_from(data, 0)
+    if magic != L.MAGIC or version != L.VERSION or size != L.PAGE_SIZE or not pid:
+        return None
+    step, progress_ns, count, chk = rec = L.PROGRESS.unpack_from(data, L.PROGRESS_OFFSET)
+    if rec == _ZERO_RECORD:
+        step = L.NO_STEP  # no progress() yet
+    elif chk != L.check(step, progress_ns, count):
+        return None
+    slot, phase_ns, compute_ns, chk = rec = L.PHASE.unpack_from(data, L.PHASE_OFFSET)
+    if rec != _ZERO_RECORD and chk != L.check(slot, phase_ns, compute_ns):
+        return None
+    if slot == 0:
+        name = ""
+    elif slot < L.NAME_SLOTS:
+        off = L.name_offset(slot)
+        raw = data[off : off + L.NAME_SIZE - 1].split(b"\0", 1)[0]
+        name = raw.decode("utf-8", "replace")
+    else:
+        name = UNKNOWN_PHASE
+    return RankSample(
+        step=step,
+        progress_ns=progress_ns,
+        count=count,
+        phase=name,
+        phase_ns=phase_ns,
+        compute_ns=compute_ns,
+        pid=pid,
+        stack_signal=sig,
+        attached_ns=attached_ns,
+    )
+
+
+class Page:
+    """One rank's page, opened once: :meth:`read` every poll, :meth:`write_stop` when asked.
+
+    Opening never raises: a page that cannot be opened reads as None (and cannot be stopped).
+    """
+
+    __slots__ = ("_fd", "path")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            self._fd = -1
+
+    def read(self) -> RankSample | None:
+        """The page's current sample; None when not attached, not a page, or torn thrice."""
+        if self._fd < 0:
+            return None
+        for _ in range(READ_TRIES):
+            try:
+                data = os.pread(self._fd, _SPAN, 0)
+            except OSError:
+                return None
+            sample = _sample(data)
+            if sample is not None or not _torn(data):
+                return sample
+        return None
+
+    def write_stop(self, step: int) -> bool:
+        """Ask the worker to stop once it has reported ``step`` (-1: no stop); False when the
+        page could not be written."""
+        if type(step) is not int or not L.NO_STEP <= step < 1 << 63:
+            raise ValueError(f"stop step {step!r} not an int in -1..2**63-1")
+        if self._fd < 0:
+            return False
+        data = L.STOP.pack(step, L.check(step, 0, 0))
+        try:
+            return os.pwrite(self._fd, data, L.STOP_OFFSET) == len(data)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> Page:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _torn(data: bytes) -> bool:
+    """Whether a page that read as None might read otherwise a moment later (a record's check
+    failed while the header is a writer's): worth another read."""
+    if len(data) < _SPAN:
+        return False
+    magic, version, size, pid, _sig, _at = L.HEADER.unpack_from(data, 0)
+    return magic == L.MAGIC and version == L.VERSION and size == L.PAGE_SIZE and pid != 0
+
+
+class PageSet:
+    """The pages of one round's local ranks, opened once and read together."""
+
+    __slots__ = ("pages",)
+
+    def __init__(self, paths: list[str] | tuple[str, ...]) -> None:
+        self.pages = tuple(Page(p) for p in paths)
+
+    def read(self) -> tuple[RankSample | None, ...]:
+        return tuple(p.read() for p in self.pages)
+
+    def write_stop(self, step: int) -> None:
+        for p in self.pages:
+            p.write_stop(step)
+
+    def close(self) -> None:
+        for p in self.pages:
+            p.close()
+
+    def __enter__(self) -> PageSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_page(path: str) -> RankSample | None:
+    """One read of the page at ``path`` (opens and closes it; a poll loop keeps a :class:`Page`)."""
+    with Page(path) as page:
+        return page.read()
+
+
+def write_stop(path: str, step: int) -> bool:
+    """Write the stop record of the page at ``path`` (see :meth:`Page.write_stop`)."""
+    with Page(path) as page:
+        return page.write_stop(step)
+
+
+def read_stacks_since(path: str, offset: int, limit: int = STACKS_READ_MAX) -> tuple[str, int]:
+    """What the stacks file ``path`` gained past ``offset``: (text, the offset to pass next).
+
+    At most ``limit`` bytes are read (the rest waits for the next call). A file shorter than
+    ``offset`` was replaced: it is read from its start. A missing file gained nothing.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return "", offset
+    try:
+        size = os.fstat(fd).st_size
+        if size < offset:
+            offset = 0
+        data = os.pread(fd, max(0, min(limit, size - offset)), offset)
+    except OSError:
+        return "", offset
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace"), offset + len(data)

@@ -36,8 +36,18 @@ from .events import EventLog
 from .logs import RunLogs
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
-from .specs import failure_of, failures_of, join_message, machine_settings, make_node_id, worker_specs
+from .specs import (
+    failure_of,
+    failures_of,
+    join_message,
+    machine_settings,
+    make_node_id,
+    training,
+    worker_specs,
+)
 from .supervisor import WorkerGroup, WorkerSpawnError
+from .training import DumpStacks
+from .watching import RoundPages, dump, poll
 from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:
@@ -133,6 +143,11 @@ class Agent:
         self._phase = "starting"
         self._assignment: Assignment | None = None
         self._ranks: dict[int, int] = {}
+        # Watching the training (watching.py): this round's pages, their poll, a stack dump.
+        self._pages: RoundPages | None = None
+        self._poll_every = 1.0
+        self._poll_task: asyncio.Task[None] | None = None
+        self._dump_task: asyncio.Task[None] | None = None
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -185,8 +200,10 @@ class Agent:
         machine = st.AgentMachine(
             settings=machine_settings(
                 cfg, node_id=self.node_id, addr=self.addr, reconnects=backend.reconnects
-            )
+            ),
+            training=training(cfg, node_id=self.node_id, addr=self.addr),
         )
+        self._poll_every = machine.training.policy.poll_interval_s() if machine.training else 1.0
         notice = omp_threads_notice(cfg, os.environ)
         if notice:
             self.log(notice, "warning")
@@ -209,6 +226,8 @@ class Agent:
                 loop.remove_signal_handler(sig)
             # Whatever happened, no worker outlives the agent.
             await self.group.stop(grace=0.0, sig=signal.SIGKILL)
+            if self._pages is not None:
+                self._pages.close()
             await self.conn.close()
         return self._finish()
 
@@ -277,6 +296,8 @@ class Agent:
                 self.log(eff.text, eff.level)
             elif isinstance(eff, st.Exit):
                 self._exit = eff
+            elif isinstance(eff, DumpStacks):
+                self._dump_task = self._spawn(self._dump_stacks(eff))
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -305,8 +326,15 @@ class Agent:
             took = (self.clock() - self._joined_at) * 1000
             events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=took)
             events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
-        specs = worker_specs(self.config, a, os.environ, self.logs.new_attempt())
+        attempt = self.logs.new_attempt()
+        specs = worker_specs(self.config, a, os.environ, attempt)
         self._ranks = {spec.local_rank: spec.rank for spec in specs}
+        if self._pages is not None:
+            self._pages.close()
+        paths = [attempt.page_path(lr) for lr in range(self.config.nproc_per_node)]
+        self._pages = RoundPages(
+            paths, a.rank_offset, attempt.flight_recorder_stem("pipe"), attempt.hang_report_path()
+        )
         try:
             await self.group.start(specs)
         except WorkerSpawnError as exc:
@@ -318,6 +346,7 @@ class Agent:
                 self._worker_event("START", a, local_rank, pid)
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
         self._wait_task = self._spawn(self._wait_workers(a))
+        self._poll_task = self._spawn(poll(self._pages, self._poll_every, self.events.put_nowait))
 
     def _worker_event(
         self,
@@ -356,8 +385,15 @@ class Agent:
         if self._wait_task is not None:
             self._wait_task.cancel()
             self._wait_task = None
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            self._poll_task = None
+        dumping = self._dump_task
 
         async def stop() -> None:
+            if dumping is not None:
+                # Stacks are being collected (bounded): a rank signalled now could die halfway.
+                await asyncio.wait([dumping])
             # The watchdog stays for the next attempt's workers; the run's last stop ends it.
             await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
             self.events.put_nowait(st.WorkersStopped())
@@ -372,6 +408,14 @@ class Agent:
         assert self.config.health_check is not None
         problem = await health_check(self.config.health_check)
         self.events.put_nowait(st.HealthCheckDone(ok=problem is None, detail=problem or ""))
+
+    async def _dump_stacks(self, eff: DumpStacks) -> None:
+        assert self._pages is not None
+        try:
+            done = await dump(eff, self._pages, self.group.pids, self.node_id)
+        finally:
+            self._dump_task = None
+        self.events.put_nowait(done)
 
     async def _reconnect(self, deadline: float) -> None:
         while True:

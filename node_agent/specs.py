@@ -23,7 +23,9 @@ from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Join
 from . import state as st
 from .config import AgentConfig
 from .supervisor import GroupResult, WorkerExit, WorkerSpec
-from .worker_env import NodeAssignment, worker_argv, worker_env
+from .training import Training
+from .watch import HangPolicy
+from .worker_env import NodeAssignment, training_health_env, worker_argv, worker_env
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -78,6 +80,8 @@ class AttemptPaths(Protocol):
     def stderr_path(self, local_rank: int) -> str: ...
     def filtered_stdout_path(self) -> str: ...
     def filtered_stderr_path(self) -> str: ...
+    def page_path(self, local_rank: int) -> str: ...
+    def flight_recorder_stem(self, kind: str) -> str: ...
 
 
 def worker_specs(
@@ -96,17 +100,22 @@ def worker_specs(
         max_restarts=a.max_restarts,
     )
     specs = []
+    fr_dump, fr_pipe = paths.flight_recorder_stem("trace"), paths.flight_recorder_stem("pipe")
     for local_rank in range(cfg.nproc_per_node):
         error_file = paths.error_file(local_rank)
         rank = a.rank_offset + local_rank
+        env = worker_env(
+            config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
+        )
+        env.update(
+            training_health_env(environ, page=paths.page_path(local_rank), fr_dump=fr_dump, fr_pipe=fr_pipe)
+        )
         specs.append(
             WorkerSpec(
                 local_rank=local_rank,
                 rank=rank,
                 argv=worker_argv(cfg, local_rank),
-                env=worker_env(
-                    config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
-                ),
+                env=env,
                 redirect=cfg.redirect_for(local_rank),
                 tee=cfg.tee_for(local_rank),
                 stdout_path=paths.stdout_path(local_rank),
@@ -144,6 +153,17 @@ def machine_settings(cfg: AgentConfig, *, node_id: str, addr: str, reconnects: b
     )
 
 
+def training(cfg: AgentConfig, *, node_id: str, addr: str) -> Training:
+    """The machine's view of the ranks' training (progress summaries, hang verdicts)."""
+    return Training(
+        policy=HangPolicy.parse(cfg.hang_timeout, cfg.hang_conf),
+        nproc=cfg.nproc_per_node,
+        node_id=node_id,
+        addr=addr,
+        interval=cfg.rdzv_conf.heartbeat_interval,
+    )
+
+
 def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str) -> Join:
     """This node's Join for the next round, with a master port free right now."""
     return Join(
@@ -160,6 +180,9 @@ def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_
         heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,
         heartbeat_timeout=cfg.rdzv_conf.heartbeat_timeout,
         exclude_after=cfg.rdzv_conf.exclude_after,
+        straggler_threshold=cfg.rdzv_conf.straggler_threshold,
+        exclude_stragglers=cfg.rdzv_conf.exclude_stragglers,
+        crash_loop_restarts=cfg.rdzv_conf.crash_loop_restarts,
         proof=proof,
         # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
         node_rank=cfg.node_rank if cfg.node_rank_given else -1,

@@ -81,6 +81,7 @@ from protocol import (
     MAX_NODES,
     MAX_TEXT_LEN,
     Assignment,
+    CollectStacks,
     Drain,
     Error,
     Failure,
@@ -100,6 +101,7 @@ from protocol import (
 from protocol.records import record
 
 from .agent_log import shown
+from .training import DumpStacks, ProgressRead, StacksDumped, Training
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
@@ -111,6 +113,10 @@ EXIT_RDZV = 1  # the rendezvous could not be completed
 # an unneeded spare must not turn a successful run into a failed one. The agent says so in a
 # warning, which is where a second run that joined the first by mistake shows up.
 EXIT_NOT_NEEDED = 0
+# The server ended the job because restarts in a row made no step progress (a crash loop, as
+# reported through node_agent.worker): distinct from 1 so a scheduler can tell "do not requeue
+# this as is" from an ordinary failure (e.g. a Kubernetes podFailurePolicy rule on exit code 3).
+EXIT_CRASH_LOOP = 3
 # After a drain's Leave, how long to wait for the server's Left once the workers are down. The
 # server answers in the same step that handles the Leave, so silence this long means no answer.
 LEAVE_ANSWER_TIMEOUT = 10.0
@@ -205,6 +211,8 @@ Event = (
     | Reconnected
     | ReconnectFailed
     | Tick
+    | ProgressRead
+    | StacksDumped
 )
 
 
@@ -286,6 +294,7 @@ Effect = (
     | ForwardSignal
     | Exit
     | Log
+    | DumpStacks
 )
 
 
@@ -350,6 +359,8 @@ class AgentMachine:
     _resuming: bool = False
     _checking: bool = False  # our --health-check runs; the join waits for it
     _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
+    # Progress summaries and hang verdicts (training.py); None: the agent does not watch them.
+    training: Training | None = None
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -396,6 +407,10 @@ class AgentMachine:
             return self._on_health_check_done(event)
         if isinstance(event, Tick):
             return self._on_tick(now)
+        if isinstance(event, ProgressRead):
+            return self._on_progress(event, now)
+        if isinstance(event, StacksDumped):
+            return self._on_stacks_dumped(event, now)
         raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
 
     # -- server messages -------------------------------------------------------------------
@@ -432,6 +447,11 @@ class AgentMachine:
             return [Log("info", f"the server took this node back into round {msg.round} ({how})")]
         if isinstance(msg, Welcome):
             return self._protocol_error("a second welcome on an open connection; ignored", fatal=False)
+        if isinstance(msg, CollectStacks):
+            dump = self.training.on_collect(msg.round, msg.reason) if self.training is not None else None
+            if dump is None or self.phase is not Phase.RUNNING:
+                return []  # not running that round (any more), or collecting already
+            return [Log("warning", f"the server asks for our ranks' stacks: {shown(msg.reason)}"), dump]
         if self.phase is Phase.LEAVING:
             # Workers down, our Leave out: an assignment or restart that crossed it, a waiting
             # update or a drain request no longer change our course.
@@ -511,6 +531,8 @@ class AgentMachine:
         self.phase = Phase.STARTING
         self.deadline = None
         self._last_waiting = None
+        if self.training is not None:
+            self.training.start(msg)
         return [
             Log(
                 "info",
@@ -556,7 +578,9 @@ class AgentMachine:
 
     def _on_job_failed(self, msg: JobFailed) -> list[Effect]:
         where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
-        exit_ = Exit(EXIT_FAILED, f"job failed{where}: {shown(msg.reason)}", msg.failure, self.local_failures)
+        code = EXIT_CRASH_LOOP if msg.code == "crash_loop" else EXIT_FAILED
+        what = "job failed (a crash loop)" if code == EXIT_CRASH_LOOP else "job failed"
+        exit_ = Exit(code, f"{what}{where}: {shown(msg.reason)}", msg.failure, self.local_failures)
         # The job's failure is the reason to report, not a pending drain's; nothing is left to
         # report or leave.
         self._awaiting_left, self._report, self._leave = False, None, None
@@ -651,7 +675,7 @@ class AgentMachine:
         )
         self.local_failures = (failure,)
         self._await_verdict(now)
-        self._report = WorkersFailed(round=a.round, failure=failure)
+        self._report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
         return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self._report)]
 
     def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
@@ -666,10 +690,20 @@ class AgentMachine:
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
             return effects
-        self.local_failures = event.local_failures or (event.failure,)
+        return self._fail(event.failure, event.local_failures or (event.failure,))
+
+    def _max_step(self) -> int:
+        return self.training.max_step() if self.training is not None else -1
+
+    def _fail(self, failure: Failure, local_failures: tuple[Failure, ...]) -> list[Effect]:
+        """Our workers failed (or hung) in RUNNING: report it, stop them, await the verdict."""
+        assert self.assignment is not None
+        self.local_failures = local_failures
         self.phase = Phase.STOPPING
         self._after_stop = AfterStop.VERDICT
-        self._report = WorkersFailed(round=self.assignment.round, failure=event.failure)
+        self._report = WorkersFailed(round=self.assignment.round, failure=failure, step=self._max_step())
+        if self.training is not None:
+            self.training.stop()
         note: list[Effect] = []
         if self.away:
             note = [
@@ -680,6 +714,31 @@ class AgentMachine:
                 )
             ]
         return [*note, *self._send(self._report), StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+
+    # -- training progress and hangs (training.py decides; this routes) -------------------
+
+    def _on_progress(self, event: ProgressRead, now: float) -> list[Effect]:
+        t = self.training
+        if t is None or self.phase is not Phase.RUNNING:
+            return []  # the workers are not (or no longer) running: their silence is no hang
+        out, line = t.on_read(event, now)
+        effects: list[Effect] = [Log("error", line)] if line else []
+        for item in out:
+            effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
+        return effects
+
+    def _on_stacks_dumped(self, event: StacksDumped, now: float) -> list[Effect]:
+        t = self.training
+        if t is None:
+            return []
+        effects: list[Effect] = self._send(event.stacks) if event.stacks is not None else []
+        then = t.on_dumped()
+        if not then or self.phase is not Phase.RUNNING or self.assignment is None:
+            return effects  # another node's hang, or the round moved on while we collected
+        if isinstance(then, DumpStacks):
+            return [*effects, then]
+        failure = t.failure(now, event.report, event.path)
+        return [*effects, Log("error", event.report), *self._fail(failure, (failure,))]
 
     def _await_verdict(self, now: float) -> None:
         """Workers down after our failure: the server's verdict decides (Restart or JobFailed).

@@ -19,6 +19,14 @@ compares, key by key. Values that differ on purpose:
 Not set, as torchrun sets them only for features we do not have: ``TORCHELASTIC_TIMER_FILE``
 (the file-timer watchdog).
 
+Added (``training_health_env``), for watching the training (README "Progress, hangs and
+stragglers"): ``NODE_AGENT_PROGRESS_PAGE``, the rank's progress page (``node_agent.worker``
+reports through it; unset, every call of that module is a no-op), and, unless the user set
+them, torch's flight-recorder dump file and dump pipe variables
+(``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``, ``TORCH_FR_DUMP_TEMP_FILE``,
+``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``, ``TORCH_FR_DEBUG_INFO_PIPE_FILE``) pointing into the
+attempt's log directory, so a hang's dumps land beside its report.
+
 Not inherited, unlike everything else of the agent's environment: ``RDZV_TOKEN``, the job's
 rendezvous token (``SECRETS``). A worker runs the user's code and whatever it imports; with the
 token it could join the job as another node. Paths (``RDZV_TOKEN_FILE``, the TLS files) are not
@@ -33,7 +41,14 @@ from protocol.records import record
 
 from .config import AgentConfig, ConfigError
 
-__all__ = ["NodeAssignment", "omp_threads_notice", "worker_argv", "worker_env"]
+__all__ = ["NodeAssignment", "omp_threads_notice", "training_health_env", "worker_argv", "worker_env"]
+
+PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
+# torch's flight recorder: where a dump is written (the rank is appended), and the stem of the
+# FIFO whose write asks for a dump while training goes on (``<stem><rank>.pipe``). Old and new
+# spellings: torch reads one or the other depending on the release.
+FR_DUMP_VARS = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+FR_PIPE_VARS = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_DEBUG_INFO_PIPE_FILE")
 
 # What torchrun prints when it sets OMP_NUM_THREADS for the workers, word for word, so logs and
 # the scripts that grep them look the same.
@@ -199,3 +214,19 @@ def worker_argv(config: AgentConfig, local_rank: int) -> list[str]:
     if config.no_python:
         return args
     return [config.python_exec, "-u", *(["-m"] if config.module else []), *args]
+
+
+def training_health_env(
+    base_env: Mapping[str, str], *, page: str, fr_dump: str, fr_pipe: str
+) -> dict[str, str]:
+    """The variables a worker gets for watching its training (added to ``worker_env``'s).
+
+    ``page``: this rank's progress page; ``fr_dump``/``fr_pipe``: the stems of torch's
+    flight-recorder dump files and dump pipes in the attempt's log directory, set only where
+    the user set neither spelling (theirs wins).
+    """
+    env = {PAGE_VAR: page}
+    for names, value in ((FR_DUMP_VARS, fr_dump), (FR_PIPE_VARS, fr_pipe)):
+        if not any(name in base_env for name in names):
+            env.update(dict.fromkeys(names, value))
+    return env

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from protocol.messages import Failure
 
+# Failure.signal of a rank the agent found hung (it made no progress past its deadline), and
+# then stopped: no signal or exit code of its own says what went wrong.
+HUNG = "hang"
+
 
 def how_it_failed(f: Failure) -> str:
-    """``signal SIGKILL`` or ``exit code 1``."""
+    """``signal SIGKILL``, ``exit code 1``, or ``a hang (no progress past its deadline)``."""
+    if f.signal == HUNG:
+        return "a hang (no progress past its deadline)"
     return f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
 
 

@@ -200,6 +200,31 @@ class HangState:
     nodes_dropped: int = 0  # nodes whose stacks did not fit HANG_NODES_KEPT / HANG_TEXT_KEPT
     text_kept: int = 0  # characters of stacks kept
 
+    def settle(self) -> None:
+        """Keep the report of a job that is over at the cost of one stack text per group of
+        alike stacks (every rank of a group then shares its first rank's text, and the report
+        merges the same): the finished jobs the server remembers keep their evidence without
+        each keeping up to HANG_TEXT_KEPT characters."""
+        from protocol.hang_report import merge
+
+        entries = self.entries()
+        text_of = {e[0]: e[4] for e in entries}
+        shared: dict[int, str] = {}
+        for g in merge(entries, hung=self.ranks).groups:
+            for rank in g.ranks:
+                shared[rank] = text_of[g.ranks[0]]
+        for node, msg in list(self.stacks.items()):
+            keep = [i for i, rank in enumerate(msg.ranks) if rank in shared]
+            self.stacks[node] = Stacks(
+                round=msg.round,
+                ranks=tuple(msg.ranks[i] for i in keep),
+                steps=tuple(msg.steps[i] for i in keep),
+                phases=tuple(msg.phases[i] for i in keep),
+                silent_s=tuple(msg.silent_s[i] for i in keep),
+                stacks=tuple(shared[msg.ranks[i]] for i in keep),
+            )
+        self.text_kept = sum(len(t) for t in {id(t): t for t in shared.values()}.values())
+
     def add_ranks(self, ranks: tuple[int, ...]) -> bool:
         """Name more hung ranks (bounded); True if any was new."""
         new = [r for r in ranks if r not in self.ranks][: max(0, HANG_RANKS_KEPT - len(self.ranks))]

@@ -881,7 +881,9 @@ class RoundRules:
             job.outcome = job.outcome or "every node left"
             said.note(job, said.forgotten(now), out)
         del self.jobs[job.id]
-        job.progress, job.hang = JobProgress(), None  # a forgotten job shows no training
+        job.progress = JobProgress()  # a job that is over shows no training, but its hang:
+        if job.hang is not None:
+            job.hang.settle()  # the evidence stays, one stack per group of alike stacks
         self.finished_jobs.append(job)
         return True
 

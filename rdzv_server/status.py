@@ -27,7 +27,6 @@ empty, and the fact it would give shows as ``None``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import asdict
 from functools import lru_cache
@@ -36,6 +35,7 @@ from typing import Any
 
 from protocol import Stacks
 from protocol.failure_text import describe_failure
+from protocol.hang_report import merge
 
 from .history import EventKind, JobEvent
 from .progress import HangState, NodeProgress, RankScore, straggler_scores
@@ -554,58 +554,31 @@ def hang_report_view(h: HangState) -> dict[str, Any] | None:
 
 @lru_cache(maxsize=8)
 def _merged(stacks: tuple[Stacks, ...], hung: tuple[int, ...]) -> dict[str, Any]:
-    groups: dict[tuple[str, ...], list[tuple[int, str]]] = {}
-    for msg in stacks:
-        for rank, text in zip(msg.ranks, msg.stacks, strict=True):
-            groups.setdefault(main_frames(text), []).append((rank, text))
-    largest = max(map(len, groups.values()), default=0)  # 0: every node sent no rank
-    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(r for r, _ in kv[1])))
-    odd_ranks = {r for members in groups.values() if len(members) < largest for r, _ in members}
-    suspects = [r for r in hung if r in odd_ranks] or list(hung)
+    # The one merge (protocol/hang_report.py) the agents' own reports use too.
+    entries = [
+        (rank, step, phase, silent, text)
+        for msg in stacks
+        for rank, step, phase, silent, text in zip(
+            msg.ranks, msg.steps, msg.phases, msg.silent_s, msg.stacks, strict=True
+        )
+    ]
+    text_of = {e[0]: e[4] for e in entries}
+    report = merge(entries, hung=hung)
     out = []
-    for frames, members in ordered[:HANG_GROUPS_SHOWN]:
-        members.sort()
+    for g in report.groups[:HANG_GROUPS_SHOWN]:
         out.append(
             {
-                "ranks": [r for r, _ in members[:HANG_GROUP_RANKS_SHOWN]],
-                "ranks_total": len(members),
-                "odd": len(members) < largest,
-                "frames": list(frames),
-                "stack": members[0][1],
+                "ranks": list(g.ranks[:HANG_GROUP_RANKS_SHOWN]),
+                "ranks_total": len(g.ranks),
+                "odd": g.odd,
+                "frames": [f[:HANG_FRAME_LEN] for f in g.frames[:HANG_FRAMES_KEPT]]
+                or [g.opaque[:HANG_FRAME_LEN]],
+                "stack": text_of.get(g.ranks[0], "") if g.ranks else "",
             }
         )
-    return {"suspects": suspects[:HANG_GROUP_RANKS_SHOWN], "groups": out, "groups_total": len(groups)}
-
-
-_FAULTHANDLER_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
-_PYSPY_FRAME = re.compile(r"^\s+(\S.*) \((.*):(\d+)\)$")
-
-
-def main_frames(text: str) -> tuple[str, ...]:
-    """A rank's main thread's frames, innermost first, as ``file:line in function``.
-
-    faulthandler marks the thread that took its signal (the main one) "Current thread";
-    py-spy names it "MainThread"; else the first thread is taken. A text of neither format
-    is kept whole as one opaque "frame", so identical texts still group together.
-    """
-    threads: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
-        if line.startswith(("Thread ", "Current thread ")):
-            threads.append((line, []))
-            continue
-        m = _FAULTHANDLER_FRAME.match(line)
-        if m:
-            frame = f"{m[1]}:{m[2]} in {m[3]}"
-        elif (p := _PYSPY_FRAME.match(line)) is not None:
-            frame = f"{p[2]}:{p[3]} in {p[1]}"
-        else:
-            continue
-        if not threads:
-            threads.append(("", []))
-        threads[-1][1].append(frame)
-    if not threads:
-        return (text.strip()[:HANG_FRAME_LEN],)
-    main = next(
-        (t for t in threads if t[0].startswith("Current thread") or '"MainThread"' in t[0]), threads[0]
-    )
-    return tuple(f[:HANG_FRAME_LEN] for f in main[1][:HANG_FRAMES_KEPT])
+    return {
+        # No stacks to tell them apart (yet): the ranks found hung are the suspects.
+        "suspects": ([e.rank for e in report.suspects] or list(hung))[:HANG_GROUP_RANKS_SHOWN],
+        "groups": out,
+        "groups_total": len(report.groups) + report.dropped_groups,
+    }

@@ -21,6 +21,7 @@ EXPECTED = [
     ("7. scale: 100 simulated agents (ours only)", "server RSS"),
     ("7. scale: 100 simulated agents (ours only)", "heartbeats per second"),
     ("7. scale: 100 simulated agents (ours only)", "floor: plain socket.send"),
+    ("8. watching the training (ours only)", "worker.progress(step), attached"),
 ]
 
 

@@ -38,7 +38,18 @@ from collections.abc import Callable
 
 import msgpack
 
-from protocol import CLIENT_MESSAGES, SUPPORTED_VERSIONS, Error, Heartbeat, Hello, Message, Welcome, encode
+from protocol import (
+    CLIENT_MESSAGES,
+    SUPPORTED_VERSIONS,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Progress,
+    Stacks,
+    Welcome,
+    encode,
+)
 from protocol.codec import decode_payload
 from protocol.errors import ProtocolError
 from protocol.records import record
@@ -373,6 +384,10 @@ class EtcdConnection:
     def send(self, msg: Message) -> None:
         if self._closed or isinstance(msg, Heartbeat):
             return  # liveness is the lease, refreshed by _keepalive_loop
+        if isinstance(msg, Progress | Stacks):
+            # Progress summaries and stacks are for a server's surfaces (etcd has none) and
+            # change nothing the job's log must keep: never written to etcd.
+            return
         self._append(Entry(RECEIVED, self.wall(), self.lease, msg=msg))
 
     async def receive(self) -> Message:

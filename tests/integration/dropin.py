@@ -28,6 +28,18 @@ LAUNCHERS = {
     "ours": [sys.executable, "-m", "node_agent"],
 }
 
+# Only ours, and why (README "Progress, hangs and stragglers"): every rank's progress page (a
+# file in its log folder) and its environment variable, and torch's flight-recorder dump
+# variables pointed into the attempt's log folder.
+ADDED_KEYS = {
+    "NODE_AGENT_PROGRESS_PAGE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+    "TORCH_FR_DEBUG_INFO_PIPE_FILE",
+}
+ADDED_FILES = ("progress.page",)  # and its ".stacks" beside it, once a worker attached
+
 # Worker environment values that differ between two runs or two launchers, and why.
 DIFFERENT_BY_DESIGN = {
     "MASTER_PORT": "a free port chosen per run (where the line gives one, both use it: checked apart)",
@@ -104,7 +116,7 @@ def run_line(launcher: str, line: Line, tmp: Path, timeout: float = 90.0) -> Out
     files, filtered = set(), {}
     if log_dir.exists():
         for path in log_dir.rglob("*"):
-            if path.is_file():
+            if path.is_file() and not path.name.startswith(ADDED_FILES):
                 parts = path.relative_to(log_dir).parts
                 name = "/".join(("RUN", *parts[1:]))
                 files.add(name)
@@ -145,7 +157,10 @@ def compare(theirs: Outcome, ours: Outcome, line: Line) -> None:
     assert len(theirs.dumps) == len(ours.dumps), where
     for t, o in zip(theirs.dumps, ours.dumps, strict=True):
         assert t["RANK"] == o["RANK"]
-        assert set(o) == set(t), f"keys only ours: {set(o) - set(t)}, only torchrun's: {set(t) - set(o)}"
+        ours_keys = set(o) - ADDED_KEYS
+        assert ours_keys == set(t), (
+            f"keys only ours: {ours_keys - set(t)}, only torchrun's: {set(t) - ours_keys}"
+        )
         differ = {k for k in t if t[k] != o[k]} - set(DIFFERENT_BY_DESIGN)
         assert not differ, {k: (t[k], o[k]) for k in differ}
         assert json.loads(o.get("_argv", "[]")) == json.loads(t.get("_argv", "[]"))

