@@ -194,7 +194,22 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
                 ],
                 launchers=("ours",),
                 smoke=True,
-            )
+            ),
+            Variant(
+                "8. watching the training (ours only)",
+                "hang",
+                lc.hang,
+                [
+                    Metric(
+                        "report",
+                        f"a rank hangs → its node's hang report written (--hang-timeout {lc.HANG_BUDGET:g}; "
+                        "torchrun never notices: gloo waits 30 min, NCCL 10 min)",
+                    ),
+                    Metric("report_over_budget", "the same, beyond the hang budget"),
+                    Metric("all", "a rank hangs → every rank's replacement running"),
+                ],
+                launchers=("ours",),
+            ),
         ],
     }
     for n in (2, 4, 8):

@@ -354,3 +354,37 @@ def footprint(trial: Trial, launcher: str, seconds: float = 10.0) -> dict[str, f
         "cpu_idle": (cpu1 - cpu0) * seconds / (t1 - t0),
         "cpu_startup": cpu0,
     }
+
+
+# --- 8. a hung rank -------------------------------------------------------------------------
+
+HANG_BUDGET = 2.0  # --hang-timeout of the hang case: the budget is part of what is measured
+
+
+def hang(trial: Trial, launcher: str) -> dict[str, float]:
+    """Two ranks; rank 1 hangs outside any collective while rank 0 waits in all_reduce. From
+    the hang to the node's hang report written, and to every rank's replacement running.
+
+    Ours only: torchrun never notices a hung rank; its job waits for the collective's own
+    timeout (gloo 30 min, NCCL 10 min by default) and then fails without stacks.
+    """
+    logs = trial.dir / "logs"
+    argv = [exe(launcher), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    argv += ["--hang-timeout", str(HANG_BUDGET), "--log-dir", str(logs), worker("hang_once.py")]
+    p = trial.launch("agent", argv, {"PYTHONPATH": str(WORKERS.parents[1])})
+
+    def replaced(evs: Events) -> tuple[float, dict[int, float]] | None:
+        hangs = _of(evs, "hang")
+        if not hangs:
+            return None
+        new = _by_rank(_of(evs, "start", after=hangs[0]["t"]))
+        return (hangs[0]["t"], new) if len(new) >= 2 else None
+
+    t_hang, new = trial.until("a hang, then both ranks replaced", lambda: replaced(trial.events()), 120)
+    _require_exit(trial, [p], "hang")
+    (report,) = logs.glob("*/attempt_*/hang_report.txt")
+    return {
+        "report": report.stat().st_mtime - t_hang,
+        "report_over_budget": report.stat().st_mtime - t_hang - HANG_BUDGET,
+        "all": max(new.values()) - t_hang,
+    }

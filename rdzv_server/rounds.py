@@ -54,22 +54,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Any
 
 from protocol import (
     Assignment,
-    CollectStacks,
     Error,
     Failure,
-    HangDetected,
     JobDone,
     JobFailed,
     Join,
     Leave,
     Left,
-    Progress,
     Restart,
-    Stacks,
     Waiting,
     WorkersFailed,
     WorkersSucceeded,
@@ -79,7 +74,7 @@ from protocol.messages import clip_text
 
 from . import history as said
 from .events import Close, Effect, Log, Send
-from .history import HISTORY_TEXT_LEN, LOG_TEXT_LEN, Departure, EventKind, JobEvent, Stats, escape, summarise
+from .history import LOG_TEXT_LEN, Departure, EventKind, JobEvent, Stats, escape, summarise
 from .jobs import (
     FAILURE_PATH_LEN,
     FAILURE_TEXT_LEN,
@@ -101,18 +96,12 @@ from .jobs import (
     set_state,
 )
 from .progress import (
-    HANG_RANKS_KEPT,
-    STRAGGLER_CHECK_EVERY,
-    HangState,
     JobProgress,
-    flagged_by_node,
-    straggler_scores,
 )
+from .training_rules import TrainingRules
 
-STRAGGLER_RANKS_NOTED = 64  # flagged ranks one STRAGGLER event names
 
-
-class RoundRules:
+class RoundRules(TrainingRules):
     """The job rules, as the lowest layer of :class:`~rdzv_server.state.Rendezvous`.
 
     A mixin, not a helper object: every rule reads and changes the same few tables (and the
@@ -129,12 +118,6 @@ class RoundRules:
     expire_silent: bool
     unchanged: bool
     _next_sweep: float | None
-    # Facts this event's handling derived from volatile state (Progress, which the state log
-    # does not keep): the log writes them into the event's record. While replaying, the
-    # facts the live server derived for the record's event; decisions are then taken from
-    # them, never from the replaying machine's own (partial) progress view.
-    facts: dict[str, list[Any]] | None
-    logged_facts: dict[str, Any] | None
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -514,29 +497,6 @@ class RoundRules:
             )
             self._fail(job, reason, failure, now, out)
 
-    def _crash_loop(
-        self, job: Job, step: int, cause: str, failure: Failure, now: float, out: list[Effect]
-    ) -> bool:
-        """Count a failed round that made no step progress; True if the job failed for it.
-
-        From ``WorkersFailed.step`` only (the state log keeps it; Progress it does not): the
-        highest step a failing round reported is the job's best; a round whose failure reports
-        no more than that made no progress. ``crash_loop_restarts`` such rounds in a row end
-        the job, once it has reported a step at all (a job that never calls
-        ``worker.progress`` is never in a crash loop).
-        """
-        if step > job.best_step:
-            job.best_step, job.stuck_restarts = step, 0
-            return False
-        job.stuck_restarts += 1
-        limit = job.settings.crash_loop_restarts
-        if not limit or job.best_step < 0 or job.stuck_restarts < limit:
-            return False
-        said.note(job, said.crash_loop(now, job.round, job.stuck_restarts, job.best_step), out, "error")
-        reason = f"{said.crash_loop_reason(job.stuck_restarts, job.best_step)}; the last failure: {cause}"
-        self._fail(job, reason, failure, now, out, code="crash_loop")
-        return True
-
     def _exclude(self, job: Job, member: Member, why: str, now: float, out: list[Effect]) -> None:
         """Take a flaky node out of the job for good; the others go on if enough remain."""
         job.exclude(member.node_id, why)
@@ -572,182 +532,6 @@ class RoundRules:
             return
         set_state(job, member, MemberState.SUCCEEDED)
         self._maybe_finish(job, now, out)
-
-    # -- training progress, hangs and stragglers ---------------------------------------------
-
-    def _in_round(self, job: Job, member: Member, rnd: int) -> bool:
-        """Whether ``member`` runs workers of the job's running round ``rnd``."""
-        return (
-            job.phase is JobPhase.RUNNING
-            and rnd == job.round
-            and member.state is MemberState.RUNNING
-            and job.members.get(member.node_id) is member
-        )
-
-    def _on_progress(self, job: Job, member: Member, msg: Progress, now: float, out: list[Effect]) -> None:
-        """A node's training summary: volatile (the state log keeps no Progress), so it only
-        updates the job's progress view and, at most once a second, its straggler flags."""
-        if not self._in_round(job, member, msg.round):
-            self.unchanged = True  # a stale round's (or a spare's): nothing to show
-            return
-        p = job.progress
-        if p.round != job.round:
-            p.start_round(job.round, self._rank_offsets(job))
-        p.update(member.node_id, msg, member.nproc, now)
-        self._check_stragglers(job, now, out)
-
-    def _rank_offsets(self, job: Job) -> dict[str, int]:
-        """Each node's first global rank in the running round (its order, as assigned)."""
-        offsets, offset = {}, 0
-        for nid in job.order:
-            m = job.members.get(nid)
-            if m is not None:
-                offsets[nid] = offset
-                offset += m.nproc
-        return offsets
-
-    def _check_stragglers(self, job: Job, now: float, out: list[Effect]) -> None:
-        """Note a STRAGGLER event for each node that has a flagged rank for the first time this
-        round. The state log keeps the notes as facts of the Progress that made them."""
-        threshold = job.settings.straggler_threshold
-        if self.logged_facts is not None:  # replaying: what the live server noted
-            for jid, nid, ranks, scores in self.logged_facts.get("stragglers", ()):
-                m = job.members.get(nid)
-                if jid == job.id and m is not None:
-                    event = said.straggler(now, nid, m.addr, job.round, ranks, scores, threshold)
-                    said.note(job, event, out, "warning")
-            return
-        p = job.progress
-        if now - p.checked_at < STRAGGLER_CHECK_EVERY:
-            return
-        p.checked_at = now
-        for nid, flagged in flagged_by_node(straggler_scores(p, threshold)).items():
-            m = job.members.get(nid)
-            if nid in p.flagged or m is None:
-                continue
-            kept = flagged[:STRAGGLER_RANKS_NOTED]
-            ranks, scores = [s.rank for s in kept], [s.score for s in kept]
-            event = said.straggler(now, nid, m.addr, job.round, ranks, scores, threshold)
-            p.flagged[nid] = tuple(ranks)
-            self._add_fact("stragglers", [job.id, nid, ranks, scores])
-            said.note(job, event, out, "warning")
-
-    def _leave_out_stragglers(self, job: Job, now: float, out: list[Effect]) -> bool:
-        """``exclude_stragglers``: a round is about to form; exclude the nodes that had a flagged
-        rank in the previous round, as long as the job keeps enough nodes. Decided once per
-        round, from Progress (volatile), so the state log keeps the decision as a fact of the
-        event that formed the round; replay takes it from there. True if any was excluded."""
-        if self.logged_facts is not None:  # replaying: the live server's decision
-            logged = self.logged_facts.get("left_out", [])
-            picks = [(nid, why) for jid, nid, why in logged if jid == job.id]
-            self.logged_facts["left_out"] = [e for e in logged if e[0] != job.id]  # used once
-        else:
-            p = job.progress
-            if p.round != job.round - 1 or p.decided_round == job.round:
-                return False
-            p.decided_round = job.round
-            threshold = job.settings.straggler_threshold
-            by_node = flagged_by_node(straggler_scores(p, threshold))
-            room = len(job.members) + len(job.spares) - job.settings.min_nodes
-            picks = []
-            for nid, flagged in sorted(by_node.items(), key=lambda kv: min(s.score for s in kv[1])):
-                if room <= 0:
-                    break
-                if nid not in job.members:
-                    continue
-                worst = min(flagged, key=lambda s: s.score)
-                why = (
-                    f"straggler: rank {worst.rank} computed at {worst.score:.2f} of the job's median "
-                    f"speed in round {p.round} (threshold {threshold:g}; exclude_stragglers=1)"
-                )
-                picks.append((nid, why))
-                room -= 1
-            for nid, why in picks:
-                self._add_fact("left_out", [job.id, nid, why])
-        excluded = False
-        for nid, why in picks:
-            m = job.members.get(nid)
-            if m is None or job.phase is not JobPhase.GATHERING:
-                continue
-            self._exclude(job, m, why, now, out)
-            excluded = True
-        return excluded
-
-    def _add_fact(self, key: str, item: list[Any]) -> None:
-        if self.facts is None:
-            self.facts = {}
-        self.facts.setdefault(key, []).append(item)
-        self.unchanged = False
-
-    def _on_hang(self, job: Job, member: Member, msg: HangDetected, now: float, out: list[Effect]) -> None:
-        """A node's ranks hung: the first report of a round asks every node of the round for
-        its stacks (CollectStacks, once) and notes a HANG event; later ones add their ranks.
-
-        Decided from logged state only (``job.hang_round`` and the HANG event's ranks, both in
-        snapshots), so a replay from any snapshot agrees; ``job.hang`` (volatile) follows."""
-        if not self._in_round(job, member, msg.round):
-            self.unchanged = True
-            return
-        if job.hang_round == msg.round:
-            self._more_hung_ranks(job, msg, out)
-            return
-        reason = said.hang_reason(
-            msg.ranks[0] if msg.ranks else None, member.node_id, msg.step, msg.phase, msg.silent_s
-        )
-        collect = CollectStacks(round=msg.round, reason=clip_text(reason, REASON_LEN))
-        new = HangState(
-            round=msg.round,
-            node=member.node_id,
-            addr=member.addr,
-            ranks=[],
-            step=msg.step,
-            phase=msg.phase,
-            silent_s=msg.silent_s,
-            detected_at=now,
-            reason=collect.reason,
-        )
-        new.add_ranks(msg.ranks)
-        event = said.hang(
-            now, member.node_id, member.addr, msg.round, new.ranks, msg.step, msg.phase, msg.silent_s
-        )
-        job.hang, job.hang_round = new, msg.round  # the latest round's hang replaces an older one
-        said.note(job, event, out, "warning")
-        for nid in job.order:
-            m = job.members.get(nid)
-            if m is not None:
-                out.append(Send(m.conn, collect))
-
-    def _more_hung_ranks(self, job: Job, msg: HangDetected, out: list[Effect]) -> None:
-        """A later report of the round's hang: its new ranks join the round's HANG event (the
-        history keeps one per hang, bounded to HANG_RANKS_KEPT ranks)."""
-        if job.hang is not None and job.hang.round == msg.round:
-            job.hang.add_ranks(msg.ranks)
-        for i in range(len(job.history) - 1, -1, -1):
-            e = job.history[i]
-            if e.kind is not EventKind.HANG or e.round != msg.round:
-                continue
-            known = set(e.ranks)
-            new = [r for r in dict.fromkeys(msg.ranks) if r not in known]
-            new = new[: max(0, HANG_RANKS_KEPT - len(e.ranks))]
-            if not new:
-                break
-            ranks = [*e.ranks, *new]
-            step, phase, silent = e.step if e.step is not None else -1, e.phase, e.silent_s or 0.0
-            event = said.hang(e.time, e.node, e.addr, msg.round, ranks, step, phase, silent)
-            job.history[i] = replace(event, text=clip_text(event.text, HISTORY_TEXT_LEN))
-            out.append(Log("warning", escape(clip_text(f"job {job.id}: {event.text}", LOG_TEXT_LEN))))
-            return
-        self.unchanged = True  # nothing new (or the event is out of the history's ring)
-
-    def _on_stacks(self, job: Job, member: Member, msg: Stacks, now: float, out: list[Effect]) -> None:
-        """A node's ranks' stacks after a hang: kept in the job's hang report (volatile). Taken
-        for the hang's round even after it restarted: the hung node's own failure usually
-        restarts the round before the other nodes' stacks come in."""
-        hang = job.hang
-        if hang is None or hang.round != msg.round or job.members.get(member.node_id) is not member:
-            self.unchanged = True
-            return
-        hang.add_stacks(member.node_id, msg)
 
     # -- departures ------------------------------------------------------------------------
 
