@@ -204,6 +204,7 @@ class _Rank:
         "phase",
         "phase_ns",
         "reported",
+        "resumed_ns",
         "step",
     )
 
@@ -221,6 +222,9 @@ class _Rank:
         self.max_interval_ns = 0.0
         self.measured = 0  # step intervals measured (for the warm-up)
         self.reported = False
+        # Last seen inside a phase with a budget of its own (0: never): the step budget counts
+        # from there, not from the progress before it, and no interval spans it.
+        self.resumed_ns = 0
 
 
 class NodeWatch:
@@ -282,6 +286,8 @@ class NodeWatch:
             r.phase = phase
             self._changed = True
         r.phase_ns = min(s.phase_ns, now_ns) if s.phase else 0
+        if phase and self.policy.phase_budget(phase) is not None:
+            r.resumed_ns = now_ns
         if s.count == r.count or s.count < r.count:
             return  # no progress (a smaller count is a writer's bug: ignored)
         # The writer's clock is trusted only within what we saw: never in our future, never
@@ -289,7 +295,7 @@ class NodeWatch:
         at = min(max(s.progress_ns, r.last_ns), now_ns)
         if r.count:  # an interval needs the previous progress's time
             steps = s.count - r.count
-            interval = (at - r.last_ns) / steps
+            interval = (at - max(r.last_ns, min(r.resumed_ns, at))) / steps
             r.intervals.append(interval)
             r.max_interval_ns = max(r.max_interval_ns, interval)
             r.measured += steps
@@ -311,11 +317,11 @@ class NodeWatch:
             budget = p.first_step
         else:
             budget = max(p.floor, p.factor * r.max_interval_ns / _NS)
-        deadline = r.last_ns + int(budget * _NS)
         own = p.phase_budget(r.phase) if r.phase else None
-        if own is not None:
-            deadline = max(deadline, r.phase_ns + int(own * _NS))
-        return deadline
+        if own is not None:  # inside such a phase: its own budget from its start
+            return max(r.last_ns + int(budget * _NS), r.phase_ns + int(own * _NS))
+        # Out of it again: the step's budget counts from when it was last seen inside.
+        return max(r.last_ns, r.resumed_ns) + int(budget * _NS)
 
     def deadline_ns(self) -> int | None:
         """The earliest deadline of a rank not already reported (None: nothing to wait for)."""

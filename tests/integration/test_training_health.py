@@ -99,3 +99,37 @@ def test_a_checkpoint_longer_than_a_step_budget_is_no_hang(tmp_path: Path, serve
     assert [a.p.returncode for a in agents] == [0, 0], "\n".join(a.stderr for a in agents)
     assert "hang:" not in "\n".join(a.stderr for a in agents)
     assert not list(tmp_path.glob("node*/*/attempt_*/hang_report.txt"))
+
+
+def straggler_events(port: int, job: str) -> list[dict[str, object]]:
+    status, view = get(port, f"/v1/jobs/{job}")
+    assert status == 200, view
+    return [e for e in view["history"] if e["kind"] == "straggler"]
+
+
+@pytest.mark.parametrize("slow_rank", [1, -1], ids=["rank-1-twice-as-slow", "balanced"])
+def test_a_rank_twice_as_slow_in_compute_is_flagged_and_a_balanced_job_flags_nobody(
+    tmp_path: Path, server: int, slow_rank: int
+) -> None:
+    job = f"straggle{slow_rank}"
+    # 80 steps of 50 ms compute: a bounded run, within which the slow rank must be flagged.
+    env = {"STEPS": "80", "STEP_SECONDS": "0.05", "SLOW_RANK": str(slow_rank), "SLOW_FACTOR": "2"}
+    agent = Proc(
+        agent_cmd(
+            "--nnodes", "1", "--nproc-per-node", "4", "--rdzv-endpoint", f"127.0.0.1:{server}",
+            "--rdzv-id", job, "--log-dir", str(tmp_path), SCRIPT,
+        ),
+        env=env,
+    )  # fmt: skip
+    try:
+        assert agent.wait(timeout=120) == 0, agent.stderr
+    finally:
+        agent.kill()
+    events = straggler_events(server, job)
+    if slow_rank < 0:
+        assert events == [], events
+        return
+    assert events, "the slow rank was never flagged"
+    assert all(e["ranks"] == [1] for e in events), events
+    (score,) = events[0]["scores"]
+    assert 0.3 < score < 0.75, score  # about 0.5: half the median speed

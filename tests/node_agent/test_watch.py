@@ -373,3 +373,30 @@ def test_no_compute_phase_reports_zero() -> None:
     t = make(nproc=2)
     t.train(5, 1, compute_s=0)
     assert t.watch.summary(t.now)["compute_ms"] == (0.0, 0.0)
+
+
+def test_after_a_checkpoint_longer_than_a_step_budget_the_step_budget_starts_again() -> None:
+    # Every rank checkpoints for 8 s (a step budget is 3 s), then waits in the next step's
+    # collective: the wait after the checkpoint is a new step, not the checkpoint's tail.
+    t = make("3", "checkpoint=60")
+    t.train(5, 0.1)
+    for r in (0, 1):
+        t.enter(r, "checkpoint")
+    assert t.advance(8, poll_every=0.3) == []
+    for r in (0, 1):
+        t.leave(r)
+    assert t.advance(2.5, poll_every=0.3) == []  # 2.5 s since the checkpoint ended: within 3 s
+    assert [h.local_rank for h in t.advance(1, poll_every=0.3)] == [0, 1]  # then hung, as any step
+
+
+def test_a_checkpoint_does_not_stretch_the_calibrated_step_budget() -> None:
+    t = make("auto", "floor=1,warmup=3")
+    t.train(10, 0.1)
+    t.enter(0, "checkpoint")
+    t.enter(1, "checkpoint")
+    t.advance(30, poll_every=0.5)
+    t.leave(0)
+    t.leave(1)
+    t.train(3, 0.1)
+    # 5 x the longest step (0.1 s) is under the floor: 1 s, not 5 x the 30 s checkpoint.
+    assert [h.local_rank for h in t.advance(2, poll_every=0.2)] == [0, 1]
