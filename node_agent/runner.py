@@ -379,6 +379,9 @@ class Agent:
         failures = failures_of(result, self.node_id, self.addr)
         cause = result.first_failure
         first = None if cause is None else failure_of(cause, self.node_id, self.addr)
+        if self._pages is not None:
+            # The steps reported since the last poll: the failure report carries the highest.
+            self.events.put_nowait(self._pages.read())
         self.events.put_nowait(st.WorkersExited(first, failures))
 
     def _stop_workers(self, signum: int, grace: float) -> None:

@@ -133,3 +133,22 @@ def test_a_rank_twice_as_slow_in_compute_is_flagged_and_a_balanced_job_flags_nob
     assert all(e["ranks"] == [1] for e in events), events
     (score,) = events[0]["scores"]
     assert 0.3 < score < 0.75, score  # about 0.5: half the median speed
+
+
+def test_restarts_that_make_no_step_progress_end_the_job_with_exit_code_3(tmp_path: Path) -> None:
+    # Every attempt dies at step 5: after the first failure sets the job's best step, three more
+    # restarts in a row make no progress, and the job stops there, not at --max-restarts 10.
+    agent = Proc(
+        agent_cmd(
+            "--standalone", "--nproc-per-node", "2", "--max-restarts", "10", "--log-dir", str(tmp_path),
+            str(WORKERS / "stuck_at_step.py"),
+        )
+    )  # fmt: skip
+    try:
+        assert agent.wait(timeout=120) == 3, agent.stderr
+    finally:
+        agent.kill()
+    assert "3 restarts in a row made no step progress" in agent.stderr
+    assert "crash loop" in agent.stderr
+    attempts = {line.split()[1] for line in agent.stderr.splitlines() if line.startswith("attempt ")}
+    assert attempts == {"0", "1", "2", "3"}, agent.stderr  # and no fifth
