@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from protocol.auth import TokenTable
 
 MAX_STAGE_TIMEOUT = 3600.0  # --hello-timeout / --auth-timeout, seconds
+MAX_METRICS_JOBS = 10_000  # --metrics-jobs: series a scrape may carry per gauge
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,7 @@ class ServerConfig:
     tokens: TokenTable | None  # None: any agent may join any job
     read_token: str | None  # reads every job's detail over HTTP; only with tokens
     http_hosts: tuple[str, ...]  # names the HTTP API answers to, besides IPs and this machine
+    metrics_jobs: int  # running jobs /metrics gives per-job training gauges (0: none)
     tls: ssl.SSLContext | None  # None: plain TCP; else the port speaks only TLS
     hello_timeout: float
     auth_timeout: float
@@ -59,6 +61,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Server
         raise ConfigError(str(exc)) from None
     if read is not None and tokens is None:
         raise ConfigError("--read-token-file needs tokens (--token-file): without them reads are open")
+    if not 0 <= args.metrics_jobs <= MAX_METRICS_JOBS:
+        raise ConfigError(f"--metrics-jobs must be in 0..{MAX_METRICS_JOBS}, got {args.metrics_jobs}")
     if args.state_min_free_mib < 0:
         raise ConfigError(f"--state-min-free-mib must be >= 0, got {args.state_min_free_mib}")
     for flag, value in (("--hello-timeout", args.hello_timeout), ("--auth-timeout", args.auth_timeout)):
@@ -75,6 +79,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Server
         tokens=tokens,
         read_token=read,
         http_hosts=tuple(args.http_host),
+        metrics_jobs=args.metrics_jobs,
         tls=tls,
         hello_timeout=HELLO_TIMEOUT if args.hello_timeout is None else args.hello_timeout,
         auth_timeout=AUTH_TIMEOUT if args.auth_timeout is None else args.auth_timeout,

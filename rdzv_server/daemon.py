@@ -90,7 +90,9 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
         listeners=listeners_for(cap=cap),
         hello_timeout=config.hello_timeout,
         auth_timeout=config.auth_timeout,
-        http_access=Access(read_token=config.read_token, hosts=config.http_hosts),
+        http_access=Access(
+            read_token=config.read_token, hosts=config.http_hosts, metrics_jobs=config.metrics_jobs
+        ),
         state_log=state_log,  # serve the machine it restored, and log every change to it
         on_fatal=lambda text: stop_for(Stop.FATAL, text),
     )

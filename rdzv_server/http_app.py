@@ -101,6 +101,7 @@ class Access:
 
     read_token: str | None = None  # --read-token-file: may read every job's detail, nothing else
     hosts: tuple[str, ...] = ()  # --http-host: more names of this server, for the Host check
+    metrics_jobs: int = 0  # --metrics-jobs: running jobs whose training gauges /metrics labels by id
 
 
 async def allow_all(request: web.Request, action: str) -> None:
@@ -238,7 +239,9 @@ def build_app(
         stopped[0] = True
 
     app.on_cleanup.append(mark_stopped)
-    registry = metrics.make_registry(lambda: service.machine, service.clock)
+    registry = metrics.make_registry(
+        lambda: service.machine, service.clock, jobs=access.metrics_jobs if access is not None else 0
+    )
     dashboard = resources.files(__package__).joinpath("dashboard.html").read_bytes()
 
     async def index(request: web.Request) -> web.Response:

@@ -17,6 +17,11 @@ progress, jobs whose running round hung, ranks flagged as stragglers now (scored
 scrape, as the status API does: O(world size) per job), and the distribution of the jobs'
 oldest last-progress ages (a job's own numbers are in its status,
 ``/v1/jobs/{id}``).
+
+Per job, only when the operator asks (``rdzv-server --metrics-jobs N``): the training gauges of
+at most N running jobs (the first N by id), labelled ``job``, so the series stay bounded
+whatever the agents send; the operator accepts that a job's id is then readable by anyone who
+reaches the port.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ def _le(bound: float) -> str:
 class RendezvousCollector(Collector):
     """Reads the machine at scrape time."""
 
-    def __init__(self, machine: Callable[[], Rendezvous], clock: Callable[[], float]) -> None:
+    def __init__(self, machine: Callable[[], Rendezvous], clock: Callable[[], float], jobs: int = 0) -> None:
         # A getter rather than the machine itself, so a service that replaces its machine
         # (none does today) is still the one scraped.
         self._machine = machine
         self._clock = clock
+        self._jobs = jobs  # running jobs with per-job gauges (--metrics-jobs)
 
     def collect(self) -> Iterator[Metric]:
         m = self._machine()
@@ -116,6 +122,8 @@ class RendezvousCollector(Collector):
             gsum_value=sum(lags),
         )
         yield from _training(m, now)
+        if self._jobs:
+            yield from _per_job(m, now, self._jobs)
 
 
 def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
@@ -162,9 +170,43 @@ def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
     )
 
 
-def make_registry(machine: Callable[[], Rendezvous], clock: Callable[[], float]) -> CollectorRegistry:
+def _per_job(m: Rendezvous, now: float, limit: int) -> Iterator[Metric]:
+    """The training gauges of the first ``limit`` running jobs by id, labelled ``job``."""
+    running = sorted((j for j in m.jobs.values() if j.phase is JobPhase.RUNNING), key=lambda j: j.id)
+    step = GaugeMetricFamily("rdzv_job_step", "The job's highest step reported (-1: none).", labels=["job"])
+    rate = GaugeMetricFamily(
+        "rdzv_job_steps_per_second", "The job's steps per second, lately.", labels=["job"]
+    )
+    age = GaugeMetricFamily(
+        "rdzv_job_progress_age_seconds",
+        "The age of the job's least recent rank's last progress.",
+        labels=["job"],
+    )
+    slow = GaugeMetricFamily(
+        "rdzv_job_stragglers", "The job's ranks now below its straggler threshold.", labels=["job"]
+    )
+    hung = GaugeMetricFamily(
+        "rdzv_job_hung", "1 while the job's running round has a hang report.", labels=["job"]
+    )
+    for j in running[:limit]:
+        p, label = j.progress, [j.id]
+        current = p.round == j.round
+        step.add_metric(label, p.max_step)
+        rate.add_metric(label, p.steps_per_s if current else 0.0)
+        oldest = p.oldest(now) if current else None
+        age.add_metric(label, oldest.age_s(now) if oldest is not None else 0.0)
+        flagged = straggler_scores(p, j.settings.straggler_threshold) if current else []
+        slow.add_metric(label, sum(1 for sc in flagged if sc.flagged))
+        hung.add_metric(label, 1 if j.hang is not None and j.hang.round == j.round else 0)
+    yield from (step, rate, age, slow, hung)
+
+
+def make_registry(
+    machine: Callable[[], Rendezvous], clock: Callable[[], float], *, jobs: int = 0
+) -> CollectorRegistry:
+    """``jobs``: per-job training gauges for at most that many running jobs (0: none)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RendezvousCollector(machine, clock))
+    registry.register(RendezvousCollector(machine, clock, jobs))
     ProcessCollector(registry=registry)  # process_* : CPU, memory, open files (Linux only)
     return registry
 

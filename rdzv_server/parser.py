@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
         "anything else but an IP, localhost or this machine's name are refused (DNS rebinding)",
     )
     p.add_argument(
+        "--metrics-jobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="give /metrics per-job training gauges (step, steps/s, last-progress age, stragglers, hang) "
+        "labelled with the job's id, for at most N running jobs (default 0: none; /metrics answers any "
+        "Host, so a job id there is readable by whoever reaches the port)",
+    )
+    p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

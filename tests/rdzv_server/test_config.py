@@ -58,6 +58,7 @@ def test_tokens_come_from_the_environment_too(tmp_path: Path) -> None:
         (["--token-file", "/nonexistent/t"], "cannot read the token file '/nonexistent/t'"),
         (["--read-token-file", "READER"], "--read-token-file needs tokens (--token-file)"),
         (["--state-min-free-mib", "-1"], "--state-min-free-mib must be >= 0, got -1"),
+        (["--metrics-jobs", "-1"], "--metrics-jobs must be in 0..10000, got -1"),
         (["--hello-timeout", "0"], "--hello-timeout must be in (0, 3600] seconds, got 0.0"),
         (["--tls-key", "k.pem"], "--tls-key needs --tls-cert: give both or neither"),
         (

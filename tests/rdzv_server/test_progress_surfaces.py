@@ -222,6 +222,42 @@ async def test_metrics_aggregate_progress_hangs_and_stragglers_without_ids() -> 
         await svc.close()
 
 
+async def test_metrics_per_job_only_when_asked_and_for_at_most_that_many_jobs() -> None:
+    from rdzv_server.http_app import Access
+
+    clock = FakeClock()
+    svc = RendezvousService(http=True, clock=clock, http_access=Access(metrics_jobs=1))
+    port = await svc.start("127.0.0.1", 0)
+    watch = Watch(svc)
+    import aiohttp
+
+    try:
+        a, b = await running_job(port, ["a", "b"], job="alpha")
+        c, _d = await running_job(port, ["c", "d"], job="beta")
+        a.send(progress(step=5, compute=(100.0, 100.0)))
+        b.send(progress(step=4, compute=(100.0, 300.0)))
+        c.send(progress(step=9))
+        jobs = svc.machine.jobs
+        await watch.until(
+            lambda: len(jobs["alpha"].progress.nodes) == 2 and len(jobs["beta"].progress.nodes) == 1
+        )
+        clock.now += 10.0
+        b.send(HangDetected(round=0, ranks=(3,), step=4, phase="compute", silent_s=30.0))
+        await b.expect(CollectStacks)
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            async with http.get("/metrics") as r:
+                text = await r.text()
+        m = parse_metrics(text)
+        job = (("job", "alpha"),)
+        assert m[("rdzv_job_step", job)] == 5
+        assert m[("rdzv_job_progress_age_seconds", job)] == pytest.approx(10.0)
+        assert m[("rdzv_job_stragglers", job)] == 1
+        assert m[("rdzv_job_hung", job)] == 1
+        assert "beta" not in text  # past the limit of 1: the series stay bounded
+    finally:
+        await svc.close()
+
+
 # --- hangs --------------------------------------------------------------------------------
 
 # What faulthandler writes for a rank (dump_traceback(all_threads=True)): the hung rank sleeps
