@@ -56,6 +56,12 @@ Every wait on the server ends by itself: joining at ``join_timeout``, the verdic
 ``join_timeout``, the exit barrier at ``exit_barrier_timeout``, leaving at
 ``LEAVE_ANSWER_TIMEOUT``, and any of them while the connection is down at the reconnect window.
 
+Watching the training (``training.py``): the I/O layer's reads of the ranks' progress pages
+come in as ``ProgressRead``; summaries go to the server, and a hang is reported
+(``HangDetected``), its stacks collected (``DumpStacks``, answered by ``StacksDumped``) and
+then failed as this node's worker failure. The server's ``CollectStacks`` (another node's
+hang) asks for the stacks only. ``JobFailed(code="crash_loop")`` exits ``EXIT_CRASH_LOOP``.
+
 ``--health-check`` runs before each round's join as an effect (``RunHealthCheck``), and its
 result comes back as an event (``HealthCheckDone``): the I/O layer never waits on it, so a
 signal during a long check is handled at once (the check is killed when the agent exits).
