@@ -12,6 +12,7 @@ node_agent.worker, under real agents and a real rdzv-server.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,9 @@ def test_a_hung_rank_is_found_with_every_ranks_stacks_and_the_job_restarts(
     both = "\n".join(a.stderr for a in agents)
     # Every rank waited: each node saw its own ranks hang, at step 19 (the last one reported).
     assert "rank 3 (local 1): no progress for" in both and "hang: rank" in both
+    # Found within the budget (4 s) and a poll or two of it, not at gloo's 30-minute timeout.
+    silences = [int(m) for m in re.findall(r"no progress for (\d+) s \(last step", both)]
+    assert silences and max(silences) <= 6, silences
     assert "last step 19" in both
     assert "done 40" in "\n".join(a.stdout for a in agents)  # the second attempt finished
     # The node of rank 3: its report shows the sleeping frame and its neighbour's all_reduce.
