@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from protocol import Assignment, Failure, HangDetected, Progress, Stacks
 from protocol.failure_text import HUNG
-from protocol.messages import MAX_HUNG_RANKS
+from protocol.messages import MAX_HUNG_RANKS, MAX_PHASE_LEN, MAX_TIMEOUT
 from protocol.records import record
 
 if TYPE_CHECKING:
@@ -113,8 +113,8 @@ class Training:
                 round=self.round,
                 ranks=tuple(self.rank_offset + h.local_rank for h in hung[:MAX_HUNG_RANKS]),
                 step=first.step,
-                phase=first.phase[:32],
-                silent_s=min(first.silent_s, 1e7),
+                phase=first.phase[:MAX_PHASE_LEN],
+                silent_s=min(first.silent_s, MAX_TIMEOUT),
             )
         )
         reason = self.headline()

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 from protocol import Stacks
-from protocol.messages import MAX_STACK_LEN, MAX_STACK_RANKS
+from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
 from .pages import PageSet, create_page
 from .training import DumpStacks, ProgressRead, StacksDumped
@@ -104,8 +104,8 @@ async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node
         round=eff.round,
         ranks=tuple(e.rank for e in sent),
         steps=tuple(e.step for e in sent),
-        phases=tuple(e.phase[:32] for e in sent),
-        silent_s=tuple(min(e.silent_s, 1e7) for e in sent),
+        phases=tuple(e.phase[:MAX_PHASE_LEN] for e in sent),
+        silent_s=tuple(min(e.silent_s, MAX_TIMEOUT) for e in sent),
         stacks=tuple(compact(e.text, MAX_STACK_LEN) for e in sent),
     )
     return StacksDumped(stacks=stacks, report=text, path=path)

@@ -40,6 +40,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from protocol.records import record
+
 from .progress import straggler_scores
 from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
@@ -121,20 +123,50 @@ class RendezvousCollector(Collector):
             ],
             gsum_value=sum(lags),
         )
-        yield from _training(m, now)
+        running = _running(m, now)
+        yield from _training(running)
         if self._jobs:
-            yield from _per_job(m, now, self._jobs)
+            yield from _per_job(running, self._jobs)
 
 
-def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
+@record(frozen=True, slots=True)
+class _JobNow:
+    """One running job's training figures at this scrape (each computed once: scoring is
+    O(world size))."""
+
+    id: str
+    step: int
+    steps_per_s: float  # 0: none in the running round
+    age: float | None  # its least recent rank's last-progress age (None: no progress this round)
+    flagged: int  # ranks below the straggler threshold
+    hung: bool  # the running round has a hang report
+
+
+def _running(m: Rendezvous, now: float) -> list[_JobNow]:
+    out = []
+    for j in m.jobs.values():
+        if j.phase is not JobPhase.RUNNING:
+            continue
+        p = j.progress
+        current = p.round == j.round
+        oldest = p.oldest(now) if current else None
+        scores = straggler_scores(p, j.settings.straggler_threshold) if current else []
+        out.append(
+            _JobNow(
+                id=j.id,
+                step=p.max_step,
+                steps_per_s=p.steps_per_s if current else 0.0,
+                age=oldest.age_s(now) if oldest is not None else None,
+                flagged=sum(1 for sc in scores if sc.flagged),
+                hung=j.hang is not None and j.hang.round == j.round,
+            )
+        )
+    return out
+
+
+def _training(running: list[_JobNow]) -> Iterator[Metric]:
     """Training health over the running jobs: no ids (see the module's docstring)."""
-    running = [j for j in m.jobs.values() if j.phase is JobPhase.RUNNING]
-    ages = []
-    for j in running:
-        oldest = j.progress.oldest(now) if j.progress.round == j.round else None
-        if oldest is not None:
-            ages.append(oldest.age_s(now))
-    ages.sort()
+    ages = sorted(j.age for j in running if j.age is not None)
     yield GaugeMetricFamily(
         "rdzv_jobs_reporting_progress",
         "Running jobs whose agents report training progress in the running round.",
@@ -143,16 +175,12 @@ def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "rdzv_jobs_hung",
         "Running jobs whose running round has a hang report (a rank made no progress).",
-        value=sum(1 for j in running if j.hang is not None and j.hang.round == j.round),
+        value=sum(1 for j in running if j.hung),
     )
     yield GaugeMetricFamily(
         "rdzv_stragglers_flagged",
         "Ranks of running jobs whose compute speed is now below their job's straggler threshold.",
-        value=sum(
-            sum(1 for sc in straggler_scores(j.progress, j.settings.straggler_threshold) if sc.flagged)
-            for j in running
-            if j.progress.round == j.round
-        ),
+        value=sum(j.flagged for j in running),
     )
     yield GaugeMetricFamily(
         "rdzv_progress_age_max_seconds",
@@ -170,9 +198,8 @@ def _training(m: Rendezvous, now: float) -> Iterator[Metric]:
     )
 
 
-def _per_job(m: Rendezvous, now: float, limit: int) -> Iterator[Metric]:
+def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
     """The training gauges of the first ``limit`` running jobs by id, labelled ``job``."""
-    running = sorted((j for j in m.jobs.values() if j.phase is JobPhase.RUNNING), key=lambda j: j.id)
     step = GaugeMetricFamily("rdzv_job_step", "The job's highest step reported (-1: none).", labels=["job"])
     rate = GaugeMetricFamily(
         "rdzv_job_steps_per_second", "The job's steps per second, lately.", labels=["job"]
@@ -188,16 +215,13 @@ def _per_job(m: Rendezvous, now: float, limit: int) -> Iterator[Metric]:
     hung = GaugeMetricFamily(
         "rdzv_job_hung", "1 while the job's running round has a hang report.", labels=["job"]
     )
-    for j in running[:limit]:
-        p, label = j.progress, [j.id]
-        current = p.round == j.round
-        step.add_metric(label, p.max_step)
-        rate.add_metric(label, p.steps_per_s if current else 0.0)
-        oldest = p.oldest(now) if current else None
-        age.add_metric(label, oldest.age_s(now) if oldest is not None else 0.0)
-        flagged = straggler_scores(p, j.settings.straggler_threshold) if current else []
-        slow.add_metric(label, sum(1 for sc in flagged if sc.flagged))
-        hung.add_metric(label, 1 if j.hang is not None and j.hang.round == j.round else 0)
+    for j in sorted(running, key=lambda j: j.id)[:limit]:
+        label = [j.id]
+        step.add_metric(label, j.step)
+        rate.add_metric(label, j.steps_per_s)
+        age.add_metric(label, j.age if j.age is not None else 0.0)
+        slow.add_metric(label, j.flagged)
+        hung.add_metric(label, 1 if j.hung else 0)
     yield from (step, rate, age, slow, hung)
 
 

@@ -27,6 +27,7 @@ ranks nobody is.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import field
 
 from protocol import Progress, Stacks
@@ -248,12 +249,17 @@ class HangState:
     def entries(self) -> list[tuple[int, int, str, float, str]]:
         """(rank, step, phase, silent_s, stack text) of every kept rank, by rank: what
         ``protocol.hang_report.merge`` takes."""
-        out = [
-            (rank, step, phase, silent, text)
-            for msg in self.stacks.values()
-            for rank, step, phase, silent, text in zip(
-                msg.ranks, msg.steps, msg.phases, msg.silent_s, msg.stacks, strict=True
-            )
-        ]
-        out.sort(key=lambda e: e[0])
-        return out
+        return stack_entries(self.stacks.values())
+
+
+def stack_entries(stacks: Iterable[Stacks]) -> list[tuple[int, int, str, float, str]]:
+    """(rank, step, phase, silent_s, stack text) of every rank of ``stacks``, by rank."""
+    out = [
+        (rank, step, phase, silent, text)
+        for msg in stacks
+        for rank, step, phase, silent, text in zip(
+            msg.ranks, msg.steps, msg.phases, msg.silent_s, msg.stacks, strict=True
+        )
+    ]
+    out.sort(key=lambda e: e[0])
+    return out

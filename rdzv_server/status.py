@@ -38,7 +38,7 @@ from protocol.failure_text import describe_failure
 from protocol.hang_report import merge
 
 from .history import EventKind, JobEvent
-from .progress import HangState, NodeProgress, RankScore, straggler_scores
+from .progress import HangState, NodeProgress, RankScore, stack_entries, straggler_scores
 from .state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
 
 K = EventKind
@@ -555,13 +555,7 @@ def hang_report_view(h: HangState) -> dict[str, Any] | None:
 @lru_cache(maxsize=8)
 def _merged(stacks: tuple[Stacks, ...], hung: tuple[int, ...]) -> dict[str, Any]:
     # The one merge (protocol/hang_report.py) the agents' own reports use too.
-    entries = [
-        (rank, step, phase, silent, text)
-        for msg in stacks
-        for rank, step, phase, silent, text in zip(
-            msg.ranks, msg.steps, msg.phases, msg.silent_s, msg.stacks, strict=True
-        )
-    ]
+    entries = stack_entries(stacks)
     text_of = {e[0]: e[4] for e in entries}
     report = merge(entries, hung=hung)
     out = []
