@@ -75,6 +75,7 @@ from protocol.messages import (
     MAX_TIMEOUT,
     MAX_VERSIONS,
     MESSAGE_TYPES,
+    Armed,
     Assignment,
     Failure,
     HangDetected,
@@ -82,10 +83,12 @@ from protocol.messages import (
     Hello,
     Join,
     Leave,
+    LeaveAfterCommit,
     Message,
     Progress,
     Resume,
     Stacks,
+    WorkersCommitted,
     WorkersFailed,
     WorkersSucceeded,
     negotiate_version,
@@ -212,6 +215,8 @@ def _largest_join() -> Join:
         straggler_threshold=1.0,
         exclude_stragglers=True,
         crash_loop_restarts=1_000_000,
+        commit_timeout=MAX_TIMEOUT,
+        commit_steps=1_000_000,
     )
 
 
@@ -263,6 +268,7 @@ def largest_client_messages() -> dict[type, Message]:
             phase=_WIDE * MAX_PHASE_LEN,
             age_ms=MAX_TIMEOUT * 1000,
             compute_ms=(MAX_TIMEOUT * 1000,) * MAX_NPROC,
+            checks=True,
         ),
         HangDetected: HangDetected(
             round=_BIG_INT,
@@ -279,6 +285,9 @@ def largest_client_messages() -> dict[type, Message]:
             silent_s=(MAX_TIMEOUT,) * MAX_STACK_RANKS,
             stacks=(_WIDE * MAX_STACK_LEN,) * MAX_STACK_RANKS,
         ),
+        Armed: Armed(round=_BIG_INT, step=_BIG_INT, late=True, checked=_BIG_INT),
+        WorkersCommitted: WorkersCommitted(round=_BIG_INT, step=_BIG_INT),
+        LeaveAfterCommit: LeaveAfterCommit(round=_BIG_INT, reason=_WIDE * MAX_TEXT_LEN),
     }
 
 

@@ -201,6 +201,15 @@ def _text(
     return _rule(check)
 
 
+def _choice(allowed: tuple[str, ...]) -> dict[str, Any]:
+    def check(value: Any) -> str:
+        if value not in allowed or not isinstance(value, str):
+            raise _Reject(f"must be one of {', '.join(allowed)}, got {describe(value)}")
+        return value
+
+    return _rule(check)
+
+
 def _flag() -> dict[str, Any]:
     def check(value: Any) -> bool:
         if not isinstance(value, bool):
@@ -394,6 +403,13 @@ class Join(_Schema):
     straggler_threshold: float = field(default=0.75, metadata=_number(hi=1.0))
     exclude_stragglers: bool = field(default=False, metadata=_flag())
     crash_loop_restarts: int = field(default=3, metadata=_integer(0, 1_000_000))
+    # Commit-point restarts (issue 20), from --rdzv-conf; every node of a job sends the same.
+    # commit_timeout: the checkpoint budget of a commit, seconds (0: no commits, every planned
+    # change restarts at once as before); commit_steps: how many steps past the highest one
+    # reported the job stops at (0: derived from the measured step time). Added within
+    # version 1: an older server ignores them (and never asks for a commit).
+    commit_timeout: float = field(default=300.0, metadata=_number())
+    commit_steps: int = field(default=0, metadata=_integer(0, 1_000_000))
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -466,6 +482,9 @@ class Progress(_Schema):
     phase: str = field(default="", metadata=_PHASE)
     age_ms: float = field(default=0.0, metadata=_MILLIS)
     compute_ms: tuple[float, ...] = field(default=(), metadata=_items(_MILLIS["check"], "numbers", MAX_NPROC))
+    # Every local rank calls ``worker.should_stop()`` (its page says so): the job can stop at a
+    # commit point. Added within version 1: an older agent sends none (no commits).
+    checks: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
         if self.max_step < self.min_step:
@@ -507,6 +526,44 @@ class Stacks(_Schema):
                 raise self._invalid(
                     name, f"must hold one item per rank ({n}), got {len(getattr(self, name))}"
                 )
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class Armed(_Schema):
+    """The answer to ``StopAt(state="arm")``: ``step`` is in every local rank's page.
+
+    ``late``: a local rank had already decided whether to stop at a step at or past ``step``
+    (it said no before the page said ``step``), or a page could not take it: the job cannot
+    stop there, and the server picks a later step. ``checked``: the highest step a local rank
+    had decided at (-1: none).
+    """
+
+    TYPE: ClassVar[str] = "armed"
+    round: int = field(metadata=_COUNT)
+    step: int = field(metadata=_COUNT)
+    late: bool = field(metadata=_flag())
+    checked: int = field(default=-1, metadata=_STEP)
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class WorkersCommitted(_Schema):
+    """Every worker of this node stopped at the commit step ``step`` and exited 0 in ``round``
+    (a planned stop, not a success of the job and not a failure)."""
+
+    TYPE: ClassVar[str] = "workers_committed"
+    round: int = field(metadata=_COUNT)
+    step: int = field(metadata=_COUNT)
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class LeaveAfterCommit(_Schema):
+    """The node wants to leave (SIGTERM to an elastic agent): stop the job's training at a
+    commit point first, then send this node ``Drain``. Its workers run on meanwhile; the agent
+    drains by itself if no ``Drain`` comes within its commit budget."""
+
+    TYPE: ClassVar[str] = "leave_after_commit"
+    round: int = field(metadata=_COUNT)
+    reason: str = field(default="", metadata=_TEXT)
 
 
 # --- server -> client --------------------------------------------------------
@@ -633,6 +690,24 @@ class CollectStacks(_Schema):
     reason: str = field(default="", metadata=_TEXT)
 
 
+STOP_STATES = ("arm", "go", "cancel")
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class StopAt(_Schema):
+    """A commit point for the job's workers in ``round`` (issue 20), in two steps.
+
+    ``arm``: write ``step`` into every local rank's page and answer ``Armed``; a rank that
+    reaches it waits in ``should_stop()``. ``go``: every node armed in time; each rank stops
+    at ``step`` (``should_stop()`` is True there). ``cancel``: no stop (a waiting rank goes on).
+    """
+
+    TYPE: ClassVar[str] = "stop_at"
+    round: int = field(metadata=_COUNT)
+    step: int = field(metadata=_COUNT)
+    state: str = field(metadata=_choice(STOP_STATES))
+
+
 @record(frozen=True, kw_only=True, slots=True)
 class Drain(_Schema):
     """Leave the job cleanly: stop the workers with SIGTERM (they may checkpoint), then Leave."""
@@ -701,6 +776,10 @@ Message: TypeAlias = (
     | Progress
     | HangDetected
     | Stacks
+    | Armed
+    | WorkersCommitted
+    | LeaveAfterCommit
+    | StopAt
     | Welcome
     | Resumed
     | Waiting
@@ -728,6 +807,9 @@ CLIENT_MESSAGES: dict[str, type[Message]] = {
         Progress,
         HangDetected,
         Stacks,
+        Armed,
+        WorkersCommitted,
+        LeaveAfterCommit,
     )
 }
 SERVER_MESSAGES: dict[str, type[Message]] = {
@@ -745,6 +827,7 @@ SERVER_MESSAGES: dict[str, type[Message]] = {
         GoingAway,
         Left,
         CollectStacks,
+        StopAt,
     )
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}

@@ -74,6 +74,7 @@ class EventKind(str, enum.Enum):
     HANG = "hang"  # a rank made no progress past its deadline; every node sends its stacks
     STRAGGLER = "straggler"  # a node's rank computes slower than the job's threshold allows
     CRASH_LOOP = "crash_loop"  # restarts in a row made no step progress: the job fails
+    COMMIT = "commit"  # a planned change waits for every rank to stop at one step (issue 20)
 
 
 class Departure(str, enum.Enum):
@@ -391,6 +392,24 @@ def straggler(
         ranks=tuple(ranks),
         scores=tuple(scores),
     )
+
+
+def commit_asked(now: float, rnd: int, step: int, reason: str, deadline_s: float) -> JobEvent:
+    text = (
+        f"round {rnd}: asking every rank to stop at step {step} (a commit point) for: {reason} "
+        f"(then a restart, at most {deadline_s:.0f} s from now)"
+    )
+    return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
+
+
+def committed(now: float, rnd: int, step: int, reason: str, took_s: float) -> JobEvent:
+    text = f"round {rnd}: committed at step {step} for: {reason} (every rank stopped there in {took_s:.1f} s)"
+    return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
+
+
+def commit_abandoned(now: float, rnd: int, step: int, why: str) -> JobEvent:
+    text = f"round {rnd}: no commit at step {step}: {why}"
+    return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
 
 
 def crash_loop(now: float, rnd: int, restarts: int, step: int) -> JobEvent:

@@ -114,6 +114,10 @@ class JobSettings:
     straggler_threshold: float = 0.75
     exclude_stragglers: bool = False
     crash_loop_restarts: int = 3
+    # Commit points (issue 20): the checkpoint budget of a commit (0: no commits) and the
+    # steps ahead a commit stops at (0: derived from the step time; commits.py).
+    commit_timeout: float = 300.0
+    commit_steps: int = 0
 
     @classmethod
     def from_join(cls, msg: Join) -> JobSettings:
@@ -128,6 +132,8 @@ class JobSettings:
             straggler_threshold=msg.straggler_threshold,
             exclude_stragglers=msg.exclude_stragglers,
             crash_loop_restarts=msg.crash_loop_restarts,
+            commit_timeout=msg.commit_timeout,
+            commit_steps=msg.commit_steps,
         )
 
     def to_dict(self) -> dict[str, int | float | str | bool]:
@@ -143,6 +149,8 @@ class JobSettings:
             "straggler_threshold": self.straggler_threshold,
             "exclude_stragglers": self.exclude_stragglers,
             "crash_loop_restarts": self.crash_loop_restarts,
+            "commit_timeout": self.commit_timeout,
+            "commit_steps": self.commit_steps,
         }
 
     def mismatch(self, other: JobSettings) -> str | None:
@@ -159,11 +167,21 @@ class JobSettings:
                 f"max restarts: the job has --max-restarts {self.max_restarts}, "
                 f"this agent has --max-restarts {other.max_restarts}"
             )
-        for name in ("straggler_threshold", "exclude_stragglers", "crash_loop_restarts"):
+        for name in _SAME_CONF:
             ours, theirs = getattr(self, name), getattr(other, name)
             if ours != theirs:
                 return f"--rdzv-conf {name}: the job has {_conf(ours)}, this agent has {_conf(theirs)}"
         return None
+
+
+# --rdzv-conf settings every node of a job must give alike.
+_SAME_CONF = (
+    "straggler_threshold",
+    "exclude_stragglers",
+    "crash_loop_restarts",
+    "commit_timeout",
+    "commit_steps",
+)
 
 
 def _conf(value: float | bool) -> str:
@@ -181,6 +199,33 @@ def entrypoint_key(entrypoint: str) -> str:
     digest = hashlib.sha256(entrypoint.encode("utf-8", "surrogatepass")).hexdigest()
     tail = f" ... ({len(entrypoint):,} characters, sha256 {digest})"
     return entrypoint[: ENTRYPOINT_KEPT - len(tail)] + tail
+
+
+class CommitKind(enum.Enum):
+    """What a commit point is for (what happens once every rank stopped at it)."""
+
+    ADMIT = "admit"  # newcomers join: the job regathers with them
+    DRAIN = "drain"  # nodes leave: they are drained, the others regather
+
+
+@record(slots=True)
+class Commit:
+    """A planned change waiting for the job's ranks to stop at ``step`` (commits.py)."""
+
+    round: int  # the running round whose ranks stop
+    step: int  # S: every rank stops after finishing it
+    reason: str  # why, in words ("node(s) joined: n3"), cut to REASON_LEN
+    deadline: float  # past it, the change happens as a hard restart
+    started_at: float
+    arms: int = 1  # how many times a step was asked for (a late rank asks for a later one)
+    go: bool = False  # every node armed in time: the ranks stop at ``step``
+    drains: list[str] = field(default_factory=list)  # nodes to drain once stopped (members)
+    armed: set[str] = field(default_factory=set)  # nodes of the round armed in time for ``step``
+    committed: set[str] = field(default_factory=set)  # nodes whose workers stopped at ``step``
+
+    @property
+    def kind(self) -> CommitKind:
+        return CommitKind.DRAIN if self.drains else CommitKind.ADMIT
 
 
 RESUME_WINDOW = 10.0  # how long a rebuilt round waits for every node to come back
@@ -235,6 +280,8 @@ class Job:
     # Training progress and the latest hang (volatile: not in snapshots; progress.py).
     progress: JobProgress = field(default_factory=JobProgress)
     hang: HangState | None = None
+    # A commit point under way (commits.py; kept in snapshots); None: none.
+    commit: Commit | None = None
 
     def __post_init__(self) -> None:
         self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}

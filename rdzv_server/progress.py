@@ -54,6 +54,7 @@ class NodeProgress:
     received_at: float  # the machine's clock when this arrived
     compute_ms: tuple[float, ...]  # by local rank; 0.0: unknown
     rank_offset: int  # global rank of local rank 0 in the round
+    checks: bool = False  # every local rank calls worker.should_stop(): it can stop at a commit point
 
     def age_s(self, now: float) -> float:
         """Seconds since the node's least recent rank last made progress, as of ``now``."""
@@ -100,6 +101,7 @@ class JobProgress:
             received_at=now,
             compute_ms=compute,
             rank_offset=self.offsets.get(node_id, 0),
+            checks=msg.checks,
         )
         self.nodes[node_id] = np
         self.max_step = max(self.max_step, msg.max_step)

@@ -53,10 +53,12 @@ is clipped to its field (the bounds are in ``jobs.py``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import replace
 
 from protocol import (
     Assignment,
+    Drain,
     Error,
     Failure,
     JobDone,
@@ -73,6 +75,7 @@ from protocol.failure_text import describe_failure
 from protocol.messages import clip_text
 
 from . import history as said
+from .commits import CommitRules
 from .events import Close, Effect, Log, Send
 from .history import LOG_TEXT_LEN, Departure, EventKind, JobEvent, Stats, escape, summarise
 from .jobs import (
@@ -98,10 +101,9 @@ from .jobs import (
 from .progress import (
     JobProgress,
 )
-from .training_rules import TrainingRules
 
 
-class RoundRules(TrainingRules):
+class RoundRules(CommitRules):
     """The job rules, as the lowest layer of :class:`~rdzv_server.state.Rendezvous`.
 
     A mixin, not a helper object: every rule reads and changes the same few tables (and the
@@ -359,14 +361,22 @@ class RoundRules(TrainingRules):
             job.ranks_noted = True
             said.note(job, event, out, "warning")
 
-    def _regather(self, job: Job, reason: str, now: float, out: list[Effect], *, quiet: str = "") -> None:
+    def _regather(
+        self, job: Job, reason: str, now: float, out: list[Effect], *, quiet: Collection[str] = ()
+    ) -> None:
         """Stop the running round: every member restarts its workers and re-joins (all but
-        ``quiet``, a leaving node already stopping its own)."""
+        ``quiet``, leaving nodes already stopping their own). A commit under way ends with the
+        round; the nodes it was to drain are told to leave now."""
         abandoned = job.round
         # Built before anything changes: a message that cannot be built leaves the job as it was.
         restart = Restart(
             round=abandoned, reason=clip_text(reason, REASON_LEN), restart_count=job.restart_count
         )
+        if job.commit is not None:
+            drains = [job.members[nid] for nid in job.commit.drains if nid in job.members]
+            drain = Drain(reason=clip_text(job.commit.reason, PEER_TEXT_LEN))
+            job.commit = None
+            out.extend(Send(m.conn, drain) for m in drains)
         job.round += 1
         job.phase = JobPhase.GATHERING
         job.gathering_since = now
@@ -376,7 +386,7 @@ class RoundRules(TrainingRules):
         for m in job.members.values():
             if m.node_id in in_round:
                 set_state(job, m, MemberState.WAITING)
-                if m.node_id != quiet:
+                if m.node_id not in quiet:
                     out.append(Send(m.conn, restart))
         # Newcomers joined while the round ran are ready already; promote spares if room.
         self._promote_spares(job, now, out)
@@ -389,12 +399,16 @@ class RoundRules(TrainingRules):
         newcomers = [nid for nid in job.members if nid not in job.order]
         if not newcomers:
             return
+        if job.commit is not None:
+            # A commit under way: the regather after it takes every newcomer in.
+            job.last_call_deadline = None
+            return
         full = len(job.members) >= job.settings.max_nodes
         if full or (job.last_call_deadline is not None and now >= job.last_call_deadline):
             names = summarise(newcomers)  # 1,100 node ids would not fit a Restart's reason
             said.note(job, said.admitting(now, names), out)
             job.last_call_deadline = None
-            self._regather(job, f"node(s) joined: {names}", now, out)
+            self._plan_change(job, f"node(s) joined: {names}", now, out)
 
     def _promote_spares(self, job: Job, now: float, out: list[Effect]) -> None:
         while job.spares and len(job.members) < job.settings.max_nodes:
@@ -417,6 +431,7 @@ class RoundRules(TrainingRules):
         in_round = [job.members[nid] for nid in job.order if nid in job.members]
         if all(m.state is MemberState.SUCCEEDED for m in in_round):
             job.phase = JobPhase.FINISHED
+            job.commit = None
             job.last_call_deadline = None
             job.outcome = f"all workers succeeded in round {job.round}"
             self.stats.jobs_finished += 1
@@ -432,6 +447,7 @@ class RoundRules(TrainingRules):
         # One object: encoded once for all. ``code``: why, for the agent's exit code.
         failed = JobFailed(reason=reason, failure=failure, code=code)
         job.phase = JobPhase.FAILED
+        job.commit = None
         job.fail_code = code
         job.last_call_deadline = None
         job.outcome = reason
@@ -567,7 +583,7 @@ class RoundRules(TrainingRules):
             self.unchanged = was_waiting  # a repeated notice changes nothing
             return  # gathering, or a newcomer: not ready is all it takes
         said.note(job, said.leaving(now, member, why, job.round), out, "warning")
-        self._regather(job, f"node {nid} ({member.addr}) is leaving{why}", now, out, quiet=nid)
+        self._regather(job, f"node {nid} ({member.addr}) is leaving{why}", now, out, quiet=(nid,))
 
     def _goes_on_without(self, job: Job, *, was_spare: bool, had_succeeded: bool) -> tuple[bool, str]:
         """After a node left: whether its job goes on, and why (for the node's exit code)."""
@@ -632,7 +648,8 @@ class RoundRules(TrainingRules):
             return
         # RUNNING
         if nid not in job.order:
-            return  # a newcomer that had not started yet
+            self._newcomer_gone(job, now, out)  # a newcomer that had not started yet
+            return
         if member.state is MemberState.SUCCEEDED:
             self._maybe_finish(job, now, out)
             return

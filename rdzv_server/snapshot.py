@@ -7,7 +7,8 @@ this file, with ``VERSION`` bumped when the format changes; every version in ``R
 loads. A field added since is read with its default when missing (``Member.node_rank``,
 ``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``; issue 19's job settings
 ``straggler_threshold``, ``exclude_stragglers``, ``crash_loop_restarts``, the counters
-``Job.best_step``, ``Job.stuck_restarts``, ``Job.fail_code``, ``Job.hang_round`` and the
+``Job.best_step``, ``Job.stuck_restarts``, ``Job.fail_code``, ``Job.hang_round``; issue 20's
+``commit_timeout``, ``commit_steps`` and ``Job.commit``, a commit point under way; and the
 history's typed fields ``ranks``, ``step``, ``phase``, ``silent_s``, ``scores``,
 ``restarts``), so snapshots of every age load; such additions keep the version at 2. A
 job's training progress and latest hang report are volatile (``progress.py``): not kept.
@@ -43,6 +44,7 @@ from protocol.failure_text import describe_failure
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
 from .history import Departure, EventKind, JobEvent
+from .jobs import REASON_LEN, Commit
 from .state import (
     FAILURE_PATH_LEN,
     FAILURE_TEXT_LEN,
@@ -152,7 +154,38 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "stuck_restarts": j.stuck_restarts,
         "fail_code": j.fail_code,
         "hang_round": j.hang_round,
+        "commit": None if j.commit is None else _dump_commit(j.commit),
     }
+
+
+def _dump_commit(c: Commit) -> dict[str, Any]:
+    return {
+        "round": c.round,
+        "step": c.step,
+        "reason": c.reason,
+        "deadline": c.deadline,
+        "started_at": c.started_at,
+        "arms": c.arms,
+        "go": c.go,
+        "drains": list(c.drains),
+        "armed": sorted(c.armed),
+        "committed": sorted(c.committed),
+    }
+
+
+def _load_commit(d: dict[str, Any]) -> Commit:
+    return Commit(
+        round=_int(d["round"]),
+        step=_int(d["step"]),
+        reason=str(d["reason"])[:REASON_LEN],
+        deadline=float(d["deadline"]),
+        started_at=float(d["started_at"]),
+        arms=_int(d["arms"]),
+        go=bool(d["go"]),
+        drains=[str(x) for x in d["drains"]],
+        armed={str(x) for x in d["armed"]},
+        committed={str(x) for x in d["committed"]},
+    )
 
 
 def _dump_event(e: JobEvent) -> list[Any]:
@@ -281,6 +314,9 @@ def _load_job(d: dict[str, Any]) -> Job:
             straggler_threshold=float(s.get("straggler_threshold", 0.75)),
             exclude_stragglers=bool(s.get("exclude_stragglers", False)),
             crash_loop_restarts=_int(s.get("crash_loop_restarts", 3)),
+            # Absent before issue 20: the defaults of Join.
+            commit_timeout=float(s.get("commit_timeout", 300.0)),
+            commit_steps=_int(s.get("commit_steps", 0)),
         ),
         phase=JobPhase(d["phase"]),
         round=_int(d["round"]),
@@ -300,6 +336,7 @@ def _load_job(d: dict[str, Any]) -> Job:
         stuck_restarts=_int(d.get("stuck_restarts", 0)),
         fail_code=str(d.get("fail_code", ""))[:MAX_CODE_LEN],
         hang_round=_int(d.get("hang_round", -1)),
+        commit=None if d.get("commit") is None else _load_commit(d["commit"]),
     )
     failures = [_load_failure(f) for f in d["failures"]]
     for f in failures:

@@ -60,6 +60,7 @@ from dataclasses import replace
 from typing import Any
 
 from protocol import (
+    Armed,
     Drain,
     Error,
     GoingAway,
@@ -68,6 +69,7 @@ from protocol import (
     Hello,
     Join,
     Leave,
+    LeaveAfterCommit,
     Left,
     Message,
     Progress,
@@ -75,6 +77,7 @@ from protocol import (
     Stacks,
     VersionMismatch,
     Welcome,
+    WorkersCommitted,
     WorkersFailed,
     WorkersSucceeded,
     negotiate_version,
@@ -339,6 +342,7 @@ class Rendezvous(Recovery):
     def next_deadline(self) -> float | None:
         """The earliest time at which a Tick would change something."""
         deadlines = [j.last_call_deadline for j in self.jobs.values() if j.last_call_deadline is not None]
+        deadlines.extend(j.commit.deadline for j in self.jobs.values() if j.commit is not None)
         if self._next_sweep is not None:
             deadlines.append(self._next_sweep)
         if self.resume_deadline is not None:
@@ -376,7 +380,10 @@ class Rendezvous(Recovery):
             return
         reason = clip_text(event.reason, PEER_TEXT_LEN)  # any length may come in over HTTP
         said.note(job, said.drain_asked(now, event.node_id, reason), out)
-        out.append(Send(member.conn, Drain(reason=reason)))
+        if member.node_id in job.spares:
+            out.append(Send(member.conn, Drain(reason=reason)))
+            return
+        self._start_drain(job, member, reason, now, out)  # at a commit point when it can
 
     # -- routing and the handshake ---------------------------------------------------------
 
@@ -440,6 +447,12 @@ class Rendezvous(Recovery):
             self._on_stacks(job, member, msg, now, out)
         elif isinstance(msg, HangDetected):
             self._on_hang(job, member, msg, now, out)
+        elif isinstance(msg, Armed):
+            self._on_armed(job, member, msg, now, out)
+        elif isinstance(msg, WorkersCommitted):
+            self._on_committed(job, member, msg, now, out)
+        elif isinstance(msg, LeaveAfterCommit):
+            self._on_leave_after_commit(job, member, msg, now, out)
         elif isinstance(msg, Leave) and msg.workers_stopping:
             self._on_leaving_soon(job, member, msg, now, out)
         elif isinstance(msg, Leave):
@@ -512,6 +525,8 @@ class Rendezvous(Recovery):
         for job in list(self.jobs.values()):
             if job.joins_unlogged and now >= job.join_window_end:
                 said.log_unlogged_joins(job, out)
+            if job.commit is not None:
+                self._commit_due(job, now, out)
             if job.last_call_deadline is not None and now >= job.last_call_deadline:
                 if job.phase is JobPhase.RESUMING:
                     missing = job.resume_expect[1] - len(job.members) if job.resume_expect else 0

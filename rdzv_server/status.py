@@ -242,6 +242,25 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         },
         "stragglers": _stragglers(job, scores),
         "hang": _hang_view(job, clock),
+        "commit": _commit_view(job, clock),
+    }
+
+
+def _commit_view(job: Job, clock: Clock) -> dict[str, Any] | None:
+    c = job.commit
+    if c is None:
+        return None
+    return {
+        "round": c.round,
+        "step": c.step,
+        "reason": c.reason,
+        "state": "stopping" if c.go else "arming",
+        "arms": c.arms,
+        "nodes": len(job.order),
+        "armed": len(c.armed),
+        "committed": len(c.committed),
+        "drains": list(c.drains),
+        "deadline_in_s": round(c.deadline - clock.mono_now, 3),
     }
 
 
