@@ -17,17 +17,21 @@ restart from the state log (:class:`Restarted`) too, so the state log replays ex
 - ``events.py``: the events and effects (re-exported here);
 - ``rounds.py``: **the rendezvous rules**: joining, rounds and ranks, failures and restarts,
   spares, exclusion, leaving, finishing; read it to learn what the server decides;
+- ``commits.py`` and ``training_rules.py``: the layers under the round rules: commit points
+  (a planned change stops every rank at one step first) and the training rules (progress,
+  hangs, stragglers, crash loops);
 - ``recovery.py``: taking jobs back after a server restart (resume windows, away members,
   rounds rebuilt from the agents);
 - ``jobs.py``: the state (connections, jobs, members) and the bounds on it;
 - ``history.py``: a job's typed history, the sentences it is told in, the join-log throttle
   and the counters behind ``/metrics``.
 
-``Rendezvous`` is those layers stacked as mixins: ``RoundRules`` <- ``Recovery`` <-
-``Rendezvous``. Helper objects were the other choice, but the rules are one algorithm over one
-set of tables (a departure may complete a round; a resume goes through the join rules), so
-each helper would need the others and the tables back; a stack shares one ``self``, and each
-layer calls only down it, except one hook (``_join_known``) that recovery overrides.
+``Rendezvous`` is those layers stacked as mixins: ``TrainingRules`` <- ``CommitRules`` <-
+``RoundRules`` <- ``Recovery`` <- ``Rendezvous``. Helper objects were the other choice, but
+the rules are one algorithm over one set of tables (a departure may complete a round; a
+resume goes through the join rules), so each helper would need the others and the tables
+back; a stack shares one ``self``, and each layer calls only down it, except one hook
+(``_join_known``) that recovery overrides, and the ``_regather`` the commit layer calls up.
 
 Connections. Each connection starts in ``HELLO``: the first frame must be a ``Hello`` whose
 versions overlap ours. It is then ``READY`` and may send one ``Join`` (or a ``Resume``), which
