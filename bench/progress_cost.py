@@ -63,8 +63,16 @@ def empty():
     for _ in range(N):
         pass
 
-print(json.dumps({"attached": attached, "import_ms": imported / 1e6, "progress_ns": best(calls),
-                  "phase_ns": best(phases), "should_stop_ns": best(stops), "loop_ns": best(empty)}))
+figures = {"attached": attached, "import_ms": imported / 1e6, "progress_ns": best(calls),
+           "phase_ns": best(phases), "should_stop_ns": best(stops), "loop_ns": best(empty)}
+if attached:  # a stop step armed far ahead: every call reads and checks the whole record
+    import os
+    from node_agent import pages
+    from node_agent.worker import layout
+    pages.write_stop(os.environ[worker.PAGE_VAR], 1 << 62, layout.STOP_ARMED)
+    figures["should_stop_armed_ns"] = best(stops)
+    assert not should_stop()
+print(json.dumps(figures))
 """
 
 
@@ -129,6 +137,7 @@ def figures(n: int = 200_000) -> dict[str, float]:
         "phase_attached_ns": on["phase_ns"],
         "phase_noop_ns": off["phase_ns"],
         "should_stop_attached_ns": on["should_stop_ns"],
+        "should_stop_armed_ns": on["should_stop_armed_ns"],
         "loop_ns": on["loop_ns"],
         "import_ms": off["import_ms"],
         "agent_read_ns": read,
@@ -142,7 +151,8 @@ ROWS = [
     ("progress_noop_ns", "worker.progress(step), outside node-agent (no-op)", "ns"),
     ("phase_attached_ns", 'with worker.phase("compute"): enter + exit, attached', "ns"),
     ("phase_noop_ns", 'with worker.phase("compute"): enter + exit, no-op', "ns"),
-    ("should_stop_attached_ns", "worker.should_stop(), attached", "ns"),
+    ("should_stop_attached_ns", "worker.should_stop(), attached, no stop asked", "ns"),
+    ("should_stop_armed_ns", "worker.should_stop(), attached, a stop step armed ahead", "ns"),
     ("loop_ns", "(the empty for-loop, included in each figure above)", "ns"),
     ("import_ms", "import node_agent.worker in a fresh interpreter (target < 5 ms)", "ms"),
     ("agent_read_ns", f"agent: one page read, {RANKS} pages per poll (PageSet, pread)", "ns"),

@@ -25,6 +25,7 @@ from enum import IntFlag
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
+from protocol.messages import MAX_TIMEOUT
 from protocol.records import record
 
 __all__ = [
@@ -138,6 +139,7 @@ EXTRA_RDZV_KEYS: tuple[str, ...] = (
     "ssl_cert_key",  # etcd-v2
     "etcd_prefix",  # etcd
 )
+MAX_COMMIT_TIMEOUT = MAX_TIMEOUT  # the most a Join carries
 _EXTRA_INT_KEYS = frozenset({"timeout", "rank"})
 _EXTRA_BOOL_KEYS = frozenset({"use_libuv"})
 
@@ -211,6 +213,12 @@ class RdzvConf:
     straggler_threshold: float = 0.75  # flag a rank slower than this fraction of the median
     exclude_stragglers: bool = False  # leave a flagged node out of the next planned round
     crash_loop_restarts: int = 3  # restarts in a row with no step progress that end the job
+    # Commit-point restarts (issue 20), sent in the Join; every node of a job must give the same.
+    # commit_timeout: the checkpoint budget of a commit, seconds (0: no commits, a planned change
+    # restarts at once); commit_steps: how far past the highest step reported the job stops
+    # (0: derived from the measured step time).
+    commit_timeout: float = 300.0
+    commit_steps: int = 0
     extra: Mapping[str, str] = field(default_factory=_frozen_map)
 
     def __post_init__(self) -> None:
@@ -224,6 +232,18 @@ class RdzvConf:
         for name in ("last_call_timeout", "close_timeout", "exit_barrier_timeout", "reconnect_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--rdzv-conf {name}={getattr(self, name)!r} must be >= 0 seconds")
+        if (
+            not isinstance(self.commit_timeout, (int, float))
+            or not 0 <= self.commit_timeout <= MAX_COMMIT_TIMEOUT
+        ):
+            raise ConfigError(
+                f"--rdzv-conf commit_timeout={self.commit_timeout!r} must be in 0..{MAX_COMMIT_TIMEOUT:g} "
+                "seconds (0: no commit points)"
+            )
+        if type(self.commit_steps) is not int or not 0 <= self.commit_steps <= 1_000_000:
+            raise ConfigError(
+                f"--rdzv-conf commit_steps={self.commit_steps!r} must be in 0..1000000 (0: auto)"
+            )
         if self.heartbeat_timeout < self.heartbeat_interval:
             raise ConfigError(
                 f"--rdzv-conf heartbeat_timeout={self.heartbeat_timeout} is shorter than "
@@ -259,11 +279,19 @@ class RdzvConf:
                 kwargs[key] = parse_float(pairs[key], what=f"{origin} {key}")
         if "is_host" in pairs:
             kwargs["is_host"] = parse_bool(pairs["is_host"], what=f"{origin} is_host")
-        for key in ("exclude_after", "crash_loop_restarts"):
+        for key in ("exclude_after", "crash_loop_restarts", "commit_steps"):
             if key in pairs:
                 kwargs[key] = parse_int(pairs[key], what=f"{origin} {key}")
                 if not 0 <= kwargs[key] <= 1_000_000:
                     raise ConfigError(f"{origin} {key}={pairs[key]} must be in 0..1000000")
+        if "commit_timeout" in pairs:
+            budget = parse_float(pairs["commit_timeout"], what=f"{origin} commit_timeout")
+            if not 0 <= budget <= MAX_COMMIT_TIMEOUT:
+                raise ConfigError(
+                    f"{origin} commit_timeout={pairs['commit_timeout']} must be in 0..{MAX_COMMIT_TIMEOUT:g} "
+                    "seconds: the checkpoint budget of a commit point (0: no commit points)"
+                )
+            kwargs["commit_timeout"] = budget
         if "exclude_stragglers" in pairs:
             kwargs["exclude_stragglers"] = parse_bool(
                 pairs["exclude_stragglers"], what=f"{origin} exclude_stragglers"
@@ -326,7 +354,14 @@ class RdzvConf:
         return (*_FLOAT_KEYS, "is_host", *_OWN_KEYS, *_KEEP_ALIVE_KEYS, *EXTRA_RDZV_KEYS)
 
 
-_OWN_KEYS = ("exclude_after", "straggler_threshold", "exclude_stragglers", "crash_loop_restarts")
+_OWN_KEYS = (
+    "exclude_after",
+    "straggler_threshold",
+    "exclude_stragglers",
+    "crash_loop_restarts",
+    "commit_timeout",
+    "commit_steps",
+)
 
 
 def _accepted_keys() -> str:

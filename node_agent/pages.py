@@ -1,8 +1,10 @@
 """The agent's side of the progress pages (layout: :mod:`node_agent.worker.layout`).
 
 The agent creates each rank's page before starting the worker (:func:`create_page`), reads it
-every poll (:class:`Page`, :class:`PageSet`), may write its stop record, and reads what the
-worker's stacks file gained after a stack signal (:func:`read_stacks_since`).
+every poll (:class:`Page`, :class:`PageSet`), writes its stop record for a commit (ARMED, GO or
+none: :meth:`Page.write_stop`; each rank acknowledges in its check record, read as the
+sample's ``checks``, ``seen``, ``seen_at`` and ``stopped``), and reads what the worker's stacks
+file gained after a stack signal (:func:`read_stacks_since`).
 
 The agent reads a page with ``pread`` rather than through a mapping: a worker may truncate or
 replace its file (it runs the user's code), and a read past the end of a shrunk mapping kills
@@ -28,7 +30,7 @@ __all__ = ["Page", "PageSet", "RankSample", "create_page", "read_page", "read_st
 
 READ_TRIES = 3
 STACKS_READ_MAX = 1 << 20  # bytes of a stacks file read per call
-# The bytes a read needs: header, the three records and the phase names.
+# The bytes a read needs: header, the four records and the phase names.
 _SPAN = L.NAMES_OFFSET + L.NAME_SLOTS * L.NAME_SIZE
 _ZERO_RECORD = (0, 0, 0, 0)
 UNKNOWN_PHASE = "?"  # a phase slot outside 0..15 in a record whose check holds (a writer's bug)
@@ -47,14 +49,27 @@ class RankSample:
     pid: int  # the writer's pid (0: no worker attached yet)
     stack_signal: int  # the signal that makes the worker dump its stacks (0: cannot)
     attached_ns: int  # CLOCK_MONOTONIC ns when the worker attached (0: not yet)
+    # The check record: written once the worker called should_stop() (checks), so it will stop
+    # at a commit's step. seen: the last armed stop step it acknowledged (-1: none); seen_at:
+    # its step then (below seen: in time; at or past it: late, it will not stop there);
+    # stopped: the step should_stop() returned True at (-1: not yet).
+    checks: bool = False
+    seen: int = L.NO_STEP
+    seen_at: int = L.NO_STEP
+    stopped: int = L.NO_STEP
 
 
-def page_bytes(stop_step: int = L.NO_STEP) -> bytes:
-    """A fresh page: the header with no writer, the stop record, everything else zero."""
+def page_bytes() -> bytes:
+    """A fresh page: the header with no writer, a stop record asking nothing, everything else
+    zero (the check record too: never written)."""
     page = bytearray(L.PAGE_SIZE)
     L.HEADER.pack_into(page, 0, L.MAGIC, L.VERSION, L.PAGE_SIZE, 0, 0, 0)
-    L.STOP.pack_into(page, L.STOP_OFFSET, stop_step, L.check(stop_step, 0, 0))
+    L.STOP.pack_into(page, L.STOP_OFFSET, *_stop_record(L.NO_STEP, L.STOP_NONE))
     return bytes(page)
+
+
+def _stop_record(step: int, state: int) -> tuple[int, int, int, int]:
+    return step, state, 0, L.check(step, state, 0)
 
 
 def create_page(path: str) -> None:
@@ -103,6 +118,12 @@ def _sample(data: bytes) -> RankSample | None:
         name = raw.decode("utf-8", "replace")
     else:
         name = UNKNOWN_PHASE
+    seen, seen_at, stopped, chk = rec = L.CHECK.unpack_from(data, L.CHECK_OFFSET)
+    checks = rec != _ZERO_RECORD
+    if not checks:
+        seen = seen_at = stopped = L.NO_STEP  # should_stop() never called
+    elif chk != L.check(seen, seen_at, stopped):
+        return None
     return RankSample(
         step=step,
         progress_ns=progress_ns,
@@ -113,6 +134,10 @@ def _sample(data: bytes) -> RankSample | None:
         pid=pid,
         stack_signal=sig,
         attached_ns=attached_ns,
+        checks=checks,
+        seen=seen,
+        seen_at=seen_at,
+        stopped=stopped,
     )
 
 
@@ -145,14 +170,15 @@ class Page:
                 return sample
         return None
 
-    def write_stop(self, step: int) -> bool:
-        """Ask the worker to stop once it has reported ``step`` (-1: no stop); False when the
-        page could not be written."""
-        if type(step) is not int or not L.NO_STEP <= step < 1 << 63:
-            raise ValueError(f"stop step {step!r} not an int in -1..2**63-1")
+    def write_stop(self, step: int, state: int) -> bool:
+        """Write the stop record: ``(S, STOP_ARMED)`` proposes stop step S, ``(S, STOP_GO)``
+        confirms it, ``(-1, STOP_NONE)`` asks nothing (a cancel). One ``pwrite`` of the whole
+        record. False when the page could not be written; ValueError for a record that is not
+        one of those (nothing is written)."""
+        _check_stop(step, state)
         if self._fd < 0:
             return False
-        data = L.STOP.pack(step, L.check(step, 0, 0))
+        data = L.STOP.pack(*_stop_record(step, state))
         try:
             return os.pwrite(self._fd, data, L.STOP_OFFSET) == len(data)
         except OSError:
@@ -168,6 +194,15 @@ class Page:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_stop(step: int, state: int) -> None:
+    if type(step) is not int or not L.NO_STEP <= step < 1 << 63:
+        raise ValueError(f"stop step {step!r} not an int in -1..2**63-1")
+    if type(state) is not int or state not in (L.STOP_NONE, L.STOP_ARMED, L.STOP_GO):
+        raise ValueError(f"stop state {state!r} not STOP_NONE, STOP_ARMED or STOP_GO")
+    if (step == L.NO_STEP) != (state == L.STOP_NONE):
+        raise ValueError(f"stop step {step} with state {state}: step -1 goes with STOP_NONE only")
 
 
 def _torn(data: bytes) -> bool:
@@ -190,9 +225,12 @@ class PageSet:
     def read(self) -> tuple[RankSample | None, ...]:
         return tuple(p.read() for p in self.pages)
 
-    def write_stop(self, step: int) -> None:
+    def write_stop(self, step: int, state: int) -> None:
+        """Write the stop record of every page (see :meth:`Page.write_stop`); a page that cannot
+        be written is skipped (its rank never acknowledges, which the caller sees)."""
+        _check_stop(step, state)
         for p in self.pages:
-            p.write_stop(step)
+            p.write_stop(step, state)
 
     def close(self) -> None:
         for p in self.pages:
@@ -211,10 +249,11 @@ def read_page(path: str) -> RankSample | None:
         return page.read()
 
 
-def write_stop(path: str, step: int) -> bool:
+def write_stop(path: str, step: int, state: int) -> bool:
     """Write the stop record of the page at ``path`` (see :meth:`Page.write_stop`)."""
+    _check_stop(step, state)
     with Page(path) as page:
-        return page.write_stop(step)
+        return page.write_stop(step, state)
 
 
 def read_stacks_since(path: str, offset: int, limit: int = STACKS_READ_MAX) -> tuple[str, int]:

@@ -46,8 +46,8 @@ from .specs import (
     worker_specs,
 )
 from .supervisor import WorkerGroup, WorkerSpawnError
-from .training import DumpStacks
-from .watching import RoundPages, dump, poll
+from .training import DumpStacks, Training, WriteStop
+from .watching import ARMING_POLL_S, RoundPages, dump, poll
 from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:
@@ -146,6 +146,7 @@ class Agent:
         # Watching the training (watching.py): this round's pages, their poll, a stack dump.
         self._pages: RoundPages | None = None
         self._poll_every = 1.0
+        self._training: Training | None = None  # the machine's: its arming step picks the poll
         self._poll_task: asyncio.Task[None] | None = None
         self._dump_task: asyncio.Task[None] | None = None
 
@@ -204,6 +205,7 @@ class Agent:
             training=training(cfg, node_id=self.node_id, addr=self.addr),
         )
         self._poll_every = machine.training.policy.poll_interval_s() if machine.training else 1.0
+        self._training = machine.training
         notice = omp_threads_notice(cfg, os.environ)
         if notice:
             self.log(notice, "warning")
@@ -298,6 +300,9 @@ class Agent:
                 self._exit = eff
             elif isinstance(eff, DumpStacks):
                 self._dump_task = self._spawn(self._dump_stacks(eff))
+            elif isinstance(eff, WriteStop):
+                if self._pages is not None:
+                    self._pages.write_stop(eff)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -346,7 +351,12 @@ class Agent:
                 self._worker_event("START", a, local_rank, pid)
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
         self._wait_task = self._spawn(self._wait_workers(a))
-        self._poll_task = self._spawn(poll(self._pages, self._poll_every, self.events.put_nowait))
+        self._poll_task = self._spawn(poll(self._pages, self._poll_interval, self.events.put_nowait))
+
+    def _poll_interval(self) -> float:
+        """Fast while a commit step waits for our ranks to see it, else the watch's interval."""
+        t = self._training
+        return ARMING_POLL_S if t is not None and t.arming is not None else self._poll_every
 
     def _worker_event(
         self,

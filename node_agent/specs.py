@@ -144,6 +144,8 @@ def machine_settings(cfg: AgentConfig, *, node_id: str, addr: str, reconnects: b
         elastic=cfg.elastic,
         reconnect_timeout=cfg.rdzv_conf.reconnect_timeout if reconnects else 0.0,
         health_check=bool(cfg.health_check),
+        # A drain asks for a commit point first only in an elastic job (SIGTERM leaves it).
+        commit_timeout=cfg.rdzv_conf.commit_timeout if cfg.elastic else 0.0,
         handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
         nproc=cfg.nproc_per_node,
         job_id=cfg.rdzv_id,
@@ -183,6 +185,8 @@ def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_
         straggler_threshold=cfg.rdzv_conf.straggler_threshold,
         exclude_stragglers=cfg.rdzv_conf.exclude_stragglers,
         crash_loop_restarts=cfg.rdzv_conf.crash_loop_restarts,
+        commit_timeout=cfg.rdzv_conf.commit_timeout,
+        commit_steps=cfg.rdzv_conf.commit_steps,
         proof=proof,
         # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
         node_rank=cfg.node_rank if cfg.node_rank_given else -1,

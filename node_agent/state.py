@@ -29,12 +29,30 @@ node, else 1 as torchrun exits on a signal. The agent waits for the answer in LE
 told of a failure rather than a success that may not be one. SIGTERM in a fixed-size job exits 1
 whatever the answer, as torchrun does; its Leave, too, waits for the workers.
 
+SIGTERM to an elastic agent whose ranks all call ``worker.should_stop()`` (and with
+``commit_timeout`` > 0) first asks for a commit point: ``LeaveAfterCommit``, the workers run on
+to the step the server picks, and the server's ``Drain`` (once they committed, or at once when
+it cannot commit) starts the drain above, from the exit barrier straight to the ``Leave``. It
+drains by itself when no ``Drain`` comes within ``commit_timeout`` + ``COMMIT_LEAD``, on a
+second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker failure (reported
+first).
+
+Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
+we run goes into the pages (``WriteStop``: arm, go, cancel); the ``Armed`` answer follows once
+every local rank has seen the armed step. Workers that all stopped at the go'd step and exited
+0 are no success of the job: the agent says ``WorkersCommitted`` and waits in BARRIER for the
+``Restart`` that starts the next round (at most ``join_timeout``, then it exits
+``EXIT_RDZV``); a reconnect there says ``WorkersCommitted`` again. ``StopAt`` in any other phase,
+or for another round, is ignored.
+
 A lost connection. With a ``reconnect_timeout`` (every backend but static) every phase rides it
 out: the agent reconnects until that window closes, then picks up what it was doing.
 
 - JOINING: joins again.
 - STARTING, RUNNING: the workers keep running; ``Resume`` of the round it holds.
 - BARRIER: the workers finished; ``Resume(succeeded)``; the barrier's own deadline goes on.
+  After a commit: ``Resume`` (not succeeded), then ``WorkersCommitted`` again; losing the
+  server for good there exits ``EXIT_RDZV``, not 0 (the job needs this node's next round).
 - STOPPING for a restart: the workers are stopped as planned; the node joins the next round
   once they are down *and* it is back (never before: that round must not start while they live).
 - STOPPING after our own failure, and VERDICT: ``Resume``, then the failure report again, and
@@ -86,6 +104,7 @@ import signal
 from protocol import (
     MAX_NODES,
     MAX_TEXT_LEN,
+    Armed,
     Assignment,
     CollectStacks,
     Drain,
@@ -95,19 +114,22 @@ from protocol import (
     JobDone,
     JobFailed,
     Leave,
+    LeaveAfterCommit,
     Left,
     Message,
     Restart,
     Resumed,
+    StopAt,
     Waiting,
     Welcome,
+    WorkersCommitted,
     WorkersFailed,
     WorkersSucceeded,
 )
 from protocol.records import record
 
 from .agent_log import shown
-from .training import DumpStacks, ProgressRead, StacksDumped, Training
+from .training import DumpStacks, ProgressRead, StacksDumped, Training, WriteStop
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
@@ -126,6 +148,9 @@ EXIT_CRASH_LOOP = 3
 # After a drain's Leave, how long to wait for the server's Left once the workers are down. The
 # server answers in the same step that handles the Leave, so silence this long means no answer.
 LEAVE_ANSWER_TIMEOUT = 10.0
+# A drain that waits for a commit point gives the server this long beyond the commit budget
+# to say Drain (its own commit deadline has the same lead) before draining by itself.
+COMMIT_LEAD = 1.0
 
 TERMINATING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
@@ -301,6 +326,7 @@ Effect = (
     | Exit
     | Log
     | DumpStacks
+    | WriteStop
 )
 
 
@@ -328,6 +354,10 @@ class AgentSettings:
     min_nodes: int = 1
     max_nodes: int = MAX_NODES
     health_check: bool = False  # run --health-check (RunHealthCheck) before each round's join
+    # The checkpoint budget of a commit point (--rdzv-conf commit_timeout): a SIGTERM drain
+    # first asks the server for one, and waits this long (plus COMMIT_LEAD) for its Drain.
+    # 0: never ask (the drain stops the workers at once).
+    commit_timeout: float = 0.0
 
 
 class AfterStop(enum.Enum):
@@ -359,6 +389,11 @@ class AgentMachine:
     # reconnect (or first then, when it happened while the server was unreachable).
     _report: WorkersFailed | None = None
     _succeeded: bool = False  # every worker of the round we hold exited 0 (said again in a Resume)
+    # The commit step every worker of the round we hold stopped at (BARRIER, waiting for the
+    # server's Restart; said again after a reconnect's Resumed); None: not committed.
+    _committed: int | None = None
+    # A SIGTERM drain waiting for a commit point (our LeaveAfterCommit is out): its reason.
+    _commit_leave: str | None = None
     away: bool = False  # the connection broke: nothing can be sent until Reconnected
     # Our Resume is out on a new connection and not yet answered: until the answer says whether
     # the server holds us in its round, what only a node of the round may say waits.
@@ -458,6 +493,8 @@ class AgentMachine:
             if dump is None or self.phase is not Phase.RUNNING:
                 return []  # not running that round (any more), or collecting already
             return [Log("warning", f"the server asks for our ranks' stacks: {shown(msg.reason)}"), dump]
+        if isinstance(msg, StopAt):
+            return self._on_stop_at(msg)
         if self.phase is Phase.LEAVING:
             # Workers down, our Leave out: an assignment or restart that crossed it, a waiting
             # update or a drain request no longer change our course.
@@ -472,7 +509,8 @@ class AgentMachine:
             if self._leaving or self._exit is not None:
                 return []  # already on our way out
             why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
-            return self._drain(why, now)
+            # Our own SIGTERM's drain, once the commit point it waited for is behind us.
+            return self._drain(self._commit_leave or why, now)
         return self._protocol_error(
             f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
         )
@@ -493,8 +531,13 @@ class AgentMachine:
         due: list[Effect] = []
         if isinstance(msg, Resumed):
             a = self.assignment
-            if self.phase is Phase.BARRIER and a is not None:
+            if self.phase is Phase.BARRIER and a is not None and self._committed is not None:
+                due.append(Send(WorkersCommitted(round=a.round, step=self._committed)))
+            elif self.phase is Phase.BARRIER and a is not None:
                 due.append(Send(WorkersSucceeded(round=a.round)))  # they may have finished since
+            if self.phase is Phase.RUNNING and a is not None and self._commit_leave is not None:
+                # The server may have lost it with its state: asking twice is harmless.
+                due.append(Send(self._leave_after_commit(a.round, self._commit_leave)))
             if self._report is not None:
                 due.append(Send(self._report))
             if self.phase is Phase.STOPPING and self._leaving and self._leave is not None:
@@ -646,6 +689,8 @@ class AgentMachine:
             return self._protocol_error(text, fatal=True)
         note = Log("warning", f"re-rendezvous after round {msg.round}: {shown(msg.reason)}")
         self._report = None  # if we reported a failure, this is the verdict
+        if self._commit_leave is not None:
+            return [note, *self._drain(self._commit_leave, now)]  # no rejoin: we were leaving
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.REJOIN
@@ -689,19 +734,41 @@ class AgentMachine:
             return []  # we are already stopping them for another reason
         if event.failure is None:
             self.phase = Phase.BARRIER
+            step = self.training.committed_step() if self.training is not None else None
+            if step is not None:
+                return self._on_committed(step, now)
             self._succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
             effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round))
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
+            if self._commit_leave is not None:
+                effects += self._drain(self._commit_leave, now)  # finished before any commit point
             return effects
-        return self._fail(event.failure, event.local_failures or (event.failure,))
+        return self._fail(event.failure, event.local_failures or (event.failure,), now)
+
+    def _on_committed(self, step: int, now: float) -> list[Effect]:
+        """Every worker stopped at the commit step and exited 0: not the job's success, a
+        planned stop. The server restarts the round (``Restart``: we rejoin); join_timeout
+        bounds the wait, as it bounds a round forming (a drain waiting for this commit: its own
+        deadline, then it drains)."""
+        assert self.assignment is not None
+        self._committed = step
+        self._succeeded = False  # a Resume must not tell the server our work is done
+        wait = now + self.settings.join_timeout
+        if self._commit_leave is not None and self.deadline is not None:
+            wait = min(wait, self.deadline)
+        self.deadline = wait
+        return [
+            Log("info", f"workers stopped at step {step} (a commit point); waiting for the next round"),
+            *self._send(WorkersCommitted(round=self.assignment.round, step=step)),
+        ]
 
     def _max_step(self) -> int:
         return self.training.max_step() if self.training is not None else -1
 
-    def _fail(self, failure: Failure, local_failures: tuple[Failure, ...]) -> list[Effect]:
+    def _fail(self, failure: Failure, local_failures: tuple[Failure, ...], now: float) -> list[Effect]:
         """Our workers failed (or hung) in RUNNING: report it, stop them, await the verdict."""
         assert self.assignment is not None
         self.local_failures = local_failures
@@ -719,7 +786,15 @@ class AgentMachine:
                     "the failure is reported once reconnected",
                 )
             ]
-        return [*note, *self._send(self._report), StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+        effects = [
+            *note,
+            *self._send(self._report),
+            StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
+        ]
+        if self._commit_leave is not None:
+            # A drain waited for a commit point: no commit now; leave once the workers are down.
+            effects += self._drain(self._commit_leave, now)
+        return effects
 
     # -- training progress and hangs (training.py decides; this routes) -------------------
 
@@ -730,8 +805,19 @@ class AgentMachine:
         out, line = t.on_read(event, now)
         effects: list[Effect] = [Log("error", line)] if line else []
         for item in out:
+            if isinstance(item, Armed) and (self.away or self._resuming):
+                t.arming = item.step  # not said yet: said on a read once we are back
+                continue
             effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
         return effects
+
+    def _on_stop_at(self, msg: StopAt) -> list[Effect]:
+        """A commit point for the round we run: into the pages (training.py decides what)."""
+        a, t = self.assignment, self.training
+        if self.phase is not Phase.RUNNING or a is None or t is None or msg.round != a.round:
+            return []  # a round we no longer run, or workers on their way down: nothing to stop
+        writes, line = t.on_stop(msg)
+        return [*([Log("info", line)] if line else []), *writes]
 
     def _on_stacks_dumped(self, event: StacksDumped, now: float) -> list[Effect]:
         t = self.training
@@ -744,7 +830,7 @@ class AgentMachine:
         if isinstance(then, DumpStacks):
             return [*effects, then]
         failure = t.failure(now, event.report, event.path)
-        return [*effects, Log("error", event.report), *self._fail(failure, (failure,))]
+        return [*effects, Log("error", event.report), *self._fail(failure, (failure,), now)]
 
     def _await_verdict(self, now: float) -> None:
         """Workers down after our failure: the server's verdict decides (Restart or JobFailed).
@@ -803,6 +889,8 @@ class AgentMachine:
             return "workers are being stopped; "
         if p is Phase.VERDICT:
             return "workers stopped; their failure is reported again once this node is back; "
+        if p is Phase.BARRIER and self._committed is not None:
+            return f"workers stopped at step {self._committed} (a commit point); "
         if p is Phase.BARRIER:
             return "workers finished; "
         if p is Phase.LEAVING:
@@ -902,7 +990,7 @@ class AgentMachine:
                     "it said whether the job goes on without this node"
                 )
             return self._stop_then_exit(Exit(EXIT_FAILED, text))
-        if self.phase is Phase.BARRIER:
+        if self.phase is Phase.BARRIER and self._committed is None:
             return self._exit_now(
                 Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({reason})")
             )
@@ -918,6 +1006,13 @@ class AgentMachine:
         if signum not in self.settings.handled_signals:
             return []
         name = signal.Signals(signum).name
+        if self._commit_leave is not None:
+            # A second signal while a drain waits for a commit point: the user insists.
+            why = self._commit_leave
+            return [
+                Log("warning", f"received {name} again; not waiting for a commit point"),
+                *self._drain(why, now),
+            ]
         if self._signalled is not None:
             # A second signal while we stop: the user insists.
             if self.phase is Phase.LEAVING:
@@ -929,7 +1024,7 @@ class AgentMachine:
             # signal insists.
             return [Log("info", f"received {name}; already stopping")]
         if self.settings.elastic and signum == signal.SIGTERM:
-            return self._drain(f"received {name}", now)
+            return self._drain_after_commit(f"received {name}", now)
         exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
         self._leaving = True
         self._leave = Leave(reason=f"agent received {name}")
@@ -944,10 +1039,43 @@ class AgentMachine:
     def _notice(leave: Leave) -> Leave:
         return Leave(reason=leave.reason, workers_stopping=True)
 
+    def _drain_after_commit(self, why: str, now: float) -> list[Effect]:
+        """A drain that first asks the server to stop the job at a commit point (module header,
+        "Commit points"); where none can be had, today's drain at once."""
+        a, t = self.assignment, self.training
+        if (
+            self.settings.commit_timeout <= 0
+            or t is None
+            or not t.checks()
+            or self.phase is not Phase.RUNNING
+            or a is None
+            or self.away
+            or self._resuming
+        ):
+            return self._drain(why, now)
+        self._commit_leave = why
+        budget = self.settings.commit_timeout + COMMIT_LEAD
+        self.deadline = now + budget
+        return [
+            Log(
+                "warning",
+                f"{why}: asking the job to stop at a commit point first; the workers keep running, "
+                f"and this node drains within {budget:g} s (a second signal drains at once)",
+            ),
+            Send(self._leave_after_commit(a.round, why)),
+        ]
+
+    @staticmethod
+    def _leave_after_commit(round_: int, why: str) -> LeaveAfterCommit:
+        return LeaveAfterCommit(round=round_, reason=_fit(f"drain: {why}"))
+
     def _drain(self, why: str, now: float) -> list[Effect]:
         """A clean leave: workers get SIGTERM first (to checkpoint), the server restarts the
         others' round at once, and our Leave follows once the workers have exited, so no next
         round starts while they live. The server's Left picks the exit code."""
+        if self._commit_leave is not None:
+            self._commit_leave = None
+            self.deadline = None  # the commit point's wait is over
         self._leaving = True
         self._drain_why = why
         self._awaiting_left = True
@@ -1013,6 +1141,26 @@ class AgentMachine:
                     )
                 ),
             ]
+        if self._commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
+            why = self._commit_leave
+            budget = self.settings.commit_timeout + COMMIT_LEAD
+            note = Log(
+                "warning",
+                f"no drain from the rendezvous server within {budget:g} s of asking for a commit point",
+            )
+            return [note, *self._drain(why, now)]
+        if self.phase is Phase.BARRIER and self._committed is not None:
+            return [
+                *self._send(Leave(reason="no next round after a commit point")),
+                *self._exit_now(
+                    Exit(
+                        EXIT_RDZV,
+                        f"workers stopped at step {self._committed} (a commit point), but the rendezvous "
+                        f"server did not start the next round within {self.settings.join_timeout:g} s "
+                        "(join_timeout)",
+                    )
+                ),
+            ]
         if self.phase is Phase.BARRIER:
             return self._exit_now(
                 Exit(EXIT_OK, f"exit barrier timed out after {self.settings.exit_barrier_timeout:g} s")
@@ -1057,6 +1205,7 @@ class AgentMachine:
         self.phase = Phase.JOINING
         self.assignment = None
         self._succeeded = False
+        self._committed = None
         self._report = None
         self._checked = False  # each round's join is checked again
         self.deadline = now + self.settings.join_timeout

@@ -17,6 +17,18 @@ A hang, step by step (the README's "Progress, hangs and stragglers" tells it for
 
 Another node's hang reaches us as the server's ``CollectStacks``: we collect and send ours,
 and our workers run on until the server's ``Restart``.
+
+A commit point (issue 20), this node's part:
+
+1. ``Progress.checks``: every local rank calls ``worker.should_stop()`` (its page's CHECK
+   record is valid); only then may the server ask the job to stop at a common step;
+2. ``StopAt(arm, S)``: S goes into every local page (``WriteStop``); each rank acknowledges
+   in its CHECK record when it first sees S (``seen``), with the step it was at (``seen_at``).
+   Once every local rank has, the server hears ``Armed`` (``late`` when a rank was already at
+   or past S: it decided not to stop there, so the job cannot; ``checked``: the highest step);
+3. ``StopAt(go, S)`` (every node armed in time) or ``StopAt(cancel)``: written into the pages;
+4. the workers exit 0 and every page says ``stopped == S``: :meth:`Training.committed_step`
+   is S, and the machine says ``WorkersCommitted`` instead of ``WorkersSucceeded``.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from protocol import Assignment, Failure, HangDetected, Progress, Stacks
+from protocol import Armed, Assignment, Failure, HangDetected, Progress, Stacks, StopAt
 from protocol.failure_text import HUNG
 from protocol.messages import MAX_HUNG_RANKS, MAX_PHASE_LEN, MAX_TIMEOUT
 from protocol.records import record
@@ -60,6 +72,15 @@ class DumpStacks:
     reason: str
 
 
+@record(frozen=True, slots=True)
+class WriteStop:
+    """Write the stop record of every local rank's page: ``state`` is one of
+    ``layout.STOP_NONE`` (with step -1: no stop), ``STOP_ARMED``, ``STOP_GO``."""
+
+    step: int
+    state: int
+
+
 @record
 class Training:
     policy: HangPolicy
@@ -74,6 +95,12 @@ class Training:
     hung: tuple[Hung, ...] = ()  # our own hang, once detected (until the round ends)
     _sent_at: float | None = None
     _again: bool = False  # our hang came while collecting for another's: collect once more
+    # Commit points: the step armed and not yet acknowledged by every local rank (the runner
+    # polls the pages fast meanwhile), and the step the server said go for.
+    arming: int | None = None
+    go: int | None = None
+    _samples: tuple[RankSample | None, ...] = ()  # each local rank's last whole sample
+    _sent_checks: bool = False  # what the last Progress said of should_stop()
 
     def start(self, a: Assignment) -> None:
         """New workers of round ``a.round`` start (with fresh pages)."""
@@ -82,28 +109,83 @@ class Training:
         self.watch = NodeWatch(self.policy, self.nproc)
         self.round, self.rank_offset = a.round, a.rank_offset
         self.collecting, self.hung, self._sent_at, self._again = False, (), None, False
+        self.arming, self.go, self._samples, self._sent_checks = None, None, (None,) * self.nproc, False
 
     def stop(self) -> None:
         """The workers are being stopped: their silence from now on is no hang."""
         self.watch = None
+        self.arming = None
+
+    def checks(self) -> bool:
+        """Every local rank calls ``worker.should_stop()`` (as its last whole sample says)."""
+        return bool(self._samples) and all(s is not None and s.checks for s in self._samples)
+
+    def committed_step(self) -> int | None:
+        """The commit step every local rank stopped at (``should_stop()`` said True there), or
+        None: no go, or a rank that did not stop at it (an ordinary exit)."""
+        go = self.go
+        if go is None or not self._samples:
+            return None
+        return go if all(s is not None and s.stopped == go for s in self._samples) else None
+
+    def on_stop(self, msg: StopAt) -> tuple[list[WriteStop], str]:
+        """The server's ``StopAt`` for our round: what to write into the pages, and a log line.
+        Another round's, or one while the workers stop, is ignored (no write, "")."""
+        from .worker import layout as L
+
+        if self.watch is None or msg.round != self.round:
+            return [], ""
+        if msg.state == "arm":
+            self.arming, self.go = msg.step, None
+            return [WriteStop(msg.step, L.STOP_ARMED)], (
+                f"the job is to stop at step {msg.step} (a commit point); waiting for every local "
+                "rank to see it"
+            )
+        if msg.state == "go":
+            self.arming, self.go = None, msg.step
+            return [WriteStop(msg.step, L.STOP_GO)], f"every rank stops at step {msg.step} (a commit point)"
+        self.arming, self.go = None, None
+        return [WriteStop(L.NO_STEP, L.STOP_NONE)], f"the commit point at step {msg.step} was called off"
+
+    def _armed(self) -> Armed | None:
+        """Once every local rank has seen the armed step: the answer to send (clears arming)."""
+        step = self.arming
+        if step is None or not self._samples:
+            return None
+        if not all(s is not None and s.seen == step for s in self._samples):
+            return None  # a rank not attached, not calling should_stop, or not there yet
+        ats = [s.seen_at for s in self._samples if s is not None]
+        self.arming = None
+        return Armed(round=self.round, step=step, late=any(at >= step for at in ats), checked=max(ats))
 
     def max_step(self) -> int:
         return self.watch.max_step() if self.watch is not None else -1
 
     def on_read(
         self, event: ProgressRead, now: float
-    ) -> tuple[list[Progress | HangDetected | DumpStacks], str]:
+    ) -> tuple[list[Progress | HangDetected | DumpStacks | Armed], str]:
         """A page read: the summary to send (at most one per ``interval``, only on change),
-        and on a new hang the notice and the stacks to collect; plus a log line ("" if none)."""
+        the answer to an armed commit point once every local rank saw it, and on a new hang
+        the notice and the stacks to collect; plus a log line ("" if none)."""
         if self.watch is None:
             return [], ""
-        out: list[Progress | HangDetected | DumpStacks] = []
+        out: list[Progress | HangDetected | DumpStacks | Armed] = []
+        # A torn or missing read keeps the rank's last whole sample (a CHECK record, once
+        # written, stays valid: a rank does not stop calling should_stop).
+        self._samples = tuple(
+            new if new is not None else old
+            for new, old in zip(_padded(event.samples, self.nproc), self._samples, strict=True)
+        )
+        armed = self._armed()
+        if armed is not None:
+            out.append(armed)
         now_ns = int(now * 1e9)
         hung = self.watch.observe(event.samples, now_ns) if not self.hung else []
         due = self._sent_at is None or now - self._sent_at >= self.interval
-        if due and self.watch.changed():
-            self._sent_at = now
-            out.append(Progress(round=self.round, **self.watch.summary(now_ns)))
+        checks = self.checks()
+        if due and (self.watch.changed() or checks != self._sent_checks):
+            self._sent_at, self._sent_checks = now, checks
+            out.append(Progress(round=self.round, checks=checks, **self.watch.summary(now_ns)))
         if not hung:
             return out, ""
         self.hung = tuple(hung)
@@ -171,6 +253,11 @@ class Training:
             timestamp=now,
             message=_clip(f"{self.headline()}{where}\n{report}"),
         )
+
+
+def _padded(samples: tuple[RankSample | None, ...], n: int) -> tuple[RankSample | None, ...]:
+    """Exactly ``n`` samples (a read of another size is cut or filled with "no sample")."""
+    return samples[:n] + (None,) * (n - len(samples))
 
 
 def _clip(text: str, limit: int = 60000) -> str:

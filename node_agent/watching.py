@@ -3,7 +3,9 @@
 The decisions are :mod:`node_agent.training`'s and :mod:`node_agent.watch`'s (pure); this
 module only reads what they need and carries out what they ask: it creates each rank's page
 before the worker starts (``node_agent.worker`` attaches to it), reads every page each poll
-interval into a :class:`~node_agent.training.ProgressRead`, and on
+interval into a :class:`~node_agent.training.ProgressRead` (every :data:`ARMING_POLL_S` while a
+commit point waits for its ranks' acknowledgements), writes the stop records a
+:class:`~node_agent.training.WriteStop` asks for, and on
 :class:`~node_agent.training.DumpStacks` collects every local rank's stacks (bounded in time),
 pokes torch's flight recorder, writes the node's hang report into the attempt's log dir and
 answers :class:`~node_agent.training.StacksDumped`.
@@ -12,15 +14,19 @@ answers :class:`~node_agent.training.StacksDumped`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 
 from protocol import Stacks
 from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
 from .pages import PageSet, create_page
-from .training import DumpStacks, ProgressRead, StacksDumped
+from .training import DumpStacks, ProgressRead, StacksDumped, WriteStop
 
 STACKS_TIMEOUT = 5.0  # every rank's stacks, in all
+# The poll while an armed commit step waits for every local rank to see it: the server's
+# choice of the step allows for one such poll (a read costs about a microsecond a page).
+ARMING_POLL_S = 0.02
 
 
 class RoundPages:
@@ -34,18 +40,27 @@ class RoundPages:
         self.fr_pipe_stem = fr_pipe_stem
         self.report_path = report_path
         self.pages = PageSet(paths)
+        self.wake = asyncio.Event()  # a stop record was written: poll now, not at the next interval
 
     def read(self) -> ProgressRead:
         return ProgressRead(self.pages.read())
+
+    def write_stop(self, eff: WriteStop) -> None:
+        """Write every page's stop record and have the poll read the pages at once."""
+        self.pages.write_stop(eff.step, eff.state)
+        self.wake.set()
 
     def close(self) -> None:
         self.pages.close()
 
 
-async def poll(pages: RoundPages, interval: float, put: Callable[[ProgressRead], None]) -> None:
-    """Read every page each ``interval`` seconds and hand the machine what was read."""
+async def poll(pages: RoundPages, interval: Callable[[], float], put: Callable[[ProgressRead], None]) -> None:
+    """Read every page each ``interval()`` seconds (asked anew each time) and hand the
+    machine what was read; a stop record written meanwhile cuts the wait short."""
     while True:
-        await asyncio.sleep(interval)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(pages.wake.wait(), interval())
+        pages.wake.clear()
         put(pages.read())
 
 

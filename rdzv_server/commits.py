@@ -79,8 +79,7 @@ class CommitRules(TrainingRules):
             if drain is not None and drain.node_id not in c.drains:
                 c.drains.append(drain.node_id)
                 c.reason = clip_text(f"{c.reason}; {reason}", REASON_LEN)
-            self.unchanged = drain is None
-            return
+            return  # (the same node asking again changes nothing, but is logged: harmless)
         choice = self._stop_choice(job, now)
         if choice is None:
             if drain is not None:

@@ -4,6 +4,9 @@
         with worker.phase("compute"):
             loss = train_step(batch)
         worker.progress(step)          # this rank finished `step`
+        if worker.should_stop():       # the job changes size: every rank stops at this step
+            save(step)                 # e.g. torch.distributed.checkpoint, resumed from step + 1
+            return                     # exit 0: a commit, not a failure
 
     with worker.phase("checkpoint"):   # a long checkpoint is not a hang
         save(...)
@@ -39,6 +42,20 @@ slot 1 is "compute" (named on attaching), the next 13 distinct names get one eac
 later name, like "other" itself, is reported as "other" (slot 15). Names are cut to 31 bytes of
 UTF-8 at a character boundary (two names equal once cut share a slot). Phases are per
 process: use them from the training thread.
+
+``should_stop()`` lets a planned change of the job (a node joins, drains or is replaced) cost
+no work: instead of being killed wherever it is, every rank stops at the same step S, saves a
+checkpoint and returns, and the next round resumes from S. Call it every step, right after
+``progress(step)``, on every rank, from the training thread. It is False outside node-agent and
+while no stop is asked (one read of the page, no system call: about as cheap as ``progress``).
+The server picks S ahead of every rank; the agent writes it into the pages as *armed*, and
+each rank acknowledges it at its next call with the step it is at. If every rank saw S before
+reaching it, the agent confirms S (*go*) and every rank gets True at S and at every later
+call. A rank that reaches S before the confirmation waits inside ``should_stop()`` (re-reading
+the page every millisecond) until it comes, usually within a few agent polls, or until S is
+called off or moved (then False). A rank that was already at or past S when it first saw it
+never stops at S; the server then picks a later step. A job where some rank never calls
+``should_stop()`` is restarted as before.
 """
 
 from __future__ import annotations
@@ -70,15 +87,35 @@ _buf: mmap.mmap | bytearray = bytearray(_layout.PAGE_SIZE)  # a scratch page unt
 _pack = _layout.PROGRESS.pack_into
 _pack_phase = _layout.PHASE.pack_into
 _unpack_stop = _layout.STOP.unpack_from
+_unpack_stop_step = _layout.STOP_STEP.unpack_from
+_pack_check = _layout.CHECK.pack_into
+_sleep = time.sleep
 _now = time.monotonic_ns
 _P = _layout.PROGRESS_OFFSET
 _PH = _layout.PHASE_OFFSET
 _ST = _layout.STOP_OFFSET
+_CK = _layout.CHECK_OFFSET
 _K1, _K2, _K3, _K4, _M = _layout._K1, _layout._K2, _layout._K3, _layout._K4, _layout._MASK
 _count = 0
 _step = _layout.NO_STEP
 _pid = 0
 _stacks_fd = -1
+
+# The commit protocol (see should_stop). The hot path compares the stop record's first word
+# with _fast: (-1,) while this rank knows no stop step, None (every call takes the slow path)
+# before the first call, while a stop step is known and once stopped. A stop step of -1 is
+# "nothing asked" whatever the other words: read from a record halfway written, it means the
+# write had not reached it, the same as reading just before the write, and False is right then
+# (a step armed meanwhile is acknowledged at the next call).
+_NONE_STOP = (_layout.NO_STEP,)
+_fast: tuple[int] | None = None
+_checked = False  # the first should_stop() call wrote the check record
+_seen = _layout.NO_STEP  # the armed stop step last acknowledged (-1: none)
+_seen_at = _layout.NO_STEP  # this rank's step when it acknowledged _seen
+_late = False  # _seen was first seen at a step >= _seen: this rank never stops at it
+_stopped = _layout.NO_STEP  # the step should_stop() returned True at
+_TORN_TRIES = 100  # immediate re-reads of a torn stop record (a write takes nanoseconds)
+_WAIT_S = 0.001  # the re-read interval of a rank waiting at its stop step for GO
 
 # Phases: the current slot and when it was entered, the enclosing ones, compute time.
 _slots: dict[str, int] = {}  # name as given -> slot
@@ -177,11 +214,80 @@ def phase(name: str) -> _Phase:
 
 
 def should_stop() -> bool:
-    """True once the agent asked this rank to stop after a step it has now reported."""
-    if not _on:
-        return False
-    stop, chk = _unpack_stop(_buf, _ST)
-    return 0 <= stop <= _step and chk == (stop * _K1 + _K4) & _M
+    """Whether this rank stops now: call it every step, right after ``progress(step)``.
+
+    False outside node-agent, and whenever no stop is asked: then it is one read of the page,
+    no system call. True on every rank of the job at the same step S, the one the server chose
+    for a commit; it stays True after that. A rank that reaches S before every rank has
+    acknowledged S waits here (a few ms, rarely more than the agents' round trip) until the
+    stop is confirmed (True) or called off (False).
+    """
+    if _on:
+        if _unpack_stop_step(_buf, _ST) == _fast:
+            return False
+        return _decide()
+    if _on is None:
+        _attach()
+        if _on:
+            return _decide()
+    return False
+
+
+def _read_stop() -> tuple[int, int] | None:
+    """The stop record as (stop step, state), (-1, STOP_NONE) for none; None while it reads
+    torn (or holds a state this layout does not know)."""
+    for _ in range(_TORN_TRIES):
+        step, state, serial, chk = _unpack_stop(_buf, _ST)
+        if chk != (step * _K1 + state * _K2 + serial * _K3 + _K4) & _M:
+            continue
+        if state == _layout.STOP_NONE or step < 0:
+            return _layout.NO_STEP, _layout.STOP_NONE
+        if state == _layout.STOP_ARMED or state == _layout.STOP_GO:
+            return step, state
+        return None
+    return None
+
+
+def _write_check(seen: int, at: int, stopped: int) -> None:
+    _pack_check(_buf, _CK, seen, at, stopped, (seen * _K1 + at * _K2 + stopped * _K3 + _K4) & _M)
+
+
+def _decide() -> bool:
+    """should_stop() off the hot path: the first call, a stop step known, a torn record."""
+    global _fast, _checked, _seen, _seen_at, _late, _stopped
+    if _stopped >= 0:
+        return True
+    if not _checked:  # the first call: tell the agent this rank consults the page
+        _write_check(_layout.NO_STEP, _layout.NO_STEP, _layout.NO_STEP)
+        _checked, _fast = True, _NONE_STOP
+    step = _step
+    while True:
+        rec = _read_stop()
+        if rec is None:
+            # Unreadable: never taken for "no stop" where that could be wrong, i.e. at or past
+            # a step acknowledged in time (the record may say GO). Before it, False is safe.
+            if _seen >= 0 and not _late and step >= _seen:
+                _sleep(_WAIT_S)
+                continue
+            return False
+        stop, state = rec
+        if state == _layout.STOP_NONE:
+            if _seen >= 0:  # called off: forget S, so that S armed again is acknowledged again
+                _seen = _seen_at = _layout.NO_STEP
+                _late, _fast = False, _NONE_STOP
+                _write_check(_layout.NO_STEP, _layout.NO_STEP, _layout.NO_STEP)
+            return False
+        if stop != _seen:  # a new stop step: acknowledge it, with the step this rank is at
+            _seen, _seen_at, _late, _fast = stop, step, step >= stop, None
+            _write_check(stop, step, _layout.NO_STEP)
+            return False  # in time: the step is below it; late: this rank never stops at it
+        if _late or step < stop:
+            return False
+        if state == _layout.STOP_GO:
+            _stopped = step
+            _write_check(stop, _seen_at, step)
+            return True
+        _sleep(_WAIT_S)  # at the armed step: wait for GO, a cancel or another step
 
 
 def attached() -> bool:
@@ -312,6 +418,7 @@ def _reset() -> None:
     """Forget the page, as a fresh process would (tests attach and detach in one process)."""
     global _on, _buf, _count, _step, _pid, _stacks_fd, _slot, _since
     global _compute_depth, _compute_from, _compute_ns
+    global _fast, _checked, _seen, _seen_at, _late, _stopped
     if _on:
         faulthandler.unregister(STACK_SIGNAL)
         if isinstance(_buf, mmap.mmap):
@@ -321,6 +428,8 @@ def _reset() -> None:
     _on, _buf = None, bytearray(_layout.PAGE_SIZE)
     _count, _step, _pid, _stacks_fd = 0, _layout.NO_STEP, 0, -1
     _slot = _since = _compute_depth = _compute_from = _compute_ns = 0
+    _fast, _checked, _late = None, False, False
+    _seen = _seen_at = _stopped = _layout.NO_STEP
     _slots.clear()
     _outer.clear()
     for p in _phases.values():

@@ -11,7 +11,7 @@ The page is a 4096-byte file, mapped shared by both processes. All integers are 
 offset   size  field
 =======  ====  ==============================================================================
 0        8     magic ``b"NAPAGE1\\n"`` (written by the agent when it creates the page)
-8        4     u32 layout version (1)
+8        4     u32 layout version (2)
 12       4     u32 page size (4096)
 16       4     u32 writer pid: 0 until a worker attaches; written last of the header
 20       4     u32 stack signal: the signal that makes the worker write the stacks of all its
@@ -21,16 +21,26 @@ offset   size  field
 96       32    phase record (worker): u64 phase slot (0: no phase), u64 phase_ns (when the
                phase was entered), u64 compute_ns (total time spent in finished "compute"
                phases), u64 check
-128      16    stop record (agent): i64 stop_step (-1: none), u64 check
+128      32    stop record (agent): i64 stop_step (-1: none), i64 state (0: none or cancelled,
+               1: armed, 2: go), u64 serial (0, reserved), u64 check
+160      32    check record (worker): i64 seen (the last armed stop step the worker saw, -1:
+               none), i64 at (its step when it first saw ``seen``, -1: none), i64 stopped (the
+               step ``should_stop()`` returned True at, -1: never), u64 check; all zero until
+               the worker's first ``should_stop()`` call
 256      512   phase names: 16 slots of 32 bytes, UTF-8, NUL-padded, at most 31 bytes; slot 0
                is unused (no phase); a name is written before any phase record names its slot
 =======  ====  ==============================================================================
 
-A record is written in one store of its 32 (or 16) bytes and carries ``check``, a mix of its
-other three words (:func:`check`). A reader that catches a write halfway sees a check that does
+A record is written in one store of its 32 bytes and carries ``check``, a mix of its other
+three words (:func:`check`). A reader that catches a write halfway sees a check that does
 not match and reads again later; it never acts on a torn record. Times are CLOCK_MONOTONIC
 nanoseconds (``time.monotonic_ns()``, ``clock_gettime(CLOCK_MONOTONIC)``), which every process
 of a host shares.
+
+The stop and check records carry the commit protocol: the agent arms a stop step S (ARMED), each
+rank acknowledges in its check record that it saw S and at which step (in time when that step
+is below S), and once every rank of the job acknowledged in time the agent writes GO: every rank
+then stops at S. A rank at S before GO waits for it (``docs/progress-page.md`` has the rules).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from __future__ import annotations
 import struct
 
 MAGIC = b"NAPAGE1\n"
-VERSION = 1
+VERSION = 2
 PAGE_SIZE = 4096
 
 HEADER = struct.Struct("<8sIIIIQ")  # magic, version, page size, pid, stack signal, attached_ns
@@ -51,7 +61,13 @@ PROGRESS = struct.Struct("<qQQQ")  # step, progress_ns, count, check
 PHASE_OFFSET = 96
 PHASE = struct.Struct("<QQQQ")  # slot, phase_ns, compute_ns, check
 STOP_OFFSET = 128
-STOP = struct.Struct("<qQ")  # stop_step, check
+STOP = struct.Struct("<qqQQ")  # stop_step, state, serial, check
+STOP_STEP = struct.Struct("<q")  # the stop record's first word alone
+STOP_NONE = 0  # no stop step (with stop_step -1): none asked, or the one asked was cancelled
+STOP_ARMED = 1  # stop_step is proposed: acknowledge it; a rank that reaches it waits
+STOP_GO = 2  # every rank acknowledged in time: stop at stop_step
+CHECK_OFFSET = 160
+CHECK = struct.Struct("<qqqQ")  # seen, at, stopped, check
 
 NAMES_OFFSET = 256
 NAME_SLOTS = 16

@@ -8,6 +8,8 @@ import signal
 import pytest
 
 from node_agent import state as st
+from node_agent.training import DumpStacks, Training, WriteStop
+from node_agent.watch import HangPolicy
 from protocol import (
     MAX_TEXT_LEN,
     Assignment,
@@ -696,7 +698,8 @@ def test_an_agent_on_its_way_out_does_not_reconnect() -> None:
 def in_phase(name: str, *, elastic: bool = False, link: str = "up") -> st.AgentMachine:
     """A machine brought to a phase by the events that lead there; its connection ``up``,
     lost (``away``), or back with our Resume not yet answered (``resuming``)."""
-    m = st.AgentMachine(settings(elastic=elastic, reconnect_timeout=30.0))
+    training = Training(policy=HangPolicy.parse("off"), nproc=1, node_id="n1", addr="10.0.0.1", interval=1.0)
+    m = st.AgentMachine(settings(elastic=elastic, reconnect_timeout=30.0), training=training)
     m.start(0.0)
     steps: dict[str, list[st.Event]] = {
         "joining": [],
@@ -768,7 +771,7 @@ PHASES = [
 
 
 def server_messages() -> list[object]:
-    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, Resumed, Welcome
+    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, Resumed, StopAt, Welcome
 
     msgs = [
         Welcome(version=1, software="s"),
@@ -788,6 +791,10 @@ def server_messages() -> list[object]:
         Left(job_continues=False, reason="does not"),
         CollectStacks(round=0, reason="rank 3 hung"),
         JobFailed(reason="3 restarts in a row made no step progress", code="crash_loop"),
+        StopAt(round=0, step=50, state="arm"),
+        StopAt(round=0, step=50, state="go"),
+        StopAt(round=0, step=50, state="cancel"),
+        StopAt(round=7, step=50, state="arm"),
     ]
     assert {type(m) for m in msgs} == set(SERVER_MESSAGES.values())  # none forgotten
     return msgs
@@ -802,8 +809,9 @@ def test_every_server_message_in_every_phase_has_a_defined_outcome(phase: str, l
         eff = m.handle(st.ServerSent(msg), 3.0)  # type: ignore[arg-type]
         for e in eff:
             assert isinstance(
-                e, st.SendJoin | st.Send | st.SendResume | st.StartWorkers | st.StopWorkers | st.Log | st.Exit
-            )
+                e,
+                st.SendJoin | st.Send | st.SendResume | st.StartWorkers | st.StopWorkers | st.Log | st.Exit,
+            ) or (isinstance(e, WriteStop | DumpStacks) and before is st.Phase.RUNNING), (phase, msg, e)
             if isinstance(e, st.Exit):
                 assert e.reason and m.phase is st.Phase.EXITED
         for e in eff:

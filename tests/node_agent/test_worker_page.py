@@ -192,9 +192,9 @@ def test_a_created_page_is_private_fresh_and_reads_as_not_attached(tmp_path: Pat
     assert path.stat().st_mode & 0o777 == 0o600
     data = path.read_bytes()
     assert L.HEADER.unpack_from(data, 0) == (L.MAGIC, L.VERSION, L.PAGE_SIZE, 0, 0, 0)
-    stop, chk = L.STOP.unpack_from(data, L.STOP_OFFSET)
-    assert (stop, chk) == (-1, L.check(-1, 0, 0))
+    assert L.STOP.unpack_from(data, L.STOP_OFFSET) == (-1, L.STOP_NONE, 0, L.check(-1, 0, 0))
     assert data[L.PROGRESS_OFFSET : L.STOP_OFFSET] == bytes(64)
+    assert data[L.CHECK_OFFSET : L.CHECK_OFFSET + L.CHECK.size] == bytes(32)  # no check-in yet
     assert read_page(str(path)) is None  # nobody attached
     assert [p.name for p in tmp_path.iterdir()] == ["p.page"]  # no temporary left behind
 
@@ -232,13 +232,13 @@ def test_a_page_that_is_not_one_reads_as_none(page: Path, damage: str) -> None:
     elif damage == "magic":
         data[0:8] = b"NOTAPAGE"
     elif damage == "version":
-        data[8:12] = (2).to_bytes(4, "little")
+        data[8:12] = (L.VERSION - 1).to_bytes(4, "little")  # a page of the layout before
     elif damage == "size":
         data[12:16] = (8192).to_bytes(4, "little")
     if damage in ("magic", "version", "size"):
         page.write_bytes(bytes(data))
     assert read_page(str(page)) is None
-    assert pages.write_stop(str(page), 3) is (damage not in ("missing",))
+    assert pages.write_stop(str(page), 3, L.STOP_ARMED) is (damage not in ("missing",))
 
 
 def test_a_page_set_reads_every_rank_and_stops_them_all(tmp_path: Path) -> None:
@@ -248,7 +248,7 @@ def test_a_page_set_reads_every_rank_and_stops_them_all(tmp_path: Path) -> None:
     attach_header(Path(paths[1]), pid=99)
     with PageSet([*paths, str(tmp_path / "missing.page")]) as ps:
         got = ps.read()
-        ps.write_stop(12)
+        ps.write_stop(12, L.STOP_GO)
     assert got[0] is None and got[2] is None and got[3] is None
     assert got[1] == RankSample(
         step=-1,
@@ -260,16 +260,38 @@ def test_a_page_set_reads_every_rank_and_stops_them_all(tmp_path: Path) -> None:
         pid=99,
         stack_signal=0,
         attached_ns=0,
+        checks=False,
+        seen=-1,
+        seen_at=-1,
+        stopped=-1,
     )
     for p in paths:
-        assert L.STOP.unpack_from(Path(p).read_bytes(), L.STOP_OFFSET) == (12, L.check(12, 0, 0))
+        assert L.STOP.unpack_from(Path(p).read_bytes(), L.STOP_OFFSET) == (12, 2, 0, L.check(12, 2, 0))
 
 
-def test_a_stop_step_must_be_an_int_from_minus_one(page: Path) -> None:
-    with Page(str(page)) as p:
-        for bad in (-2, 1 << 63, True, 1.0):
-            with pytest.raises(ValueError):
-                p.write_stop(bad)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("step", "state"),
+    [
+        *[(-2, L.STOP_NONE), (1 << 63, L.STOP_ARMED), (True, L.STOP_GO), (1.0, L.STOP_GO)],
+        *[(3, 3), (3, -1), (3, True), (-1, L.STOP_ARMED), (-1, L.STOP_GO), (5, L.STOP_NONE)],
+    ],
+)
+def test_a_stop_record_must_be_none_or_a_step_armed_or_go(page: Path, step: object, state: object) -> None:
+    attach_header(page)
+    before = page.read_bytes()
+    with Page(str(page)) as p, PageSet([str(page)]) as ps:
+        for write in (p.write_stop, ps.write_stop, lambda a, b: pages.write_stop(str(page), a, b)):
+            with pytest.raises(ValueError, match=r"stop (step|state)"):
+                write(step, state)  # type: ignore[arg-type]
+    assert page.read_bytes() == before  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("step", "state"), [(-1, L.STOP_NONE), (0, L.STOP_ARMED), ((1 << 63) - 1, L.STOP_GO)]
+)
+def test_a_stop_record_is_written_whole_with_its_check(page: Path, step: int, state: int) -> None:
+    assert pages.write_stop(str(page), step, state)
+    assert L.STOP.unpack_from(page.read_bytes(), L.STOP_OFFSET) == (step, state, 0, L.check(step, state, 0))
 
 
 def test_stacks_are_read_from_an_offset_and_bounded(tmp_path: Path) -> None:
@@ -495,22 +517,6 @@ def test_fifteen_slots_then_other_and_long_names_cut_at_a_character(here: Path) 
     assert names_in_page == ["compute", "é" * 15, *[f"p{i}" for i in range(12)], "other"]
 
 
-def test_should_stop_once_the_stop_step_is_reached(here: Path) -> None:
-    assert worker.should_stop() is False
-    worker.progress(4)
-    assert worker.should_stop() is False  # no stop step
-    assert pages.write_stop(str(here), 5)
-    assert worker.should_stop() is False  # step 4 < 5
-    worker.progress(5)
-    assert worker.should_stop() is True
-    with open(here, "r+b") as f:  # a stop record whose check fails is no stop
-        f.seek(L.STOP_OFFSET)
-        f.write(L.STOP.pack(3, L.check(4, 0, 0)))
-    assert worker.should_stop() is False
-    assert pages.write_stop(str(here), -1)
-    assert worker.should_stop() is False
-
-
 def test_outside_node_agent_every_call_is_a_no_op(monkeypatch: pytest.MonkeyPatch, page: Path) -> None:
     worker._reset()
     monkeypatch.delenv(worker.PAGE_VAR, raising=False)
@@ -644,6 +650,13 @@ def test_the_documented_layout_and_worked_example_are_the_codes() -> None:
     assert f"0x{L.check(*rec):016x}" in doc
     assert raw.hex(" ").upper() in " ".join(doc.split())  # the 32 bytes, as the doc lists them
     assert f"0x{L.check(-1, 0, 0):016x}" in doc
+    flat = " ".join(doc.split())
+    for struct, rec in ((L.STOP, (120, L.STOP_ARMED, 0)), (L.CHECK, (120, 100, -1))):
+        assert f"0x{L.check(*rec):016x}" in doc
+        assert struct.pack(*rec, L.check(*rec)).hex(" ").upper() in flat
+    assert f"0x{L.check(120, L.STOP_GO, 0):016x}" in doc
+    assert f"0x{L.check(-1, -1, -1):016x}" in doc
+    assert f"layout version: {L.VERSION} " in doc
     for name, value in (
         ("K1", L._K1),
         ("K2", L._K2),
@@ -651,7 +664,16 @@ def test_the_documented_layout_and_worked_example_are_the_codes() -> None:
         ("K4", L._K4),
     ):
         assert f"{name} = 0x{value:016X}" in doc
-    for offset in (L.PID_OFFSET, L.SIGNAL_OFFSET, L.ATTACHED_OFFSET, L.PROGRESS_OFFSET, L.PHASE_OFFSET):
+    for offset in (
+        L.PID_OFFSET,
+        L.SIGNAL_OFFSET,
+        L.ATTACHED_OFFSET,
+        L.PROGRESS_OFFSET,
+        L.PHASE_OFFSET,
+        L.STOP_OFFSET,
+        L.CHECK_OFFSET,
+    ):
         assert f"| {offset} " in doc
+    assert f"| {L.STOP_OFFSET} | {L.STOP.size} |" in doc and f"| {L.CHECK_OFFSET} | {L.CHECK.size} |" in doc
     assert f"SIGRTMIN + 4 ({signal.SIGRTMIN + 4} on Linux)" in doc
     assert L.MAGIC.decode().strip() in doc
