@@ -150,6 +150,16 @@ def format_job(job: dict[str, Any]) -> str:
         best = "" if loop["best_step"] is None else f" past step {loop['best_step']}"
         n = loop["restarts_without_progress"]
         lines.append(f"  crash loop: {n}{limit} restarts in a row made no progress{best}")
+    commit = job.get("commit")
+    if commit:
+        if commit["state"] == "arming":
+            what = f"{commit['armed']}/{commit['nodes']} nodes acknowledged"
+        else:
+            what = f"{commit['committed']}/{commit['nodes']} nodes stopped"
+        lines.append(
+            f"  commit point: every rank stops at step {commit['step']} for: {shown(commit['reason'])} "
+            f"({what}; a hard restart in {max(0.0, commit['deadline_in_s']):.0f} s otherwise)"
+        )
     lines.append("")
     if rows:
         headers = (

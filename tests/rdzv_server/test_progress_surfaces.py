@@ -441,3 +441,37 @@ def test_stacks_naming_no_rank_still_show_the_hang() -> None:
     hang = job(h)["hang"]
     assert hang["report"] == {"suspects": [3], "groups": [], "groups_total": 0}
     assert "suspects: rank 3 (stacks from 1 node)" in tables.format_job(job(h))
+
+
+def test_a_commit_point_is_shown_while_under_way_and_in_the_history_after() -> None:
+    from protocol import Armed, StopAt, WorkersCommitted
+
+    h = Harness()
+    kw = dict(min_nodes=1, max_nodes=4, max_restarts=5, heartbeat_timeout=600.0)
+    a, b = h.join(**kw), h.join(**kw)
+    h.advance(10.0)  # the settle window closes: round 0 runs
+    for c in (a, b):
+        assert h.last(c, Assignment) is not None
+        h.take(c)
+        h.send(c, progress(step=40, checks=True))
+    h.join(**kw)
+    h.advance(5.0)  # the newcomer's settle window closes
+    (arm,) = [m for m in h.take(a) if isinstance(m, StopAt)]
+    j = job(h)
+    c = j["commit"]
+    assert (c["step"], c["state"], c["armed"], c["nodes"], c["drains"]) == (arm.step, "arming", 0, 2, [])
+    assert c["reason"] == "node(s) joined: node3" and 300 < c["deadline_in_s"] < 310
+    text = tables.format_job(j)
+    assert f"commit point: every rank stops at step {arm.step} for: node(s) joined: node3" in text
+    assert "(0/2 nodes acknowledged;" in text
+    for conn in (a, b):
+        h.send(conn, Armed(round=0, step=arm.step, late=False))
+    assert job(h)["commit"]["state"] == "stopping"
+    for conn in (a, b):
+        h.send(conn, WorkersCommitted(round=0, step=arm.step))
+    j = job(h)
+    assert j["commit"] is None and j["restart_count"] == 0
+    done = [e for e in j["history"] if e["kind"] == "commit"]
+    assert [e["step"] for e in done] == [arm.step, arm.step]
+    assert f"committed at step {arm.step} for: node(s) joined: node3" in done[-1]["text"]
+    assert "commit point: every rank stops" not in tables.format_job(j)
