@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import commit_lost, progress_cost
 from . import launch_cases as lc
-from . import progress_cost
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
 from .report import (
     Row,
@@ -211,7 +211,43 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
                 launchers=("ours",),
             ),
         ],
+        "commit": [],
     }
+    # Case 9: each change twice, the script without the check (torchrun runs it as it is: its
+    # should_stop() is always False) and with it (ours only, compared with torchrun's run).
+    c9 = f"9. planned changes: steps lost (checkpoint every {commit_lost.EVERY} steps)"
+    changes = (
+        (
+            "commit-up",
+            "scale-up 1 → 2",
+            commit_lost.scale_up,
+            "grow",
+            "node 2 launched → both nodes training",
+        ),
+        (
+            "commit-drain",
+            "drain (SIGTERM to node 2's launcher)",
+            commit_lost.drain,
+            "resume",
+            "SIGTERM → node 1 training again",
+        ),
+    )
+    for name, change, run, key, timed in changes:
+        for check in (False, True):
+            how = "with the check (`worker.should_stop()`)" if check else "without the check"
+            out["commit"].append(
+                Variant(
+                    c9,
+                    name if check else f"{name}-plain",
+                    functools.partial(run, check=check),
+                    [
+                        Metric("lost", f"{change}, {how}: steps run again", "steps"),
+                        Metric(key, f"{change}, {how}: {timed}"),
+                    ],
+                    launchers=("ours",) if check else LAUNCHERS,
+                    compare_with=f"{name}-plain" if check else None,
+                )
+            )
     for n in (2, 4, 8):
         out["nnode"].append(
             Variant(
@@ -330,7 +366,17 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
     return out
 
 
-ALL_CASES = ("standalone", "nnode", "restart", "scaleup", "nodekill", "footprint", "scale", "progress")
+ALL_CASES = (
+    "standalone",
+    "nnode",
+    "restart",
+    "scaleup",
+    "nodekill",
+    "footprint",
+    "scale",
+    "progress",
+    "commit",
+)
 
 
 def run_variant(
@@ -709,6 +755,18 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
    sockets held and read by as many receiver processes (`bench/send_floor.py`): a
    re-rendezvous costs the server two such rounds of sends (Restart, then the Assignments) and M
    reads (the Joins), and on loopback each send also does the receiver's TCP work.
+8. Ours alone (`bench/progress_cost.py`): the cost of `worker.progress()`, `phase()` and
+   `should_stop()` in a loop (attached to a real page, and outside node-agent), the agent's page
+   reads and watch per poll, and `--hang-timeout 2` against `bench/workers/hang_once.py`: timed
+   from the rank's last progress to the node's hang report and to every rank's replacement.
+9. `tests/integration/workers/train_commit.py` (Adam on `nn.Linear`, a DCP checkpoint every 50
+   steps, 50 ms steps, 120 steps; `--commit` adds the `worker.should_stop()` check; torchrun runs
+   the same script, where `should_stop()` is always False). Scale-up: `L --nnodes 1:2 C10D
+   --rdzv-conf last_call_timeout=1 --max-restarts 3`, node 2 launched at node 1's step 60 (node
+   1's steps after 30 take 0.2 s while it is alone). Drain: both nodes from step 1, SIGTERM to
+   node 2's launcher at step 60; torchrun with `keep_alive_interval=1,keep_alive_max_attempt=2`.
+   Steps lost = node 1's last step before the change - the step its next attempt loaded; ours
+   uses an `rdzv-server`. "Both nodes training" is the first step of the 2-node attempt.
 
 - The bench byte-compiles `protocol/`, `rdzv_server/`, `node_agent/` and `bench/` before it
   starts: this environment sets `PYTHONDONTWRITEBYTECODE=1`, and torch's site-packages comes

@@ -1080,7 +1080,13 @@ class AgentMachine:
         self._drain_why = why
         self._awaiting_left = True
         self._leave = Leave(reason=_fit(f"drain: {why}"))
-        note = Log("warning", f"{why}: draining (workers get SIGTERM, then this node leaves the job)")
+        if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
+            how = "workers get SIGTERM, then this node leaves the job"
+        elif self._committed is not None:
+            how = f"its workers stopped at the commit point, step {self._committed}; this node leaves the job"
+        else:
+            how = "this node leaves the job"
+        note = Log("warning", f"{why}: draining ({how})")
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             stop: list[Effect] = []
             if self.phase is not Phase.STOPPING:

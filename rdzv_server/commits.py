@@ -67,10 +67,18 @@ class CommitRules(TrainingRules):
     # -- starting one ----------------------------------------------------------------------
 
     def _plan_change(
-        self, job: Job, reason: str, now: float, out: list[Effect], *, drain: Member | None = None
+        self,
+        job: Job,
+        reason: str,
+        now: float,
+        out: list[Effect],
+        *,
+        drain: Member | None = None,
+        told: str | None = None,
     ) -> None:
         """A planned change of a running job: at a commit point when its ranks can stop at one,
-        else at once as before (a regather, or the node's ``Drain``)."""
+        else at once as before (a regather, or the node's ``Drain``, which says ``told`` when
+        given: an operator's own words, as before commits)."""
         reason = clip_text(reason, REASON_LEN)
         c = job.commit
         if c is not None:
@@ -83,7 +91,8 @@ class CommitRules(TrainingRules):
         choice = self._stop_choice(job, now)
         if choice is None:
             if drain is not None:
-                out.append(Send(drain.conn, Drain(reason=clip_text(reason, PEER_TEXT_LEN))))
+                words = reason if told is None else told
+                out.append(Send(drain.conn, Drain(reason=clip_text(words, PEER_TEXT_LEN))))
             else:
                 self._regather(job, reason, now, out)
             return
@@ -241,12 +250,16 @@ class CommitRules(TrainingRules):
         why = f" ({clip_text(msg.reason, PEER_TEXT_LEN)})" if msg.reason else ""
         self._start_drain(job, member, f"node {member.node_id} ({member.addr}) is leaving{why}", now, out)
 
-    def _start_drain(self, job: Job, member: Member, reason: str, now: float, out: list[Effect]) -> None:
-        """A node is to leave: at a commit point when it runs ranks of the round, else at once."""
+    def _start_drain(
+        self, job: Job, member: Member, reason: str, now: float, out: list[Effect], *, told: str | None = None
+    ) -> None:
+        """A node is to leave (``reason``: the change, in the history's words): at a commit point
+        when it runs ranks of the round, else at once (its ``Drain`` says ``told`` if given)."""
         if self._in_round(job, member, job.round):
-            self._plan_change(job, reason, now, out, drain=member)
+            self._plan_change(job, reason, now, out, drain=member, told=told)
         else:
-            out.append(Send(member.conn, Drain(reason=clip_text(reason, PEER_TEXT_LEN))))
+            words = reason if told is None else told
+            out.append(Send(member.conn, Drain(reason=clip_text(words, PEER_TEXT_LEN))))
 
     def _commit_due(self, job: Job, now: float, out: list[Effect]) -> None:
         """The tick: a commit past its deadline becomes a hard restart."""

@@ -232,7 +232,8 @@ def excluded(now: float, m: Member, why: str) -> JobEvent:
 
 
 def drain_asked(now: float, node_id: str, reason: str) -> JobEvent:
-    return JobEvent(now, EventKind.DRAIN, f"node {node_id} asked to drain: {reason}", node=node_id)
+    why = f": {reason}" if reason else ""
+    return JobEvent(now, EventKind.DRAIN, f"node {node_id} asked to drain{why}", node=node_id)
 
 
 def ranks_ignored_elastic(now: float, s: JobSettings) -> JobEvent:

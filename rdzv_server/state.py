@@ -387,7 +387,9 @@ class Rendezvous(Recovery):
         if member.node_id in job.spares:
             out.append(Send(member.conn, Drain(reason=reason)))
             return
-        self._start_drain(job, member, reason, now, out)  # at a commit point when it can
+        said_why = f": {reason}" if reason else ""
+        change = f"node {member.node_id} ({member.addr}) is drained by the operator{said_why}"
+        self._start_drain(job, member, change, now, out, told=reason)  # at a commit point when it can
 
     # -- routing and the handshake ---------------------------------------------------------
 

@@ -265,8 +265,11 @@ def test_an_operator_drain_stops_every_rank_at_a_commit_point_then_drains_the_no
         h.send(c, WorkersCommitted(round=0, step=s))
     assert h.last(a, Restart) is not None and h.last(b, Restart) is None
     d = h.last(b, Drain)
-    assert d is not None and d.reason == "maintenance"
-    assert "committed at step 44 for: maintenance" in commit_events(h)[-1]
+    assert d is not None and d.reason == "node node2 (10.0.0.2) is drained by the operator: maintenance"
+    assert (
+        "committed at step 44 for: node node2 (10.0.0.2) is drained by the operator: maintenance"
+        in (commit_events(h)[-1])
+    )
     # The drained node's place waits for its Leave: no round forms with it.
     h.take(a)
     h.join(a, **KW)

@@ -316,7 +316,7 @@ async def test_drain_reaches_the_node_and_is_recorded(live) -> None:
         history = (await r.json())["history"]
     assert [e["text"] for e in history if e["kind"] == "drain"] == [
         "node b asked to drain: disk swap",
-        "node a asked to drain: ",
+        "node a asked to drain",
     ]
 
 

@@ -1,0 +1,306 @@
+"""Commit-point restarts end to end (issue 20): real gloo ranks, torch.distributed.checkpoint,
+real agents and a real rdzv-server.
+
+The worker (``workers/train_commit.py``) is deterministic: the state after step n is the same
+whatever the world size and however often it resumed, and its logs say which steps each process
+ran, what it saved and what it loaded. A 1:2 elastic job checkpoints every 50 steps.
+
+- Scale-up with the commit check: node A trains alone; at about step 60 node B starts. The
+  round of two resumes from exactly the commit step S (first step S+1 on both nodes, no step
+  run twice, none skipped), the state loaded at S is the state saved at S, the restart count
+  stays 0 and the history says "committed at step S".
+- Drain with the check (``rdzv-server drain`` of node B, or SIGTERM to B's agent): B's agent
+  exits 0, A's next attempt resumes from exactly S.
+- The same scale-up without the check: as today (and as torchrun), the round of two resumes
+  from step 50, and every step A ran after 50 runs again.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .live_job import get, wait_until
+from .procs import ROOT, WORKERS, Proc, agent_cmd, server_cmd, start_server
+
+SCRIPT = str(WORKERS / "train_commit.py")
+EVERY = 50  # the periodic checkpoint interval
+STEPS = 120  # the job's total
+JOIN_AT = 60  # node B starts once A has done this step
+# While A is alone its steps after SLOW_FROM take SLOW_SECONDS: B joins well before step 100
+# however slow the machine, and the step time A reports is the slow one by then.
+SLOW_FROM, SLOW_SECONDS = 30, 0.2
+FIRST_STEPS_BOUND = 90.0  # agent start, import torch, gloo init on 2 busy cores
+JOB_BOUND = 120.0
+
+
+@dataclass
+class Attempt:
+    """One worker process: what its log says it did."""
+
+    node: str
+    pid: int
+    world: int = 0
+    start_from: int = -1
+    loaded: str | None = None  # checksum of the state it loaded
+    steps: list[int] = field(default_factory=list)
+    sums: dict[int, str] = field(default_factory=dict)
+    saves: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (checksum, why)
+    stopped: int | None = None  # should_stop() said yes after this step
+    done: bool = False
+
+    def __repr__(self) -> str:
+        ran = f"{self.steps[0]}..{self.steps[-1]} ({len(self.steps)})" if self.steps else "none"
+        return (
+            f"<node {self.node} pid {self.pid}: world {self.world}, from {self.start_from}, steps {ran}, "
+            f"saves {sorted(self.saves)}, stopped {self.stopped}, done {self.done}>"
+        )
+
+
+LINE = re.compile(r"^(\w+) pid=(\d+) (.*)$")
+
+
+def attempts(log_dir: Path) -> list[Attempt]:
+    """Every worker process's record, per node in the order they started."""
+    out: list[Attempt] = []
+    for path in sorted(log_dir.glob("*.log")):
+        node = path.stem.rsplit("-", 1)[0]
+        by_pid: dict[int, Attempt] = {}
+        for line in path.read_text().splitlines():
+            m = LINE.match(line)
+            assert m, f"{path}: a malformed line {line!r}"
+            kind, pid = m[1], int(m[2])
+            f = dict(kv.split("=", 1) for kv in m[3].split())
+            a = by_pid.get(pid)
+            if a is None:
+                a = by_pid[pid] = Attempt(node, pid)
+                out.append(a)
+            if kind == "start":
+                a.world, a.start_from = int(f["world"]), int(f["from"])
+            elif kind == "load":
+                a.loaded = f["sum"]
+            elif kind == "step":
+                a.steps.append(int(f["step"]))
+                a.sums[int(f["step"])] = f["sum"]
+            elif kind == "save":
+                a.saves[int(f["step"])] = (f["sum"], f["why"])
+            elif kind == "stop":
+                a.stopped = int(f["step"])
+            elif kind == "done":
+                a.done = True
+    return out
+
+
+def last_step(log_dir: Path, node: str) -> int:
+    steps = [s for a in attempts(log_dir) if a.node == node for s in a.steps]
+    return max(steps, default=0)
+
+
+class Job:
+    """A server and the 1:2 job's agents (A, then B), each node's workers tagged in the logs."""
+
+    def __init__(self, tmp: Path, name: str, *, commit: bool, slow: bool) -> None:
+        self.tmp, self.name = tmp, name
+        self.logs = tmp / "steps"
+        self.commit = commit
+        self.slow = slow
+        self.server, self.port = start_server()
+        self.agents: dict[str, Proc] = {}
+
+    def start(self, node: str, *, last_call: float = 1.0) -> Proc:
+        script = [SCRIPT, "--ckpt-dir", str(self.tmp / "ckpt"), "--log-dir", str(self.logs)]
+        script += ["--steps", str(STEPS), "--every", str(EVERY), "--step-seconds", "0.05"]
+        if self.slow:
+            script += ["--slow-from", str(SLOW_FROM), "--slow-seconds", str(SLOW_SECONDS)]
+        if self.commit:
+            script.append("--commit")
+        argv = agent_cmd(
+            "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+            "--rdzv-id", self.name, "--rdzv-conf", f"last_call_timeout={last_call:g}", "--max-restarts", "0",
+            "--log-dir", str(self.tmp / f"agent-{node}"), *script,
+        )  # fmt: skip
+        p = self.agents[node] = Proc(argv, env={"NODE_TAG": node, "GLOO_SOCKET_IFNAME": "lo"})
+        return p
+
+    def wait_step(self, node: str, step: int) -> None:
+        wait_until(
+            f"node {node} at step {step}\n{self.stderr()}",
+            lambda: last_step(self.logs, node) >= step,
+            FIRST_STEPS_BOUND,
+        )
+
+    def node_id(self, node: str) -> str:
+        """The server's id of that node's agent (it carries the agent's pid), once it joined."""
+        pid = self.agents[node].p.pid
+        found: list[str] = []
+
+        def joined() -> bool:
+            found[:] = [m["node_id"] for m in self.status()["members"] if f":{pid}:" in m["node_id"]]
+            return bool(found)
+
+        wait_until(f"node {node} (agent pid {pid}) joined\n{self.stderr()}", joined, FIRST_STEPS_BOUND)
+        return found[0]
+
+    def status(self) -> dict[str, Any]:
+        status, job = get(self.port, f"/v1/jobs/{self.name}")
+        assert status == 200, (status, job)
+        return job
+
+    def history(self) -> list[str]:
+        return [e["text"] for e in self.status()["history"]]
+
+    def stderr(self) -> str:
+        return "\n".join(f"--- agent {n}:\n{p.stderr[-4000:]}" for n, p in self.agents.items())
+
+    def wait_all(self) -> dict[str, int]:
+        return {n: p.wait(timeout=JOB_BOUND) for n, p in self.agents.items()}
+
+    def kill(self) -> None:
+        for p in self.agents.values():
+            p.kill()
+        self.server.kill()
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Iterator[Any]:
+    jobs: list[Job] = []
+
+    def make(name: str, *, commit: bool, slow: bool = False) -> Job:
+        jobs.append(Job(tmp_path, name, commit=commit, slow=slow))
+        return jobs[-1]
+
+    try:
+        yield make
+    finally:
+        for j in jobs:
+            j.kill()
+
+
+def the(items: list[Attempt], what: str) -> Attempt:
+    assert len(items) == 1, f"{what}: {items}"
+    return items[0]
+
+
+def assert_deterministic(runs: list[Attempt]) -> None:
+    """Every process that ran step n reached the same state (so the logs compare like for like)."""
+    seen: dict[int, str] = {}
+    for a in runs:
+        for step, s in a.sums.items():
+            assert seen.setdefault(step, s) == s, f"step {step}: state {s} != {seen[step]}"
+
+
+def assert_round_lines_say_restart_0(job: Job) -> None:
+    for n, p in job.agents.items():
+        rounds = [line for line in p.err if re.search(r"round \d+: group rank", line)]
+        assert rounds, f"agent {n} logged no round\n{p.stderr}"
+        assert all(line.endswith("restart 0") for line in rounds), rounds
+
+
+def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any) -> None:
+    job = make_job("commit-up", commit=True, slow=True)
+    job.start("A")
+    job.wait_step("A", JOIN_AT)
+    job.start("B")
+    b_id = job.node_id("B")
+    assert job.wait_all() == {"A": 0, "B": 0}, job.stderr()
+
+    runs = attempts(job.logs)
+    assert_deterministic(runs)
+    alone = the([a for a in runs if a.world == 1], "A's attempt alone")
+    pair = [a for a in runs if a.world == 2]
+    assert sorted(a.node for a in pair) == ["A", "B"], runs
+    # A stopped at S, where should_stop() said so, and saved there; nothing ran past S.
+    S = alone.stopped
+    assert S is not None, f"A never stopped at a commit step\n{job.stderr()}"
+    assert EVERY < S < STEPS and alone.steps == list(range(1, S + 1)), (S, alone.steps)
+    saved, _why = alone.saves[S]
+    assert saved == alone.sums[S]
+    for a in pair:
+        # Both nodes loaded exactly that state and went on from the step after it.
+        assert a.start_from == S and a.loaded == saved, (a, S, saved)
+        assert a.steps == list(range(S + 1, STEPS + 1)), (a.node, a.steps[:3], S)
+        assert a.done
+    # No step lost, none run twice: A's steps over both attempts are 1..STEPS once each.
+    assert sorted(alone.steps + next(a for a in pair if a.node == "A").steps) == list(range(1, STEPS + 1))
+
+    status = job.status()
+    assert status["phase"] == "finished" and status["restart_count"] == 0, status
+    assert not status["failures"], status["failures"]
+    # What an operator reads: the commit, its step and its cause.
+    said = f"committed at step {S} for: node(s) joined: {b_id}"
+    assert any(said in t for t in job.history()), (said, job.history())
+    assert_round_lines_say_restart_0(job)
+
+
+def test_scale_up_without_the_check_loses_the_steps_since_the_last_checkpoint(make_job: Any) -> None:
+    job = make_job("plain-up", commit=False, slow=True)
+    job.start("A")
+    job.wait_step("A", JOIN_AT)
+    job.start("B")
+    assert job.wait_all() == {"A": 0, "B": 0}, job.stderr()
+
+    runs = attempts(job.logs)
+    assert_deterministic(runs)
+    alone = the([a for a in runs if a.world == 1], "A's attempt alone")
+    pair = [a for a in runs if a.world == 2]
+    assert sorted(a.node for a in pair) == ["A", "B"], runs
+    stopped_at = alone.steps[-1]  # where the restart killed it
+    assert alone.stopped is None and JOIN_AT <= stopped_at < 2 * EVERY, alone.steps[-3:]
+    for a in pair:
+        # As torchrun: the round of two starts again from the periodic checkpoint at 50.
+        assert a.start_from == EVERY and a.loaded == alone.saves[EVERY][0], a
+        assert a.steps == list(range(EVERY + 1, STEPS + 1)), (a.node, a.steps[:3])
+    again = sorted(set(alone.steps) & set(next(a for a in pair if a.node == "A").steps))
+    assert again == list(range(EVERY + 1, stopped_at + 1)), again  # the lost steps ran twice
+    status = job.status()
+    assert status["phase"] == "finished" and status["restart_count"] == 0, status
+    assert not any("committed" in t for t in job.history()), job.history()
+
+
+@pytest.mark.parametrize("how", ["rdzv-server drain", "SIGTERM"])
+def test_a_drain_with_the_check_resumes_from_the_commit_step(make_job: Any, how: str) -> None:
+    job = make_job("commit-drain-" + how.split()[0].lower(), commit=True)
+    # With 1:2 the round forms at once when both are in; a long last call keeps them together.
+    job.start("A", last_call=30)
+    job.start("B", last_call=30)
+    job.wait_step("A", JOIN_AT)
+    b_id = job.node_id("B")
+    if how == "SIGTERM":
+        job.agents["B"].signal(signal.SIGTERM)
+    else:
+        argv = server_cmd(
+            "drain", "--endpoint", f"127.0.0.1:{job.port}", "--job", job.name, "--node", b_id,
+            "--reason", "maintenance",
+        )  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert job.wait_all() == {"A": 0, "B": 0}, job.stderr()
+
+    runs = attempts(job.logs)
+    assert_deterministic(runs)
+    b = the([a for a in runs if a.node == "B"], "B's one attempt")
+    a_pair = the([a for a in runs if a.node == "A" and a.world == 2], "A's attempt with B")
+    a_alone = the([a for a in runs if a.node == "A" and a.world == 1], "A's attempt after the drain")
+    S = b.stopped
+    assert S is not None and S == a_pair.stopped, (b, a_pair)
+    assert JOIN_AT < S < STEPS, S
+    assert b.steps == a_pair.steps == list(range(1, S + 1))
+    saved = a_pair.saves[S][0]
+    assert saved == b.saves[S][0] == a_pair.sums[S]
+    assert a_alone.start_from == S and a_alone.loaded == saved, (a_alone, S)
+    assert a_alone.steps == list(range(S + 1, STEPS + 1)) and a_alone.done
+    status = job.status()
+    assert status["phase"] == "finished" and status["restart_count"] == 0, status
+    assert not status["failures"], status["failures"]
+    # The history names the commit's step and the node that left; B's agent says so too.
+    said = f"committed at step {S} for: node {b_id}"
+    assert any(said in t for t in job.history()), (said, job.history())
+    assert "goes on without this node" in job.agents["B"].stderr, job.agents["B"].stderr
+    assert_round_lines_say_restart_0(job)
