@@ -31,6 +31,7 @@ from typing import Any
 
 from . import commit_lost, progress_cost
 from . import launch_cases as lc
+from . import ready_cases as rc
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
 from .report import (
     Row,
@@ -212,6 +213,7 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
             ),
         ],
         "commit": [],
+        "ready": [],
     }
     # Case 9: each change twice, the script without the check (torchrun runs it as it is: its
     # should_stop() is always False) and with it (ours only, compared with torchrun's run).
@@ -363,6 +365,75 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
                 smoke=m == min(scale_ms),
             )
         )
+    # Case 10: each scenario under torchrun and ours, then ours with --preload torch (compared
+    # with the same torchrun figures, as case 9's checks are).
+    c10 = "10. ready to train: every rank did init_process_group + a first all_reduce"
+    ready_rows: tuple[
+        tuple[str, Callable[..., dict[str, float]], list[tuple[str, str, float | None]]], ...
+    ] = (
+        (
+            "ready-restart1",
+            rc.restart_standalone,
+            [
+                ("ready", "1 node x 2 ranks, rank 0 exits 1: failure → every replacement ready", 0.1),
+                ("start", "1 node x 2 ranks: failure → every replacement running", None),
+            ],
+        ),
+        (
+            "ready-restart2",
+            rc.restart_nodes,
+            [
+                ("ready", "2 nodes x 1 rank, rank 0 exits 1: failure → every replacement ready", 0.1),
+                ("start", "2 nodes x 1 rank: failure → every replacement running", None),
+            ],
+        ),
+        *(
+            (
+                f"ready-n{n}",
+                functools.partial(rc.nnode, n=n),
+                [("launch", f"N={n} x 1 rank: last launcher started → every rank ready", 1 / 3)],
+            )
+            for n in (2, 4)
+        ),
+        (
+            "ready-nodekill",
+            rc.node_kill,
+            [
+                ("ready", "SIGKILL of node 2 → node 1's WORLD_SIZE=1 replacement ready", None),
+                ("start", "SIGKILL of node 2 → that replacement running", None),
+            ],
+        ),
+    )
+    for name, run, metrics in ready_rows:
+        for preload in (False, True):
+            how = "`--preload torch`: " if preload else ""
+            out["ready"].append(
+                Variant(
+                    c10,
+                    f"{name}-preload" if preload else name,
+                    functools.partial(run, preload=preload),
+                    [
+                        # The targets are the issue's, for the warm interpreters.
+                        Metric(key, how + label, target=ratio(frac) if preload and frac else None)
+                        for key, label, frac in metrics
+                    ],
+                    launchers=("ours",) if preload else LAUNCHERS,
+                    compare_with=name if preload else None,
+                )
+            )
+    out["ready"].append(
+        Variant(
+            c10,
+            "ready-memory",
+            rc.warm_memory,
+            [
+                Metric("rss", "one idle warm interpreter (`--preload torch`), RSS", "MB"),
+                Metric("pss", "one idle warm interpreter: PSS", "MB"),
+                Metric("uss", "one idle warm interpreter: USS", "MB"),
+            ],
+            launchers=("ours",),
+        )
+    )
     return out
 
 
@@ -376,6 +447,7 @@ ALL_CASES = (
     "scale",
     "progress",
     "commit",
+    "ready",
 )
 
 
@@ -767,6 +839,26 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
    node 2's launcher at step 60; torchrun with `keep_alive_interval=1,keep_alive_max_attempt=2`.
    Steps lost = node 1's last step before the change - the step its next attempt loaded; ours
    uses an `rdzv-server`. "Both nodes training" is the first step of the 2-node attempt.
+10. `ready_gloo.py`: `start` at its first statement, then import torch, `init_process_group("gloo")`
+   and one all_reduce: `ready`, the moment training can go on; every row stops the clock at
+   every rank's `ready`. Ours runs twice, as it is and with `--preload torch` (compared with
+   the same torchrun figures). Worker failure: `L --standalone --nproc-per-node 2 --max-restarts
+   1`, and twice `L --nnodes 2 --nproc-per-node 1 C10D --max-restarts 1`; once every rank is
+   ready (with `--preload`, also every local rank's warm interpreter idle: its `warm_boot.py`
+   process sleeping in a read of its control socket, `/proc/PID/wchan`) and 0.5 s more, the
+   driver creates a file on which rank 0 exits 1; timed from its `fail` event. torchrun gets
+   `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in these two (node-agent ignores it): torch 2.13
+   keeps one TCPStore for all rounds and its workers no longer prefix their keys per attempt,
+   so a replacement can read the previous attempt's gloo addresses and fail ("Gloo
+   connectFullMesh failed ... Connection refused": about half of our torchrun restarts
+   did). Node SIGKILL: case 5's two agents and tuning, an all_reduce every 0.1 s; node 2's
+   agent and every process under it (workers, warm interpreters, store) SIGKILLed at one
+   instant; timed to node 1's WORLD_SIZE=1 replacement's `ready`. N-node launch: N copies of
+   `L --nnodes N --nproc-per-node 1 C10D ready_gloo.py` back to back (torchrun's defaults),
+   timed from the last launch. Memory: one `node-agent --preload torch --nnodes 2
+   --nproc-per-node 2 C10D idle.py` alone, waiting for its peer; once both warm interpreters
+   are idle, the RSS, PSS and USS of each (`/proc/PID/status`, `smaps_rollup`), the mean of the
+   two (they share torch's pages, so PSS counts half of those to each).
 
 - The bench byte-compiles `protocol/`, `rdzv_server/`, `node_agent/` and `bench/` before it
   starts: this environment sets `PYTHONDONTWRITEBYTECODE=1`, and torch's site-packages comes

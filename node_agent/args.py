@@ -49,6 +49,7 @@ from .config import (
     RdzvConf,
     StdSpec,
     is_count,
+    is_module_name,
     parse_float,
     parse_int,
 )
@@ -307,6 +308,14 @@ _FLAGS: tuple[_Flag, ...] = (
         default=None,
         metavar="CMD",
         help="command that checks this node's health",
+    ),
+    _f(
+        "preload",
+        "--preload",
+        default="",
+        metavar="MODULE,...",
+        help="keep one Python per local rank that has imported these modules (e.g. torch) and "
+        "becomes the next worker: restarts skip the imports; off when empty",
     ),
     _f(
         "token_file",
@@ -599,6 +608,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         tls_ca=tls_ca,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        preload=_preload(inputs),
         training_script=training_script,
         training_script_args=(*namespace.training_script_args, *script_args),
     )
@@ -937,6 +947,25 @@ def _filters(text: str) -> tuple[str, ...]:
     placeholder = "\0"
     items = text.replace(",,", placeholder).split(",")
     return tuple(item.replace(placeholder, ",") for item in items if item)
+
+
+def _preload(inputs: _Inputs) -> tuple[str, ...]:
+    """``--preload torch,transformers``: dotted module names, each once, in the given order."""
+    given = inputs.get("preload")
+    text = (given.value or "").strip()
+    if not text:
+        return ()
+    names: list[str] = []
+    for item in text.split(","):
+        name = item.strip()
+        if not is_module_name(name):
+            raise ConfigError(
+                f"{given.what(_BY_DEST['preload'])}={given.value!r}: {name!r} is not a module name "
+                "(expected dotted names separated by commas, e.g. torch,transformers)"
+            )
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def _signals(inputs: _Inputs) -> tuple[str, ...]:

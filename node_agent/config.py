@@ -66,6 +66,11 @@ class Std(IntFlag):
     ALL = 3
 
 
+def is_module_name(text: str) -> bool:
+    """A dotted Python module name: ``torch``, ``torch.distributed``."""
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
 def is_count(text: str) -> bool:
     """ASCII digits only: str.isdigit also accepts characters such as "²" that int() refuses."""
     return text.isascii() and text.isdigit()
@@ -446,6 +451,9 @@ class AgentConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # --preload: modules each local rank's warm interpreter imports before its assignment
+    # (node_agent/warm.py); empty: workers start cold.
+    preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Cheap invariants only: parse_config has already given the user a precise message;
@@ -454,6 +462,10 @@ class AgentConfig:
         object.__setattr__(self, "signals_to_handle", tuple(self.signals_to_handle))
         object.__setattr__(self, "duplicate_stdout_filters", tuple(self.duplicate_stdout_filters))
         object.__setattr__(self, "duplicate_stderr_filters", tuple(self.duplicate_stderr_filters))
+        object.__setattr__(self, "preload", tuple(self.preload))
+        for name in self.preload:
+            if not is_module_name(name):
+                raise ConfigError(f"preload: {name!r} is not a module name")
         if self.local_ranks_filter is not None:
             object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
         if not 0 < self.min_nodes <= self.max_nodes:

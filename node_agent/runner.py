@@ -45,8 +45,10 @@ from .specs import (
     training,
     worker_specs,
 )
+from .store_host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor import WorkerGroup, WorkerSpawnError
 from .training import DumpStacks, Training, WriteStop
+from .warm import warm_pool
 from .watching import ARMING_POLL_S, RoundPages, dump, poll
 from .worker_env import omp_threads_notice
 
@@ -119,7 +121,9 @@ class Agent:
         self.log.job = config.rdzv_id
         self.events: asyncio.Queue[st.Event] = asyncio.Queue()
         self.clock: Callable[[], float] = time.monotonic
-        self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log)
+        # --preload: warm interpreters that become the workers (warm.py); None: always cold.
+        self.warm = warm_pool(config, os.environ, self.log)
+        self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log, warm=self.warm)
         # A worker's partial line (a progress bar) is ended before the agent's own line.
         self.log.before_line = self.group.fresh_line
         self.logs = RunLogs(config.log_dir, config.rdzv_id)
@@ -149,10 +153,20 @@ class Agent:
         self._training: Training | None = None  # the machine's: its arming step picks the poll
         self._poll_task: asyncio.Task[None] | None = None
         self._dump_task: asyncio.Task[None] | None = None
+        self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store_host.py)
 
     # -- the whole run ---------------------------------------------------------------------
 
     async def run(self) -> AgentOutcome:
+        if self.warm is None:
+            return await self._run()
+        self.warm.start()  # the first warm-up overlaps the rendezvous
+        try:
+            return await self._run()
+        finally:
+            await self.warm.close()
+
+    async def _run(self) -> AgentOutcome:
         if self.backend is None:
             try:
                 self.backend = await open_backend(
@@ -162,6 +176,7 @@ class Agent:
                 return self._gave_up(str(exc))
         backend = self.backend
         health = await self._start_health_server()
+        self.store = await self._start_store()
         outcome = None
         try:
             outcome = await self._run_connected(backend)
@@ -172,6 +187,8 @@ class Agent:
             finally:
                 if health is not None:
                     await health.close()
+                if self.store is not None:
+                    await self.store.close()
 
     async def _start_health_server(self) -> Any:
         port = self.config.health_check_port
@@ -191,12 +208,34 @@ class Agent:
         self.log(f"health-check server on port {port} (TORCHELASTIC_HEALTH_CHECK_PORT)")
         return server
 
+    async def _start_store(self) -> StoreHost | None:
+        """The workers' TCPStore host (store_host.py), started before the first Join; None with
+        the static backend (no server to agree through) or --no-python (no interpreter of ours)."""
+        cfg = self.config
+        if cfg.rdzv_backend == "static" or cfg.no_python:
+            return None
+        try:
+            store = StoreHost(cfg.python_exec, os.environ, log=self.log, on_lost=self._store_lost)
+        except OSError as exc:
+            self.log(f"agent-hosted TCPStore off: {exc}; worker rank 0 hosts the store", "warning")
+            return None
+        await store.start()
+        return store
+
+    def _store_lost(self, why: str) -> None:
+        a = self._assignment
+        if a is not None and hosts_round(a) and self._phase == "running":
+            self.log(f"this round's workers lost their TCPStore ({why}): stopping them", "error")
+            self.group.send_signal(signal.SIGKILL)
+
     async def _run_connected(self, backend: RendezvousBackend) -> AgentOutcome:
         cfg = self.config
         try:
             self.conn = conn = await backend.connect(self.clock() + cfg.rdzv_conf.join_timeout)
         except RendezvousError as exc:
             return self._gave_up(str(exc))
+        if self.store is not None:
+            await self.store.verdict()  # overlapped the connect; the first Join must not offer in vain
         self.addr = cfg.local_addr or conn.local_ip
         machine = st.AgentMachine(
             settings=machine_settings(
@@ -314,6 +353,7 @@ class Agent:
         return join_message(
             self.config, node_id=self.node_id, addr=self.addr, proof=self._proof(),
             node_secret="" if shared else self.node_secret,
+            store_port=self.store.port if self.store is not None and self.store.hosting else 0,
         )  # fmt: skip
 
     def _proof(self) -> str:
@@ -341,8 +381,10 @@ class Agent:
             paths, a.rank_offset, attempt.flight_recorder_stem("pipe"), attempt.hang_report_path()
         )
         try:
+            if self.store is not None:
+                await self.store.for_round(a)
             await self.group.start(specs)
-        except WorkerSpawnError as exc:
+        except (WorkerSpawnError, StoreUnavailable) as exc:
             self.events.put_nowait(st.WorkersStartFailed(str(exc)))
             return
         self._phase = "running"

@@ -98,6 +98,7 @@ def worker_specs(
         master_port=a.master_port,
         restart_count=a.restart_count,
         max_restarts=a.max_restarts,
+        agent_store=a.agent_store,
     )
     specs = []
     fr_dump, fr_pipe = paths.flight_recorder_stem("trace"), paths.flight_recorder_stem("pipe")
@@ -166,8 +167,11 @@ def training(cfg: AgentConfig, *, node_id: str, addr: str) -> Training:
     )
 
 
-def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str) -> Join:
-    """This node's Join for the next round, with a master port free right now."""
+def join_message(
+    cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str, store_port: int = 0
+) -> Join:
+    """This node's Join for the next round, with a master port free right now, or
+    ``store_port``: the port this node's agent hosts the workers' store on (store_host.py)."""
     return Join(
         job_id=cfg.rdzv_id,
         node_id=node_id,
@@ -176,7 +180,8 @@ def join_message(cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.max_nodes,
         entrypoint=cfg.entrypoint_name,
-        master_port=free_port(),
+        master_port=store_port or free_port(),
+        hosts_store=bool(store_port),
         max_restarts=cfg.max_restarts,
         last_call_timeout=cfg.rdzv_conf.last_call_timeout,
         heartbeat_interval=cfg.rdzv_conf.heartbeat_interval,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import signal
@@ -53,6 +54,7 @@ from typing import IO, Any, BinaryIO, Literal, TextIO, cast
 from node_agent import procutil
 from node_agent.config import Std
 from node_agent.console import Console, ConsoleFramer, LineFilter, open_pty
+from node_agent.warm import WarmHandoffError, WarmInterpreter, WarmPool
 from protocol.records import record
 
 __all__ = [
@@ -339,6 +341,8 @@ class _Worker:
         self.sinks: dict[int, _StreamSink] = {}
         self.eof: dict[int, asyncio.Future[None]] = {}
         self.ptys: dict[int, int] = {}  # worker fd -> the pty master we read it from
+        self.pipes: dict[int, asyncio.BaseTransport] = {}  # worker fd -> the pipe we read it from
+        self.warm = False  # a warm interpreter (--preload) became this worker
         self.exited: asyncio.Future[None] = loop.create_future()
         self.returncode: int | None = None
         self.reaped_at = 0.0
@@ -371,13 +375,29 @@ class _Worker:
                 _logger.warning("reading the pty of %s: %s", self.label, e)
             data = b""
         if data:
-            sink = self.sinks.get(fd)
-            if sink is not None:
-                sink.feed(data)
+            self.feed(fd, data)
         else:
             self.on_eof(fd)
 
+    async def read_pipe(self, fd: int, read_end: int) -> None:
+        """Start carrying what the worker writes to the pipe behind its ``fd``."""
+        pipe = open(read_end, "rb", buffering=0)
+        try:
+            transport, _ = await self.loop.connect_read_pipe(lambda: _PipeReader(self, fd), pipe)
+        except BaseException:
+            pipe.close()
+            raise
+        self.pipes[fd] = transport
+
+    def feed(self, fd: int, data: bytes) -> None:
+        sink = self.sinks.get(fd)
+        if sink is not None:
+            sink.feed(data)
+
     def on_eof(self, fd: int) -> None:
+        pipe = self.pipes.pop(fd, None)
+        if pipe is not None:
+            pipe.close()
         master = self.ptys.pop(fd, None)
         if master is not None:
             self.loop.remove_reader(master)
@@ -418,21 +438,32 @@ class _Worker:
         return self.exit
 
 
+class _PipeReader(asyncio.Protocol):
+    """The read end of one worker stream's pipe (cold and warm workers alike)."""
+
+    def __init__(self, worker: _Worker, fd: int) -> None:
+        self._worker = worker
+        self._fd = fd
+
+    def data_received(self, data: bytes) -> None:
+        self._worker.feed(self._fd, data)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._worker.on_eof(self._fd)
+
+
 class _WorkerProtocol(asyncio.SubprocessProtocol):
+    """A cold worker's process (its pipes are ours: :class:`_PipeReader`)."""
+
     def __init__(self, worker: _Worker) -> None:
         self._worker = worker
         self._transport: asyncio.SubprocessTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.SubprocessTransport, transport)  # what subprocess_exec makes
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        sink = self._worker.sinks.get(fd)
-        if sink is not None:
-            sink.feed(data)  # type: ignore[arg-type]  # pipes opened in binary mode give bytes
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._worker.on_eof(fd)
 
     def process_exited(self) -> None:
         assert self._transport is not None
@@ -524,6 +555,20 @@ class _Watchdog:
             log(f"orphan watchdog (pid {self.proc.pid}) could not be reaped")
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 async def _wait_futures(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
     """Wait until all are done or ``timeout`` passes; never cancels them."""
     pending = [f for f in futures if not f.done()]
@@ -582,8 +627,10 @@ class WorkerGroup:
         stderr: TextIO | BinaryIO | None = None,
         log: Callable[[str], None] | None = None,
         guard_orphans: bool = True,
+        warm: WarmPool | None = None,
     ) -> None:
         self._log: Callable[[str], None] = log or _logger.info
+        self._warm = warm  # --preload: where warm interpreters come from (None: always cold)
         # Resolved now, not at import time, so that a replaced sys.stdout (pytest, a wrapper) counts.
         self._stdout = Console(stdout if stdout is not None else sys.stdout, "stdout", self._log)
         self._stderr = Console(stderr if stderr is not None else sys.stderr, "stderr", self._log)
@@ -628,9 +675,12 @@ class WorkerGroup:
                     self._watchdog = _Watchdog.start(self._log)
                 preexec = procutil.pdeathsig_preexec()
             for spec in specs:
-                worker = _Worker(spec, loop)
+                worker = await self._warm_worker(spec, loop, preexec)
+                if worker is None:
+                    worker = _Worker(spec, loop)
                 try:
-                    await self._spawn(worker, loop, preexec)
+                    if not worker.warm:
+                        await self._spawn(worker, loop, preexec)
                 except OSError as e:
                     self._log(f"cannot start local_rank {spec.local_rank}: {spec.argv[0]}: {e.strerror or e}")
                     await self.stop(grace=0.0, sig=signal.SIGKILL)
@@ -638,10 +688,15 @@ class WorkerGroup:
                 self._workers.append(worker)
                 if self._watchdog is not None:
                     self._watchdog.guard(worker.pid, self._log)
+                if self._warm is not None:
+                    # A worker that ends makes its rank warm a replacement at once.
+                    worker.exited.add_done_callback(functools.partial(self._refill, spec.local_rank))
         except asyncio.CancelledError:
             self._kill_now()
             raise
-        self._log(f"started {len(self._workers)} worker(s), local_rank->pid {self.pids}")
+        warm = [w.spec.local_rank for w in self._workers if w.warm]
+        how = f" ({len(warm)} warm: local ranks {warm})" if warm else ""
+        self._log(f"started {len(self._workers)} worker(s){how}, local_rank->pid {self.pids}")
 
     async def wait(self) -> GroupResult:
         """Return once every worker exited 0, or as soon as one exits non-zero (the rest keep
@@ -702,8 +757,14 @@ class WorkerGroup:
     # --- internals ----------------------------------------------------------------------------
 
     async def _spawn(
-        self, worker: _Worker, loop: asyncio.AbstractEventLoop, preexec: Callable[[], None] | None
+        self,
+        worker: _Worker,
+        loop: asyncio.AbstractEventLoop,
+        preexec: Callable[[], None] | None,
+        warm: WarmInterpreter | None = None,
     ) -> None:
+        """Start the worker: a new process, or ``warm`` becoming it; the same descriptors,
+        pipes and bookkeeping either way (WarmHandoffError if the warm one could not)."""
         spec = worker.spec
         if spec.error_file:
             # A file left from an earlier run would be read as this worker's error.
@@ -712,10 +773,12 @@ class WorkerGroup:
             except FileNotFoundError:
                 pass
         opened: list[BinaryIO] = []  # files the worker writes itself: our copies close after spawn
-        slaves: list[int] = []  # pty slaves: the worker's now, ours close after spawn
+        ours: list[int] = []  # pipe write ends, pty slaves, /dev/null: the worker's now, ours close
         masters: dict[int, int] = {}  # worker fd -> pty master, read once the worker runs
+        reads: dict[int, int] = {}  # worker fd -> pipe read end, read once the worker runs
+        direct: dict[int, int | BinaryIO] = {}  # what the worker writes itself: our fd or its file
         try:
-            stdio: dict[int, Any] = {}
+            stdio: dict[int, int] = {}  # worker fd -> the descriptor it gets there
             for fd, stream in ((1, Std.OUT), (2, Std.ERR)):
                 route = _route(spec, stream)
                 name = "stdout" if fd == 1 else "stderr"
@@ -725,27 +788,31 @@ class WorkerGroup:
                 filtered = self._filtered_file(filtered_path) if filters and filtered_path else None
                 if not route.piped:
                     if route.file is None:
-                        stdio[fd] = subprocess.DEVNULL
+                        stdio[fd] = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+                        ours.append(stdio[fd])
                     else:
                         f = open(route.file, "wb")
                         opened.append(f)
-                        stdio[fd] = f
+                        stdio[fd] = f.fileno()
+                        direct[fd] = f
                         if fd == 2:
                             worker.stderr_file = route.file
                     continue
-                stdio[fd] = subprocess.PIPE
                 if route.console and not route.prefixed and route.file is None:
                     own = console.fileno()
                     if own is not None and fd == 1:
                         console.flush()
-                        stdio[fd] = own  # torchrun's way: the worker writes our stdout itself
+                        stdio[fd] = direct[fd] = own  # torchrun's way: the worker writes our stdout
                         continue
                     if own is not None and os.isatty(own):
                         pty = self._open_pty(own)
                         if pty is not None:
                             masters[fd], slave = pty
-                            slaves.append(slave)
+                            ours.append(slave)
                             stdio[fd] = slave
+                if fd not in stdio:
+                    reads[fd], stdio[fd] = os.pipe()
+                    ours.append(stdio[fd])
                 worker.sinks[fd] = _StreamSink(
                     label=f"local_rank {spec.local_rank} {name}",
                     file=open(route.file, "wb") if route.file else None,
@@ -760,32 +827,105 @@ class WorkerGroup:
                     filtered=filtered if route.prefixed else None,
                 )
                 worker.eof[fd] = loop.create_future()
-            transport, _ = await loop.subprocess_exec(
-                lambda: _WorkerProtocol(worker),
-                *spec.argv,
-                stdin=None,  # inherited, as torchrun does: pdb in a worker still works
-                stdout=stdio[1],
-                stderr=stdio[2],
-                env=dict(spec.env),
-                cwd=spec.cwd,
-                start_new_session=True,
-                preexec_fn=preexec,
-            )
+            if warm is None:
+                transport, _ = await loop.subprocess_exec(
+                    lambda: _WorkerProtocol(worker),
+                    *spec.argv,
+                    stdin=None,  # inherited, as torchrun does: pdb in a worker still works
+                    stdout=stdio[1],
+                    stderr=stdio[2],
+                    env=dict(spec.env),
+                    cwd=spec.cwd,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+            else:
+                transport = await self._hand_off(worker, warm, stdio, direct)
         except BaseException:
             for sink in worker.sinks.values():
                 sink.close()
-            for master in masters.values():
-                os.close(master)
+            for fd in (*masters.values(), *reads.values()):
+                os.close(fd)
             raise
         finally:
             for copy in opened:
                 copy.close()
-            for slave in slaves:
-                os.close(slave)
+            for fd in ours:
+                os.close(fd)
         worker.transport = transport
         worker.pid = transport.get_pid()
         for fd, master in masters.items():
             worker.read_pty(fd, master)
+        for fd, read_end in reads.items():
+            await worker.read_pipe(fd, read_end)
+
+    async def _hand_off(
+        self,
+        worker: _Worker,
+        warm: WarmInterpreter,
+        stdio: Mapping[int, int],
+        direct: Mapping[int, int | BinaryIO],
+    ) -> asyncio.SubprocessTransport:
+        """Make a warm interpreter this worker: its warm-up's output first goes where the
+        worker's would (so it comes before the worker's own), then it gets the descriptors a
+        cold worker would get, stdin being ours as a cold worker inherits it."""
+        spec = worker.spec
+        for fd in (1, 2):
+            data = warm.prelude(fd)
+            if not data:
+                continue
+            if fd in worker.sinks:
+                worker.feed(fd, data)
+                continue
+            target = direct.get(fd)
+            try:
+                if isinstance(target, int):
+                    _write_all(target, data)
+                elif target is not None:
+                    target.write(data)
+                    target.flush()
+            except OSError as e:
+                self._log(f"local_rank {spec.local_rank}: cannot write its preload output ({e})")
+        fds = dict(stdio)
+        if _is_open(0):
+            fds[0] = 0
+        await warm.handoff(
+            argv=spec.argv,
+            env=spec.env,
+            cwd=spec.cwd or os.getcwd(),
+            fds=fds,
+            on_exit=worker.on_exited,
+        )
+        assert warm.transport is not None
+        worker.warm = True
+        return warm.transport
+
+    async def _warm_worker(
+        self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop, preexec: Callable[[], None] | None
+    ) -> _Worker | None:
+        """The worker made from this rank's warm interpreter, or None: start it cold (the
+        pool said why).  A failed handoff leaves nothing behind: the pool kills that one."""
+        pool = self._warm
+        if pool is None:
+            return None
+        interp = await pool.take(spec.local_rank, spec.argv, spec.env)
+        if interp is None:
+            return None
+        worker = _Worker(spec, loop)
+        try:
+            await self._spawn(worker, loop, preexec, interp)
+        except (WarmHandoffError, OSError) as e:
+            pool.failed(interp, e)
+            return None
+        except BaseException:
+            pool.discard(interp)
+            raise
+        pool.taken(spec.local_rank)
+        return worker
+
+    def _refill(self, local_rank: int, _exited: object = None) -> None:
+        if self._warm is not None:
+            self._warm.refill(local_rank)
 
     def _open_pty(self, like_fd: int) -> tuple[int, int] | None:
         try:

@@ -6,9 +6,11 @@ plus what ``torch.distributed.run`` and ``launcher.api`` put into the agent's ow
 which workers inherit). ``tests/node_agent/test_worker_env.py`` runs the real torchrun and
 compares, key by key. Values that differ on purpose:
 
-* ``TORCHELASTIC_USE_AGENT_STORE`` is ``"False"``: our agent hosts no TCPStore, so worker
-  RANK 0 hosts it on ``MASTER_PORT`` (what torch does when the variable is False).
-  torchrun's c10d agent hosts it and says ``"True"``.
+* ``TORCHELASTIC_USE_AGENT_STORE`` follows the round (``Assignment.agent_store``): ``"True"``,
+  as torchrun's c10d agent says, when the group-rank-0 node's agent hosts the TCPStore on
+  ``MASTER_PORT`` (``node_agent.store_host``: every rank connects as a client); ``"False"``
+  when that agent cannot (no usable torch for the workers' interpreter, an older server, the
+  static backend), so worker RANK 0 hosts it, as torch does when the variable is False.
 * ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RUN_ID`` come from the rendezvous
   (torchrun's standalone run says ``localhost``; ours gives whatever the server assigned,
   ``127.0.0.1`` for a standalone run, so nothing depends on how ``localhost`` resolves).
@@ -97,6 +99,7 @@ class NodeAssignment:
     master_port: int
     restart_count: int
     max_restarts: int
+    agent_store: bool = False  # the group-rank-0 node's agent hosts the TCPStore
 
     def __post_init__(self) -> None:
         if not 0 <= self.group_rank < self.group_world_size:
@@ -156,7 +159,7 @@ def worker_env(
             "TORCHELASTIC_RESTART_COUNT": str(node.restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(node.max_restarts),
             "TORCHELASTIC_RUN_ID": node.run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_USE_AGENT_STORE": str(node.agent_store),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": base_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "TORCHELASTIC_ERROR_FILE": error_file,
         }

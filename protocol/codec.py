@@ -217,6 +217,7 @@ def _largest_join() -> Join:
         crash_loop_restarts=1_000_000,
         commit_timeout=MAX_TIMEOUT,
         commit_steps=1_000_000,
+        hosts_store=True,
     )
 
 
@@ -238,6 +239,7 @@ def largest_client_messages() -> dict[type, Message]:
         master_port=65535,
         restart_count=_BIG_INT,
         max_restarts=_BIG_INT,
+        agent_store=True,
     )
     failure = Failure(
         node_id=_WIDE * MAX_ID_LEN,

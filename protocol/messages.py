@@ -410,6 +410,10 @@ class Join(_Schema):
     # version 1: an older server ignores them (and never asks for a commit).
     commit_timeout: float = field(default=300.0, metadata=_number())
     commit_steps: int = field(default=0, metadata=_integer(0, 1_000_000))
+    # This agent can host the workers' TCPStore on master_port (issue 21): it listens there
+    # and its store process has torch, or is importing it. Added within version 1: an older
+    # agent sends none (False: worker rank 0 hosts the store, as before).
+    hosts_store: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -615,6 +619,10 @@ class Assignment(_Schema):
     master_port: int = field(metadata=_PORT)
     restart_count: int = field(metadata=_COUNT)
     max_restarts: int = field(metadata=_COUNT)
+    # The group-rank-0 node's agent hosts the round's TCPStore (its Join said hosts_store):
+    # every worker connects as a client, TORCHELASTIC_USE_AGENT_STORE=True as under torchrun.
+    # Added within version 1: an older server sends none (False: worker rank 0 hosts it).
+    agent_store: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
         if self.group_rank >= self.group_world_size:

@@ -97,6 +97,9 @@ class Member:
     # Join.node_secret: only an agent that shows it may take this node's place back after
     # the server restarted. Kept in the state log; never shown.
     node_secret: str = ""
+    # Join.hosts_store: this node's agent can host the workers' TCPStore (issue 21); the
+    # round's group-rank-0 member's decides Assignment.agent_store.
+    hosts_store: bool = False
 
 
 @record(frozen=True, slots=True)

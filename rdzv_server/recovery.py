@@ -229,11 +229,13 @@ class Recovery(RoundRules):
         if member.node_id in job.spares:
             self._rebind(job, member, conn, now)
             member.addr, member.master_port = msg.addr, msg.master_port
+            member.hosts_store = msg.hosts_store
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full", spare=True)))
             return True
         if member.state in (MemberState.WAITING, MemberState.READY):
             self._rebind(job, member, conn, now)
             member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
+            member.hosts_store = msg.hosts_store
             set_state(job, member, MemberState.READY)
             said.note(job, said.rejoined(now, member), out)
             self._maybe_complete(job, now, out)

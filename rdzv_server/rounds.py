@@ -234,6 +234,7 @@ class RoundRules(CommitRules):
             state=state,
             node_rank=join.node_rank,
             node_secret=join.node_secret,
+            hosts_store=join.hosts_store,
         )
         if join.node_rank >= 0 and not job.elastic:
             job.rank_holders[join.node_rank] = join.node_id
@@ -255,6 +256,7 @@ class RoundRules(CommitRules):
         if member.node_id in job.spares:
             self.unchanged = (member.addr, member.master_port) == (msg.addr, msg.master_port)
             member.addr, member.master_port = msg.addr, msg.master_port
+            member.hosts_store = msg.hosts_store
             return
         if member.state is not MemberState.WAITING:
             # Only a member told to restart re-joins; anything else is a confused agent.
@@ -262,6 +264,7 @@ class RoundRules(CommitRules):
             self._refuse(self.conns[member.conn], "unexpected_message", what, now, out)
             return
         member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
+        member.hosts_store = msg.hosts_store
         set_state(job, member, MemberState.READY)
         self._maybe_complete(job, now, out)
 
@@ -322,6 +325,8 @@ class RoundRules(CommitRules):
             master_port=master.master_port,
             restart_count=job.restart_count,
             max_restarts=job.settings.max_restarts,
+            # Every node must agree on who hosts the store: the one whose workers rank 0 are.
+            agent_store=master.hosts_store,
         )
         offset = 0
         for group_rank, nid in enumerate(job.order):

@@ -124,6 +124,7 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "failures": m.failures,
         "node_rank": m.node_rank,
         "node_secret": m.node_secret,  # the state dir is private (only the server reads it)
+        "hosts_store": m.hosts_store,
     }
 
 
@@ -295,6 +296,7 @@ def _load_member(d: dict[str, Any]) -> Member:
         failures=_int(d["failures"]),
         node_rank=_int(d.get("node_rank", -1)),  # absent from snapshots before node ranks
         node_secret=str(d.get("node_secret", "")),  # absent before node secrets
+        hosts_store=d.get("hosts_store", False) is True,  # absent before agent stores
     )
 
 

@@ -45,7 +45,10 @@ DIFFERENT_BY_DESIGN = {
     "MASTER_PORT": "a free port chosen per run (where the line gives one, both use it: checked apart)",
     "TORCHELASTIC_RUN_ID": "a fresh uuid per --standalone run",
     "TORCHELASTIC_ERROR_FILE": "each launcher's own log directory",
-    "TORCHELASTIC_USE_AGENT_STORE": "our agent hosts no TCPStore: worker rank 0 does (False)",
+    "TORCHELASTIC_USE_AGENT_STORE": (
+        "True where our agent hosts the store, as torchrun's; False (worker rank 0 hosts it) under "
+        "the static backend, --no-python, or without a usable torch in the workers' Python"
+    ),
     "MASTER_ADDR": "127.0.0.1 for a standalone run, torchrun's 'localhost' (may resolve to ::1 first)",
     "_pid": "the worker's own pid",
     "DUMP_DIR": "this test's output folder, one per launcher",

@@ -13,7 +13,6 @@ DIFFERENT_BY_DESIGN = {
     "MASTER_PORT": "a free port chosen per run",
     "TORCHELASTIC_RUN_ID": "a fresh uuid per --standalone run",
     "TORCHELASTIC_ERROR_FILE": "each launcher's own log directory",
-    "TORCHELASTIC_USE_AGENT_STORE": "our agent hosts no TCPStore: worker rank 0 does (False)",
     "MASTER_ADDR": "127.0.0.1 here, torchrun's 'localhost' (which may resolve to ::1 first)",
     "_pid": "the worker's own pid",
     "DUMP_DIR": "this test's output folder, one per launcher",
@@ -52,5 +51,5 @@ def test_worker_env_matches_torchrun(tmp_path: Path) -> None:
             k: (t[k], o[k]) for k in differ - set(DIFFERENT_BY_DESIGN)
         }
         assert o["PARITY_MARK"] == "inherited"
-        assert o["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert o["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # our agent hosts the store, as torchrun's
         assert o["_argv"] == t["_argv"] == "[]"

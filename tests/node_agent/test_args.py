@@ -176,6 +176,7 @@ VALUE_FLAGS = [
     ),
     ("hang_timeout", ["--hang-timeout", "--hang_timeout"], "300", lambda c: c.hang_timeout, "300", []),
     ("hang_conf", ["--hang-conf", "--hang_conf"], "floor=60", lambda c: c.hang_conf, "floor=60", []),
+    ("preload", ["--preload"], "torch, torch.nn,torch", lambda c: c.preload, ("torch", "torch.nn"), []),
 ]
 
 SWITCH_FLAGS = [

@@ -40,7 +40,7 @@ DIFFERENT = {
     "MASTER_PORT": "a free port, chosen per run",
     "TORCHELASTIC_RUN_ID": "a fresh uuid per standalone run",
     "TORCHELASTIC_ERROR_FILE": "a path inside each run's own log directory",
-    "TORCHELASTIC_USE_AGENT_STORE": "our agent hosts no TCPStore: worker RANK 0 does (False)",
+    "TORCHELASTIC_USE_AGENT_STORE": "False here (a round whose group-rank-0 agent hosts no store)",
 }
 
 

@@ -103,6 +103,7 @@ SAMPLES = [
     JOIN,
     dataclasses.replace(JOIN, spare=True, addr="", entrypoint="\N{SNOWMAN} unicode"),
     dataclasses.replace(JOIN, min_nodes=4, node_rank=3),
+    dataclasses.replace(JOIN, hosts_store=True),
     Heartbeat(),
     WORKERS_FAILED,
     WorkersFailed(
@@ -125,6 +126,19 @@ SAMPLES = [
         master_port=29500,
         restart_count=0,
         max_restarts=3,
+    ),
+    Assignment(
+        job_id="job-7",
+        round=2,
+        group_rank=0,
+        group_world_size=2,
+        rank_offset=0,
+        world_size=16,
+        master_addr="10.0.0.1",
+        master_port=29500,
+        restart_count=1,
+        max_restarts=3,
+        agent_store=True,
     ),
     Restart(round=3, reason="node-2 failed", restart_count=1),
     JobFailed(reason="max restarts reached"),
@@ -768,6 +782,7 @@ def joins(draw):
         heartbeat_timeout=draw(positive),
         spare=draw(st.booleans()),
         node_rank=draw(st.integers(-1, MAX_NODES - 1)),
+        hosts_store=draw(st.booleans()),
     )
 
 
@@ -799,6 +814,7 @@ def assignments(draw):
         master_port=draw(ports),
         restart_count=draw(counts),
         max_restarts=draw(counts),
+        agent_store=draw(st.booleans()),
     )
 
 

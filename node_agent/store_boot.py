@@ -1,0 +1,116 @@
+"""The agent's store process: torch's own TCPStore, served on a socket the agent listens on.
+
+Run by the WORKERS' interpreter (``python -u -c <this file's text> FD PORT``), never imported by
+the agent, so it imports nothing of ``node_agent`` and keeps to what an older Python (3.6)
+runs (its signatures' annotations are strings). FD is the agent's listening socket on
+MASTER_PORT (PORT), inherited. The agent writes commands on stdin, one per line; the process
+answers on stdout, one line each:
+
+* at start, at once: ``found <torch version>``, or ``unusable <why>`` and exit (no torch, or a
+  torch whose TCPStore cannot serve a socket it is given: ``master_listen_fd`` with libuv came
+  in torch 2.8); then, once torch is imported: ``ready``, or ``unusable <why>`` and exit;
+* ``fresh <n>``: drop the last store (its keys and connections) and serve a new, empty one on
+  the same listening socket; ``serving <n>``, or ``error <n> <why>``.
+
+The socket listens from before any worker starts, so a worker that connects before the store
+is served waits in the kernel's backlog (no refused connect, so no retry sleep in torch) and is
+answered once it is. Each round gets an empty store: a restarted round's workers use the same
+keys as the last one's (torch prefixes none per attempt when TORCHELASTIC_USE_AGENT_STORE=True).
+
+EOF on stdin (the agent exited, however) ends the process; the agent also sets
+PR_SET_PDEATHSIG, so it never outlives the agent.
+"""
+
+import os
+import sys
+
+MIN_TORCH = (2, 8)
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line.replace("\n", " ")[:1000] + "\n")
+    sys.stdout.flush()
+
+
+def _version_tuple(text: str) -> "tuple[int, ...]":
+    parts = []
+    for piece in text.split("+")[0].split(".")[:2]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def main(argv: "list[str]") -> int:
+    fd, port = int(argv[1]), int(argv[2])
+    # `-c` put the working directory first on sys.path: a file there must not shadow torch.
+    if sys.path and sys.path[0] == "":
+        del sys.path[0]
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError) as exc:
+        found, why = False, f"looking for torch failed: {exc}"
+    else:
+        why = f"no torch in {sys.executable}"
+    if not found:
+        _say("unusable " + why)
+        return 3
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:  # metadata missing: the import below decides
+        torch_version = "unknown"
+    if torch_version != "unknown" and _version_tuple(torch_version) < MIN_TORCH:
+        _say(f"unusable torch {torch_version} cannot serve a given socket (needs >= 2.8)")
+        return 3
+    _say("found " + torch_version)
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+    except BaseException as exc:  # any failure of the import is a verdict, not a crash
+        _say(f"unusable importing torch.distributed failed: {type(exc).__name__}: {exc}")
+        return 3
+    _say("ready")
+    served: list[object] = []  # the round's store, alive while referenced
+    # A store's own wait on a client (after the agent is gone nobody waits for it).
+    timeout = datetime.timedelta(seconds=1800)
+    for line in sys.stdin:
+        words = line.split()
+        if len(words) != 2 or words[0] != "fresh":
+            _say(f"error - unknown command {line[:100]!r}")
+            continue
+        tag = words[1]
+        served.clear()  # the last round's store closes its connections and its copy of the socket
+        try:
+            # TCPStore closes the descriptor it serves when it goes: give it a copy.
+            # The master's own client connects to it through the loopback.
+            store = TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=True,
+                master_listen_fd=os.dup(fd),
+                use_libuv=True,
+                wait_for_workers=False,
+                timeout=timeout,
+            )
+        except Exception as exc:
+            _say(f"error {tag} {type(exc).__name__}: {exc}")
+            continue
+        served.append(store)
+        _say("serving " + tag)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv)
+    except KeyboardInterrupt:
+        code = 130
+    os._exit(code)  # no interpreter teardown: the store's threads need no goodbye
