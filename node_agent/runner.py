@@ -219,7 +219,7 @@ class Agent:
         except OSError as exc:
             self.log(f"agent-hosted TCPStore off: {exc}; worker rank 0 hosts the store", "warning")
             return None
-        await store.start()
+        await store.start(eager="torch" in cfg.preload)  # --preload torch: the first round's too
         return store
 
     def _store_lost(self, why: str) -> None:

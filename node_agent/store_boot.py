@@ -8,7 +8,9 @@ answers on stdout, one line each:
 
 * at start, at once: ``found <torch version>``, or ``unusable <why>`` and exit (no torch, or a
   torch whose TCPStore cannot serve a socket it is given: ``master_listen_fd`` with libuv came
-  in torch 2.8); then, once torch is imported: ``ready``, or ``unusable <why>`` and exit;
+  in torch 2.8). torch itself is imported on the first command that needs it, so a node that
+  never hosts a round never pays for it: then ``ready``, or ``unusable <why>`` and exit;
+* ``import``: import torch now (``--preload torch``: the first round's store is ready early);
 * ``fresh <n>``: drop the last store (its keys and connections) and serve a new, empty one on
   the same listening socket; ``serving <n>``, or ``error <n> <why>``.
 
@@ -21,8 +23,10 @@ EOF on stdin (the agent exited, however) ends the process; the agent also sets
 PR_SET_PDEATHSIG, so it never outlives the agent.
 """
 
+import datetime
 import os
 import sys
+from typing import Any
 
 MIN_TORCH = (2, 8)
 
@@ -70,23 +74,28 @@ def main(argv: "list[str]") -> int:
         _say(f"unusable torch {torch_version} cannot serve a given socket (needs >= 2.8)")
         return 3
     _say("found " + torch_version)
-    try:
-        import datetime
-
-        from torch.distributed import TCPStore
-    except BaseException as exc:  # any failure of the import is a verdict, not a crash
-        _say(f"unusable importing torch.distributed failed: {type(exc).__name__}: {exc}")
-        return 3
-    _say("ready")
+    # torch itself is imported only when needed (`import`, or the first `fresh`): a node that
+    # never hosts a round (every node but group rank 0's) never pays its memory and CPU.
+    TCPStore: Any = None
     served: list[object] = []  # the round's store, alive while referenced
-    # A store's own wait on a client (after the agent is gone nobody waits for it).
-    timeout = datetime.timedelta(seconds=1800)
     for line in sys.stdin:
         words = line.split()
-        if len(words) != 2 or words[0] != "fresh":
+        if words == ["import"] or (len(words) == 2 and words[0] == "fresh"):
+            if TCPStore is None:
+                try:
+                    from torch.distributed import TCPStore
+                except BaseException as exc:  # any failure of the import is a verdict, not a crash
+                    _say(f"unusable importing torch.distributed failed: {type(exc).__name__}: {exc}")
+                    return 3
+                _say("ready")
+            if words[0] == "import":
+                continue
+        else:
             _say(f"error - unknown command {line[:100]!r}")
             continue
         tag = words[1]
+        # A store's own wait on a client (after the agent is gone nobody waits for it).
+        timeout = datetime.timedelta(seconds=1800)
         served.clear()  # the last round's store closes its connections and its copy of the socket
         try:
             # TCPStore closes the descriptor it serves when it goes: give it a copy.

@@ -5,8 +5,10 @@ rank 0 would host it and every other rank that connects before it listens is ref
 in torch's retry (0.3-0.9 s). So the agent listens on MASTER_PORT itself, from its start (which
 also keeps the port from being taken between the Join and the workers' start), with a large
 backlog: a worker that connects early waits in the kernel's queue, not in a retry. A store
-process, the workers' own interpreter running :mod:`node_agent.store_boot`, imports torch in the
-background and serves torch's own TCPStore on that socket, a fresh one per round.
+process, the workers' own interpreter running :mod:`node_agent.store_boot`, checks at once that
+it has a usable torch, imports it when this node first hosts a round (at once with ``--preload
+torch``), and serves torch's own TCPStore on that socket, a fresh one per round. Only group rank
+0's node pays for the import: the workers, importing torch too, connect about when it is done.
 
 Every node of a round must agree on who hosts: this node says in its Join whether it can
 (``hosts_store``: listening, and its store process has a usable torch or is importing one) and
@@ -52,7 +54,7 @@ class StoreUnavailable(Exception):
 
 class Phase(enum.Enum):
     STARTING = "starting"  # looking for torch
-    IMPORTING = "importing"  # torch found and usable; importing it
+    IMPORTING = "importing"  # torch found and usable; imported when first needed
     READY = "ready"  # torch imported; serves a store when asked
     OFF = "off"  # no usable torch, or the process died: today's behaviour from now on
 
@@ -135,8 +137,9 @@ class StoreHost:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    async def start(self) -> None:
-        """Start the store process (it imports torch in the background); returns at once."""
+    async def start(self, *, eager: bool = False) -> None:
+        """Start the store process; returns at once. It imports torch when this node first hosts
+        a round, or at once (in the background) with ``eager``."""
         fd = self._listener.fileno()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -155,6 +158,8 @@ class StoreHost:
             self._off(f"cannot start {self.python} ({exc.strerror or exc})", lost=False)
             return
         self._reader = asyncio.create_task(self._read(self._proc))
+        if eager and self._proc.stdin is not None:
+            self._proc.stdin.write(b"import\n")
 
     async def verdict(self, timeout: float = 10.0) -> bool:
         """Wait (bounded) until the store process found a usable torch or gave up, so that the
