@@ -210,9 +210,20 @@ class Agent:
 
     async def _start_store(self) -> StoreHost | None:
         """The workers' TCPStore host (store_host.py), started before the first Join; None with
-        the static backend (no server to agree through) or --no-python (no interpreter of ours)."""
+        the static backend (no server to agree through), --no-python (no interpreter of ours),
+        or no core to spare beside the workers (CPU affinity: cores <= --nproc-per-node)."""
         cfg = self.config
         if cfg.rdzv_backend == "static" or cfg.no_python:
+            return None
+        cores = len(os.sched_getaffinity(0))
+        if cores <= cfg.nproc_per_node:
+            # The store process imports torch while the workers do: with no core to spare it
+            # would slow every worker's start by more than the retry it saves.
+            self.log(
+                f"worker rank 0 hosts the TCPStore: no core to spare for a store process "
+                f"({cores} core(s) for {cfg.nproc_per_node} worker(s))",
+                "debug",
+            )
             return None
         try:
             store = StoreHost(cfg.python_exec, os.environ, log=self.log, on_lost=self._store_lost)

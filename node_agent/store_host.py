@@ -27,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import importlib.util
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -46,6 +48,7 @@ BACKLOG = 65535
 FRESH_TIMEOUT = 10.0
 _MAX_LINE = 4096
 _BOOT_SOURCE = Path(__file__).with_name("store_boot.py")
+MIN_TORCH = (2, 8)  # TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8
 
 
 class StoreUnavailable(Exception):
@@ -57,6 +60,37 @@ class Phase(enum.Enum):
     IMPORTING = "importing"  # torch found and usable; imported when first needed
     READY = "ready"  # torch imported; serves a store when asked
     OFF = "off"  # no usable torch, or the process died: today's behaviour from now on
+
+
+def torch_version_here(python: str, env: Mapping[str, str]) -> str | None:
+    """torch's version, when the workers' interpreter is this one (same executable and module
+    path settings) and finds a torch >= 2.8 without importing it; None: ask the store process."""
+    try:
+        same = os.path.realpath(python) == os.path.realpath(sys.executable)
+    except OSError:
+        return None
+    if not same or any(env.get(k) != os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHOME")):
+        return None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except (OSError, StopIteration):
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == "__version__":
+            version = value.strip().strip("'\"")
+            head = version.split("+")[0].split(".")[:2]
+            try:
+                return version if tuple(int(x) for x in head) >= MIN_TORCH else None
+            except ValueError:
+                return None
+    return None
 
 
 def hosts_round(a: Assignment) -> bool:
@@ -139,7 +173,13 @@ class StoreHost:
 
     async def start(self, *, eager: bool = False) -> None:
         """Start the store process; returns at once. It imports torch when this node first hosts
-        a round, or at once (in the background) with ``eager``."""
+        a round, or at once (in the background) with ``eager``. When the workers' interpreter is
+        the agent's own, the verdict (a usable torch) is known at once, so the first Join does
+        not wait for the process to start."""
+        quick = torch_version_here(self.python, self.env)
+        if quick is not None:
+            self.phase, self.torch_version = Phase.IMPORTING, quick
+            self._verdict.set()
         fd = self._listener.fileno()
         try:
             self._proc = await asyncio.create_subprocess_exec(
