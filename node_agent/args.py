@@ -21,8 +21,8 @@ Where we differ from torchrun on purpose:
   unset; here ``--master-port`` never selects a backend (it only means something to ``static``).
 * ``etcd`` and ``etcd-v2`` both speak etcd's v3 API (torch's speak v2, which etcd 3.4 turns
   off by default and later releases removed); see ``node_agent/rdzv/etcd.py``.
-* torchrun flags we cannot honour yet (``--logs-specs``, ``--numa-binding``) are errors, not
-  silently ignored.
+* torchrun flags we cannot honour (``--logs-specs`` other than ``default``: a torch plugin)
+  are errors, not silently ignored.
 """
 
 from __future__ import annotations
@@ -253,7 +253,15 @@ _FLAGS: tuple[_Flag, ...] = (
         env=False,
         help="only 'default' (torchrun's own log layout, which node-agent writes)",
     ),
-    _f("numa_binding", *_both("--numa-binding"), default=None, env=False, help="not supported yet"),
+    _f(
+        "numa_binding",
+        *_both("--numa-binding"),
+        default=None,
+        env=False,
+        metavar="{node,socket,exclusive,core-complex}",
+        help="bind each worker to the CPUs near its GPU (torch's modes; applied when every local rank "
+        "has one visible GPU)",
+    ),
     _f(
         "signals_to_handle",
         *_both("--signals-to-handle"),
@@ -307,7 +315,23 @@ _FLAGS: tuple[_Flag, ...] = (
         *_both("--health-check"),
         default=None,
         metavar="CMD",
-        help="command that checks this node's health",
+        help="command that checks this node's health before each rendezvous, or 'gpu' for the built-in "
+        "check of the visible NVIDIA GPUs",
+    ),
+    _f(
+        "gpu_release_timeout",
+        "--gpu-release-timeout",
+        default="50",
+        metavar="SECONDS",
+        help="before a restart, wait up to this long for the previous workers' GPU memory to be "
+        "released; 0: do not wait",
+    ),
+    _f(
+        "gpu_release_mib",
+        "--gpu-release-mib",
+        default="512",
+        metavar="MIB",
+        help="GPU memory still in use (MiB per GPU) that counts as released",
     ),
     _f(
         "preload",
@@ -556,8 +580,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
                 f"for {nproc_per_node} workers"
             )
 
-    for dest in ("logs_specs", "numa_binding"):
-        _refuse_unsupported(inputs, dest)
+    _refuse_unsupported(inputs, "logs_specs")
+    numa_binding = _numa_binding(inputs)
 
     hosts = standalone or rdzv_port == 0  # the agent's own rendezvous is plain TCP
     tls_ca, tls_cert, tls_key = _tls(inputs, environ, backend=backend, hosts=hosts, is_host=rdzv_conf.is_host)
@@ -596,7 +620,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         master_addr=master_addr,
         master_port=master_port,
         local_addr=inputs.get("local_addr").value or None,
-        numa_binding=None,
+        numa_binding=numa_binding,
         signals_to_handle=_signals(inputs),
         shutdown_timeout=_shutdown_timeout(inputs, environ),
         virtual_local_rank=virtual_local_rank,
@@ -604,6 +628,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         **_hang_flags(inputs),
         health_check=inputs.get("health_check").value or None,
         health_check_port=_health_check_port(environ),
+        gpu_release_timeout=_seconds(inputs, "gpu_release_timeout", positive=False),
+        gpu_release_mib=_int(inputs, "gpu_release_mib", minimum=0),
         token=_token(inputs.get("token_file").value, environ, rdzv_id),
         tls_ca=tls_ca,
         tls_cert=tls_cert,
@@ -1047,17 +1073,24 @@ def _refuse_unsupported(inputs: _Inputs, dest: str) -> None:
     if given.value is None or (dest == "logs_specs" and given.value == "default"):
         return  # "default" names torchrun's own DefaultLogsSpecs: the layout we write
     flag = _BY_DEST[dest]
-    if dest == "numa_binding" and given.value not in NUMA_BINDING_MODES:
-        raise ConfigError(
-            f"{flag.display}={given.value!r} is not valid: use one of {', '.join(NUMA_BINDING_MODES)}"
-        )
     reasons = {
         "logs_specs": "it loads a torch LogsSpecs plugin; node-agent writes torchrun's default log "
         "layout (--logs-specs default)",
-        "numa_binding": "node-agent does not bind workers to NUMA nodes; use numactl as the command "
-        "with --no-python, or bind inside the script",
     }
     raise ConfigError(f"{flag.display} is not supported yet: {reasons[dest]}")
+
+
+def _numa_binding(inputs: _Inputs) -> str | None:
+    """``--numa-binding MODE``: torch's modes (torch.numa.binding.AffinityMode), as its choices."""
+    given = inputs.get("numa_binding")
+    if given.value is None:
+        return None
+    if given.value not in NUMA_BINDING_MODES:
+        raise ConfigError(
+            f"{given.what(_BY_DEST['numa_binding'])}={given.value!r} is not valid: use one of "
+            f"{', '.join(NUMA_BINDING_MODES)}"
+        )
+    return given.value
 
 
 def _warn_about_environment(environ: Mapping[str, str]) -> None:

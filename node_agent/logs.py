@@ -3,6 +3,7 @@
     <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout.log,stderr.log,error.json}
     <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/progress.page[.stacks]  (node_agent.worker)
     <log_dir>/<run_id>_<random>/attempt_<k>/{hang_report.txt,fr/}  (after a hang)
+    <log_dir>/<run_id>_<random>/attempt_<k>/numa_binding.txt  (--numa-binding)
 
 torchrun names the attempt directory after TORCHELASTIC_RESTART_COUNT and ``rmtree``s it when a
 membership change restarts the workers with the same count, so the logs of the attempt that
@@ -70,6 +71,10 @@ class Attempt:
     def page_path(self, local_rank: int) -> str:
         """The rank's progress page (``node_agent.worker`` writes it; ``<page>.stacks`` beside it)."""
         return os.path.join(self.rank_dir(local_rank), "progress.page")
+
+    def numa_binding_path(self) -> str:
+        """--numa-binding: each local rank's CPUs, GPU and NUMA node (gpu_node.py)."""
+        return os.path.join(self.dir, "numa_binding.txt")
 
     def hang_report_path(self) -> str:
         return os.path.join(self.dir, "hang_report.txt")

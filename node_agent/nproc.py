@@ -1,10 +1,11 @@
 """``--nproc-per-node`` without torch: an integer, ``cpu``, ``gpu`` or ``auto``.
 
 torchrun asks torch (``torch.cuda.device_count()``, ``torch.accelerator``); importing torch
-costs the agent seconds, so we count NVIDIA GPUs from the driver instead: the entries of
-``/proc/driver/nvidia/gpus`` or, where that is absent, the lines of ``nvidia-smi -L``. Like
-torch we then apply ``CUDA_VISIBLE_DEVICES``, so a job restricted to two of eight GPUs starts
-two workers with ``gpu``/``auto``, as torchrun would.
+costs the agent seconds, so we count NVIDIA GPUs from the driver instead (``gpus.py``: the
+entries of ``/proc/driver/nvidia/gpus`` or, where that is absent, ``nvidia-smi``). Like torch
+we then apply ``CUDA_VISIBLE_DEVICES``, so a job restricted to two of eight GPUs starts two
+workers with ``gpu``/``auto``, as torchrun would. A count never depends on the order of the
+devices, so ``CUDA_DEVICE_ORDER`` plays no part here.
 
 Not covered: AMD (ROCm) and Intel (``xpu``) devices, and torch's privateuse1 backends.
 """
@@ -12,19 +13,19 @@ Not covered: AMD (ROCm) and Intel (``xpu``) devices, and torch's privateuse1 bac
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from .config import ConfigError
-from .executables import which
+from .gpus import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
 
-__all__ = ["count_visible_gpus", "cpu_count", "physical_gpu_uuids", "resolve_nproc", "visible_gpu_count"]
-
-NVIDIA_PROC_DIR = "/proc/driver/nvidia/gpus"
-_NVIDIA_SMI_TIMEOUT = 10.0  # seconds; nvidia-smi can hang on a wedged driver
-# Patterns, not compiled at import: most launches give a number and never look for GPUs.
-_UUID_LINE = r"GPU UUID:\s*(\S+)"
-_SMI_GPU_LINE = r"^GPU \d+:.*?(?:\(UUID:\s*([^)\s]+)\))?\s*$"
+__all__ = [
+    "NVIDIA_PROC_DIR",
+    "count_visible_gpus",
+    "cpu_count",
+    "physical_gpu_uuids",
+    "resolve_nproc",
+    "visible_gpu_count",
+]
 
 
 def resolve_nproc(
@@ -76,93 +77,11 @@ def cpu_count() -> int:
 
 
 def count_visible_gpus(environ: Mapping[str, str]) -> int:
-    physical = physical_gpu_uuids()
-    return visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical)
+    """How many NVIDIA GPUs a worker started with ``environ`` sees (their order does not matter)."""
+    return visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
 
 
 def physical_gpu_uuids(proc_dir: str | os.PathLike[str] = NVIDIA_PROC_DIR) -> list[str]:
-    """One entry per NVIDIA GPU on this machine: its UUID, or "" when the driver does not say."""
-    if os.path.isdir(proc_dir):
-        from pathlib import Path  # here: 5 ms to import, for machines with NVIDIA GPUs only
-
-        uuids = []
-        for entry in sorted(Path(proc_dir).iterdir()):
-            try:
-                match = re.search(_UUID_LINE, (entry / "information").read_text(errors="replace"))
-            except OSError:
-                match = None
-            uuids.append(match.group(1) if match else "")
-        return uuids
-    return _nvidia_smi_uuids()
-
-
-def _nvidia_smi_uuids() -> list[str]:
-    smi = which("nvidia-smi")
-    if smi is None:
-        return []
-    import subprocess  # only here: most machines never get this far
-
-    try:
-        out = subprocess.run(
-            [smi, "-L"], capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if out.returncode != 0:
-        return []
-    uuids = []
-    for line in out.stdout.splitlines():
-        match = re.match(_SMI_GPU_LINE, line)
-        if match:  # "GPU 0: NAME (UUID: GPU-...)"; MIG lines are indented and skipped
-            uuids.append(match.group(1) or "")
-    return uuids
-
-
-def visible_gpu_count(cuda_visible_devices: str | None, physical: Sequence[str]) -> int:
-    """How many of ``physical`` GPUs CUDA exposes under ``CUDA_VISIBLE_DEVICES``.
-
-    Follows CUDA's (and torch's) reading of the variable: a comma list of ordinals parsed like
-    strtoul, or of GPU-/MIG- UUID prefixes; the list ends at the first invalid entry; a repeated
-    entry makes the whole set empty; ordinals are cut at the first one past the last device.
-    """
-    if cuda_visible_devices is None:
-        return len(physical)
-    text = cuda_visible_devices.strip()
-    if text.startswith(("GPU-", "MIG-")):
-        prefix = text[:4]
-        chosen: list[str] = []
-        for item in text.split(","):
-            item = item.strip()
-            if not item.startswith(prefix):
-                break
-            if item in chosen:
-                return 0
-            chosen.append(item)
-        if prefix == "MIG-" or not any(physical):
-            # MIG slices and unknown UUIDs cannot be matched without NVML; trust the list.
-            return len(chosen) if physical else 0
-        ordinals: list[int] = []
-        for candidate in chosen:
-            matches = [i for i, uuid in enumerate(physical) if uuid.startswith(candidate)]
-            if len(matches) != 1:  # unknown or ambiguous: CUDA stops here
-                break
-            if matches[0] in ordinals:
-                return 0
-            ordinals.append(matches[0])
-        return len(ordinals)
-
-    ordinals = []
-    for item in text.split(","):
-        digits = re.match(r"\s*\+?(\d+)", item)
-        if digits is None:  # empty, negative or garbage: the list ends here
-            break
-        ordinal = int(digits.group(1))
-        if ordinal in ordinals:
-            return 0
-        ordinals.append(ordinal)
-    count = 0
-    for ordinal in ordinals:
-        if ordinal >= len(physical):
-            break
-        count += 1
-    return count
+    """One entry per NVIDIA GPU on this machine, in PCI order: its UUID, or "" when the driver
+    does not say (gpus.physical_gpus; the seam tests replace)."""
+    return [gpu.uuid for gpu in physical_gpus(proc_dir=os.fspath(proc_dir))]

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WATCHDOG_QUIT",
+    "affinity_preexec",
     "encode_forget",
     "encode_guard",
     "group_exists",
@@ -110,6 +111,22 @@ def live_group_members(pgids: Collection[int]) -> dict[int, list[int]]:
 
 
 _prctl: Callable[..., int] | None = None
+
+
+def affinity_preexec(cpus: Collection[int], then: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A ``preexec_fn`` that binds the child to ``cpus`` (``--numa-binding``), then runs
+    ``then``.  Set between fork and exec, so the worker's first instruction and every thread it
+    starts run there, as under torch's ``numactl --physcpubind``; ``sched_setaffinity`` is one
+    system call, safe there.  A failure (the CPUs left the agent's cpuset meanwhile) fails the
+    spawn: a worker silently unbound is a slow job nobody can explain."""
+    mask = frozenset(cpus)
+
+    def preexec() -> None:
+        os.sched_setaffinity(0, mask)
+        if then is not None:
+            then()
+
+    return preexec
 
 
 def pdeathsig_preexec(sig: int = _SIGKILL) -> Callable[[], None]:

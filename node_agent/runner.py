@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from protocol import Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
@@ -33,6 +33,8 @@ from . import state as st
 from .agent_log import AgentLog, shown
 from .config import AgentConfig
 from .events import EventLog
+from .executables import which
+from .gpu_node import GpuSetupError, binding_table, bindings_for, visible_gpu_uuids
 from .logs import RunLogs
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from .rdzv import RendezvousBackend, RendezvousLink
 
 HEALTH_CHECK_TIMEOUT = 60.0
+T = TypeVar("T")
 
 
 @record(frozen=True, slots=True)
@@ -91,6 +94,34 @@ async def health_check(cmd: str, timeout: float = HEALTH_CHECK_TIMEOUT) -> str |
     tail = out.decode(errors="replace").strip().splitlines()[-5:]
     detail = f": {' / '.join(tail)}" if tail else ""
     return f"{cmd!r} exited with {proc.returncode}{detail}"
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread of its own that the agent's exit never waits for (the default
+    executor's would be joined: a hung nvidia-smi must not hold the agent's exit)."""
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as e:
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="node-agent-gpus", daemon=True).start()
+    return await fut
 
 
 class Agent:
@@ -154,6 +185,16 @@ class Agent:
         self._poll_task: asyncio.Task[None] | None = None
         self._dump_task: asyncio.Task[None] | None = None
         self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store_host.py)
+        # GPU nodes (gpu_node.py): --numa-binding's CPUs per local rank; the visible GPUs'
+        # UUIDs, found once when first needed; the wait for the last workers' GPU memory to be
+        # released, which the next start awaits; a start deferred behind that wait.
+        self._cpus: dict[int, frozenset[int]] = {}
+        self._binding_table = ""
+        self._gpu_uuids: list[str] | None = None
+        self._gpus_released: asyncio.Task[None] | None = None
+        self._start_task: asyncio.Task[None] | None = None
+        self._started_us = int(time.monotonic() * 1e6)  # Xids the GPU check counts come after this
+        self._xids_unread_said = False
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -167,6 +208,11 @@ class Agent:
             await self.warm.close()
 
     async def _run(self) -> AgentOutcome:
+        if self.config.numa_binding is not None:
+            try:
+                self._bind()
+            except GpuSetupError as exc:
+                return self._gave_up(str(exc))
         if self.backend is None:
             try:
                 self.backend = await open_backend(
@@ -189,6 +235,17 @@ class Agent:
                     await health.close()
                 if self.store is not None:
                     await self.store.close()
+
+    def _bind(self) -> None:
+        """--numa-binding: each local rank's CPUs, found before any rendezvous (a machine we
+        cannot read is the user's error to see at once, not after the job has formed)."""
+        mode = self.config.numa_binding
+        assert mode is not None
+        bindings = bindings_for(mode, self.config.nproc_per_node, os.environ, log=self.log)
+        for b in bindings:
+            self.log(f"NUMA binding: {b.line(mode)}")
+        self._cpus = {b.local_rank: b.cpus for b in bindings}
+        self._binding_table = binding_table(mode, bindings)
 
     async def _start_health_server(self) -> Any:
         port = self.config.health_check_port
@@ -375,6 +432,19 @@ class Agent:
         return auth_proof(token, challenge, self.config.rdzv_id, self.node_id)
 
     async def _start_workers(self, a: Assignment) -> None:
+        released = self._gpus_released
+        if released is not None and not released.done():
+            # The last workers' GPU memory is not free yet: start once it is (or the wait gave
+            # up). The machine meanwhile handles signals and stops as in any start.
+            self._start_task = self._spawn(self._start_after(released, a))
+            return
+        await self._launch(a)
+
+    async def _start_after(self, released: asyncio.Task[None], a: Assignment) -> None:
+        await asyncio.wait([released])
+        await self._launch(a)
+
+    async def _launch(self, a: Assignment) -> None:
         self._assignment = a
         events = self.events_log
         if events.enabled:
@@ -383,7 +453,9 @@ class Agent:
             events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=took)
             events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
         attempt = self.logs.new_attempt()
-        specs = worker_specs(self.config, a, os.environ, attempt)
+        specs = worker_specs(self.config, a, os.environ, attempt, self._cpus)
+        if self._binding_table:
+            self._write_binding(attempt.numa_binding_path())
         self._ranks = {spec.local_rank: spec.rank for spec in specs}
         if self._pages is not None:
             self._pages.close()
@@ -447,7 +519,17 @@ class Agent:
             self.events.put_nowait(self._pages.read())
         self.events.put_nowait(st.WorkersExited(first, failures))
 
+    def _write_binding(self, path: str) -> None:
+        try:
+            with open(path, "w") as f:
+                f.write(self._binding_table)
+        except OSError as e:
+            self.log(f"cannot write {path}: {e}", "warning")
+
     def _stop_workers(self, signum: int, grace: float) -> None:
+        if self._start_task is not None:
+            self._start_task.cancel()  # a start still waiting for the GPUs: it never happens
+            self._start_task = None
         if self._wait_task is not None:
             self._wait_task.cancel()
             self._wait_task = None
@@ -461,10 +543,41 @@ class Agent:
                 # Stacks are being collected (bounded): a rank signalled now could die halfway.
                 await asyncio.wait([dumping])
             # The watchdog stays for the next attempt's workers; the run's last stop ends it.
-            await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
+            result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
+            if result.exits and self.config.gpu_release_timeout > 0:
+                self._gpus_released = self._spawn(self._wait_gpus_released())
             self.events.put_nowait(st.WorkersStopped())
 
         self._spawn(stop())
+
+    async def _visible_gpus(self) -> list[str]:
+        """The UUIDs of the GPUs our workers see, found once (in a thread: nvidia-smi may take
+        its time, and the loop must not wait with it)."""
+        if self._gpu_uuids is None:
+            self._gpu_uuids = await _in_daemon_thread(visible_gpu_uuids, dict(os.environ))
+        return self._gpu_uuids
+
+    async def _wait_gpus_released(self) -> None:
+        """Before the next workers start: the last ones' GPU memory released (a zombie CUDA
+        context makes the restart die of out-of-memory), bounded by --gpu-release-timeout."""
+        smi = which("nvidia-smi")
+        if smi is None:
+            return  # no NVIDIA driver here (or nothing to ask it with)
+        uuids = await self._visible_gpus()
+        if not uuids:
+            return
+        t0 = self.clock()
+        cfg = self.config
+        from .gpu_health import wait_released  # GPU nodes only
+
+        problem = await wait_released(
+            uuids, smi=smi, threshold_mib=cfg.gpu_release_mib, timeout=cfg.gpu_release_timeout
+        )
+        waited = self.clock() - t0
+        if problem is not None:
+            self.log(problem, "warning")
+        elif waited > 1.0:
+            self.log(f"the last workers' GPU memory was released after {waited:.1f} s")
 
     # -- background tasks ------------------------------------------------------------------
 
@@ -472,8 +585,38 @@ class Agent:
         """The check runs beside the machine: a signal meanwhile is handled at once, and the
         run's end cancels this task, which kills the check's processes."""
         assert self.config.health_check is not None
-        problem = await health_check(self.config.health_check)
+        if self.config.health_check == "gpu":
+            problem = await self._gpu_health()
+        else:
+            problem = await health_check(self.config.health_check)
         self.events.put_nowait(st.HealthCheckDone(ok=problem is None, detail=problem or ""))
+
+    async def _gpu_health(self) -> str | None:
+        """``--health-check gpu``: every visible GPU answers, reports no uncorrected ECC error
+        and no fatal Xid since the agent started, and has its memory free (gpu_health.py)."""
+        smi = which("nvidia-smi")
+        if smi is None:
+            return "gpu: nvidia-smi is not on PATH, so the GPUs cannot be checked"
+        uuids = await self._visible_gpus()
+        if not uuids:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
+            return f"gpu: no NVIDIA GPU is visible{where}"
+        cfg = self.config
+        from .gpu_health import gpu_problem, kmsg_readable  # GPU nodes only
+
+        if not self._xids_unread_said and not kmsg_readable():
+            self._xids_unread_said = True
+            self.log(
+                "--health-check gpu: /dev/kmsg is not readable here, so Xid errors are not checked", "warning"
+            )
+        return await gpu_problem(
+            uuids,
+            smi=smi,
+            since_us=self._started_us,
+            release_mib=cfg.gpu_release_mib,
+            release_timeout=cfg.gpu_release_timeout,
+        )
 
     async def _dump_stacks(self, eff: DumpStacks) -> None:
         assert self._pages is not None

@@ -85,9 +85,14 @@ class AttemptPaths(Protocol):
 
 
 def worker_specs(
-    cfg: AgentConfig, a: Assignment, environ: Mapping[str, str], paths: AttemptPaths
+    cfg: AgentConfig,
+    a: Assignment,
+    environ: Mapping[str, str],
+    paths: AttemptPaths,
+    cpus: Mapping[int, frozenset[int]] | None = None,
 ) -> list[WorkerSpec]:
-    """What to start for one assignment: a spec per local rank, its argv, environment and files."""
+    """What to start for one assignment: a spec per local rank, its argv, environment and files;
+    ``cpus``: each local rank's ``--numa-binding`` (gpu_node.py)."""
     node = NodeAssignment(
         run_id=cfg.rdzv_id,
         group_rank=a.group_rank,
@@ -128,6 +133,7 @@ def worker_specs(
                 duplicate_stderr_filters=cfg.duplicate_stderr_filters,
                 filtered_stdout_path=paths.filtered_stdout_path(),
                 filtered_stderr_path=paths.filtered_stderr_path(),
+                cpus=cpus.get(local_rank) if cpus else None,
             )
         )
     return specs

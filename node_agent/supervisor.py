@@ -127,6 +127,8 @@ class WorkerSpec:
     duplicate_stderr_filters: tuple[str, ...] = ()
     filtered_stdout_path: str | None = None
     filtered_stderr_path: str | None = None
+    # --numa-binding: the CPUs the worker runs on, set before it runs anything (None: unbound)
+    cpus: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -828,17 +830,24 @@ class WorkerGroup:
                 )
                 worker.eof[fd] = loop.create_future()
             if warm is None:
-                transport, _ = await loop.subprocess_exec(
-                    lambda: _WorkerProtocol(worker),
-                    *spec.argv,
-                    stdin=None,  # inherited, as torchrun does: pdb in a worker still works
-                    stdout=stdio[1],
-                    stderr=stdio[2],
-                    env=dict(spec.env),
-                    cwd=spec.cwd,
-                    start_new_session=True,
-                    preexec_fn=preexec,
-                )
+                if spec.cpus:
+                    preexec = procutil.affinity_preexec(spec.cpus, preexec)
+                try:
+                    transport, _ = await loop.subprocess_exec(
+                        lambda: _WorkerProtocol(worker),
+                        *spec.argv,
+                        stdin=None,  # inherited, as torchrun does: pdb in a worker still works
+                        stdout=stdio[1],
+                        stderr=stdio[2],
+                        env=dict(spec.env),
+                        cwd=spec.cwd,
+                        start_new_session=True,
+                        preexec_fn=preexec,
+                    )
+                except subprocess.SubprocessError as e:
+                    # Our preexec_fn failed in the child: a --numa-binding the kernel refused.
+                    cpus = sorted(spec.cpus or ())
+                    raise OSError(errno.EINVAL, f"cannot bind it to CPUs {cpus} ({e})") from e
             else:
                 transport = await self._hand_off(worker, warm, stdio, direct)
         except BaseException:
@@ -895,6 +904,7 @@ class WorkerGroup:
             cwd=spec.cwd or os.getcwd(),
             fds=fds,
             on_exit=worker.on_exited,
+            cpus=spec.cpus,
         )
         assert warm.transport is not None
         worker.warm = True

@@ -252,16 +252,21 @@ class WarmInterpreter:
         cwd: str,
         fds: Mapping[int, int],
         on_exit: Callable[[int], None],
+        cpus: frozenset[int] | None = None,
     ) -> None:
-        """Make it the worker: ``fds`` maps 0/1/2 to our descriptors to put there.  Once this
-        returns, ``on_exit`` gets its returncode when it ends.  WarmHandoffError (and the
+        """Make it the worker: ``fds`` maps 0/1/2 to our descriptors to put there; ``cpus``:
+        its ``--numa-binding``, applied to all its threads before the worker's code runs.  Once
+        this returns, ``on_exit`` gets its returncode when it ends.  WarmHandoffError (and the
         interpreter killed) if it cannot."""
         if not self.alive or self._sock is None:
             raise WarmHandoffError(f"it exited ({self.returncode})")
         loop = asyncio.get_running_loop()
         sock = self._sock
         targets = sorted(fds)
-        payload = _frame({"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets})
+        handoff: dict[str, object] = {"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets}
+        if cpus:
+            handoff["cpus"] = sorted(cpus)
+        payload = _frame(handoff)
         self._on_exit = on_exit
         try:
             async with asyncio.timeout(HANDOFF_TIMEOUT):

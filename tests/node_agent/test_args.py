@@ -177,6 +177,8 @@ VALUE_FLAGS = [
     ("hang_timeout", ["--hang-timeout", "--hang_timeout"], "300", lambda c: c.hang_timeout, "300", []),
     ("hang_conf", ["--hang-conf", "--hang_conf"], "floor=60", lambda c: c.hang_conf, "floor=60", []),
     ("preload", ["--preload"], "torch, torch.nn,torch", lambda c: c.preload, ("torch", "torch.nn"), []),
+    ("gpu_release_timeout", ["--gpu-release-timeout"], "7.5", lambda c: c.gpu_release_timeout, 7.5, []),
+    ("gpu_release_mib", ["--gpu-release-mib"], "1024", lambda c: c.gpu_release_mib, 1024, []),
 ]
 
 SWITCH_FLAGS = [
@@ -747,13 +749,13 @@ ERRORS = [
     # torchrun flags we do not implement
     (["--logs-specs", "mine"], {}, "--logs-specs is not supported yet"),
     (["--logs_specs", "mine"], {}, "--logs-specs is not supported yet"),
-    (["--numa-binding", "node"], {}, "--numa-binding is not supported yet"),
-    (["--numa_binding", "socket"], {}, "--numa-binding is not supported yet"),
     (
         ["--numa-binding", "everywhere"],
         {},
-        "--numa-binding='everywhere' is not valid: use one of node, socket",
+        "--numa-binding='everywhere' is not valid: use one of node, socket, exclusive, core-complex",
     ),
+    (["--gpu-release-timeout", "-1"], {}, "--gpu-release-timeout='-1' must be >= 0 seconds"),
+    (["--gpu-release-mib", "-5"], {}, "--gpu-release-mib='-5' must be >= 0"),
     # the entrypoint
     (["-m", "--no-python"], {}, "don't use both --no-python and -m/--module"),
     (["-m", "--run-path"], {}, "--run-path runs a file by its path"),
@@ -837,6 +839,12 @@ def test_environment_only_settings(script):
         "[${rank}]",
         "INFO",
     )
+
+
+@pytest.mark.parametrize("mode", ["node", "socket", "exclusive", "core-complex"])
+def test_numa_binding_takes_torchs_modes_in_both_spellings(mode, script):
+    assert parse(["--numa-binding", mode, script]).numa_binding == mode
+    assert parse([f"--numa_binding={mode}", script]).numa_binding == mode
 
 
 def test_pet_logs_specs_and_numa_binding_are_ignored_like_torchrun(script):
