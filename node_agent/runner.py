@@ -34,7 +34,6 @@ from .agent_log import AgentLog, shown
 from .config import AgentConfig
 from .events import EventLog
 from .executables import which
-from .gpu_node import GpuSetupError, binding_table, bindings_for, visible_gpu_uuids
 from .logs import RunLogs
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
@@ -209,6 +208,8 @@ class Agent:
 
     async def _run(self) -> AgentOutcome:
         if self.config.numa_binding is not None:
+            from .gpu_node import GpuSetupError  # GPU nodes only (1.5 ms to import)
+
             try:
                 self._bind()
             except GpuSetupError as exc:
@@ -239,6 +240,8 @@ class Agent:
     def _bind(self) -> None:
         """--numa-binding: each local rank's CPUs, found before any rendezvous (a machine we
         cannot read is the user's error to see at once, not after the job has formed)."""
+        from .gpu_node import binding_table, bindings_for
+
         mode = self.config.numa_binding
         assert mode is not None
         bindings = bindings_for(mode, self.config.nproc_per_node, os.environ, log=self.log)
@@ -441,7 +444,13 @@ class Agent:
         await self._launch(a)
 
     async def _start_after(self, released: asyncio.Task[None], a: Assignment) -> None:
-        await asyncio.wait([released])
+        done, _ = await asyncio.wait([released], timeout=1.0)  # the usual case: one quick query
+        if not done:
+            self.log(
+                f"round {a.round}: the workers start once the last ones' GPU memory is released "
+                f"(at most {self.config.gpu_release_timeout:g} s, --gpu-release-timeout)"
+            )
+            await asyncio.wait([released])
         await self._launch(a)
 
     async def _launch(self, a: Assignment) -> None:
@@ -544,7 +553,8 @@ class Agent:
                 await asyncio.wait([dumping])
             # The watchdog stays for the next attempt's workers; the run's last stop ends it.
             result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
-            if result.exits and self.config.gpu_release_timeout > 0:
+            waiting = self._gpus_released is not None and not self._gpus_released.done()
+            if result.exits and self.config.gpu_release_timeout > 0 and not waiting:
                 self._gpus_released = self._spawn(self._wait_gpus_released())
             self.events.put_nowait(st.WorkersStopped())
 
@@ -554,6 +564,8 @@ class Agent:
         """The UUIDs of the GPUs our workers see, found once (in a thread: nvidia-smi may take
         its time, and the loop must not wait with it)."""
         if self._gpu_uuids is None:
+            from .gpu_node import visible_gpu_uuids
+
             self._gpu_uuids = await _in_daemon_thread(visible_gpu_uuids, dict(os.environ))
         return self._gpu_uuids
 

@@ -179,3 +179,40 @@ def test_gpu_health_check(tmp_path: Path) -> None:
     assert p.p.returncode == 1
     assert "health check failed, not joining" in p.stderr and machine.gpus[1].uuid in p.stderr, p.stderr
     assert not affinities(tmp_path / "bad")
+
+
+def test_sigterm_while_a_restart_waits_for_the_gpus(tmp_path: Path) -> None:
+    """A start deferred behind the GPU wait is called off by a signal: the agent exits at once
+    and the next attempt's workers never start."""
+    machine = fake_gpus(tmp_path, n=1, memory_used=[30000])
+    out = tmp_path / "out"
+    out.mkdir()
+    p = Proc(
+        agent_cmd(
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "1",
+            "--gpu-release-timeout",
+            "60",
+            PROBE,
+        ),
+        env={
+            "DUMP_DIR": str(out),
+            "PATH": machine.path_env(os.environ.get("PATH", "")),
+            "PROBE_FAIL_FIRST": "1",
+        },
+    )
+    try:
+        p.wait_for_line(r"round 1: the workers start once the last ones' GPU memory is released", timeout=30)
+        t0 = time.monotonic()
+        p.signal(15)
+        rc = p.wait(timeout=20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        p.kill()
+    assert rc != 0
+    assert (out / "affinity-0-0.json").exists() and not (out / "affinity-0-1.json").exists()
+    assert "(at most 60 s, --gpu-release-timeout)" in p.stderr
+    assert p.stderr.count("started 1 worker(s)") == 1, p.stderr

@@ -391,8 +391,10 @@ class Campaign:
             # Within the frame limit of its stage (2 KiB before the hello), so only time cuts it.
             data = framed(self.rng.randbytes(4000 if after_hello else 1000))
             loop = asyncio.get_running_loop()
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            # From before the connect: the server's clock starts at its accept, and a busy loop
+            # here may resume us well after that; "cut too early" must not be our own delay.
             t0 = loop.time()
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
             sent = 0
             try:
                 writer.write(MAGIC + encode(hello()) if after_hello else MAGIC)
