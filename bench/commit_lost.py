@@ -36,11 +36,10 @@ instead) counts as failed.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+
+from tests.integration.workers.train_commit_log import Attempt, attempts, last_step
 
 from .launch_cases import c10d, exe, start_server
 from .procs import ROOT, Launched, Trial, TrialFailed, free_port
@@ -53,53 +52,6 @@ STEP_SECONDS = 0.05
 SLOW_FROM, SLOW_SECONDS = 30, 0.2  # node 1's steps after SLOW_FROM while it is alone (scale-up)
 FIRST_STEPS_BOUND = 90.0  # launchers import torch, workers too, on 2 busy cores
 JOB_BOUND = 120.0
-
-_LINE = re.compile(r"^(\w+) pid=(\d+) (.*)$")
-
-
-@dataclass
-class Attempt:
-    """One worker process, from its log."""
-
-    node: str
-    pid: int
-    world: int = 0
-    start_from: int = -1
-    first_t: float | None = None  # when it finished its first step
-    steps: list[int] = field(default_factory=list)
-    stopped: int | None = None
-
-
-def attempts(log_dir: Path) -> list[Attempt]:
-    """Every worker's record, per node in the order they started (lines being written skipped)."""
-    out: list[Attempt] = []
-    for path in sorted(log_dir.glob("*.log")):
-        node = path.stem.rsplit("-", 1)[0]
-        by_pid: dict[int, Attempt] = {}
-        for line in path.read_text().splitlines():
-            m = _LINE.match(line)
-            if not m or " t=" not in line:
-                continue
-            kind, pid = m[1], int(m[2])
-            f = dict(kv.split("=", 1) for kv in m[3].split() if "=" in kv)
-            a = by_pid.get(pid)
-            if a is None:
-                a = by_pid[pid] = Attempt(node, pid)
-                out.append(a)
-            if kind == "start":
-                a.world, a.start_from = int(f["world"]), int(f["from"])
-            elif kind == "step":
-                a.steps.append(int(f["step"]))
-                if a.first_t is None:
-                    a.first_t = float(f["t"])
-            elif kind == "stop":
-                a.stopped = int(f["step"])
-    return out
-
-
-def _node_step(trial: Trial, node: str, world: int) -> int:
-    logs = trial.dir / "steps"
-    return max((s for a in attempts(logs) if a.node == node and a.world == world for s in a.steps), default=0)
 
 
 def _lost(runs: list[Attempt], t_change: float) -> float:
@@ -167,7 +119,7 @@ def scale_up(trial: Trial, launcher: str, *, check: bool) -> dict[str, float]:
     a = _launch(trial, launcher, "A", port, check=check, slow=True)
     trial.until(
         f"node 1 at step {CHANGE_AT}",
-        lambda: True if _node_step(trial, "A", 1) >= CHANGE_AT else None,
+        lambda: True if last_step(trial.dir / "steps", "A", 1) >= CHANGE_AT else None,
         FIRST_STEPS_BOUND,
     )
     b = _launch(trial, launcher, "B", port, check=check, slow=True)
@@ -190,10 +142,10 @@ def drain(trial: Trial, launcher: str, *, check: bool) -> dict[str, float]:
     b = _launch(trial, launcher, "B", port, check=check, slow=False, tune_keep_alive=True)
     trial.until(
         f"both nodes at step {CHANGE_AT}",
-        lambda: True if min(_node_step(trial, n, 2) for n in "AB") >= CHANGE_AT else None,
+        lambda: True if min(last_step(trial.dir / "steps", n, 2) for n in "AB") >= CHANGE_AT else None,
         FIRST_STEPS_BOUND,
     )
-    if _node_step(trial, "A", 1):
+    if last_step(trial.dir / "steps", "A", 1):
         raise TrialFailed("node 1 trained alone first: the first round did not hold both nodes")
     t_term = time.time()
     os.kill(b.pid, signal.SIGTERM)

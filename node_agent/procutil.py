@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WATCHDOG_QUIT",
-    "affinity_preexec",
     "encode_forget",
     "encode_guard",
     "group_exists",
@@ -47,6 +46,7 @@ __all__ = [
     "signal_name",
     "watchdog_argv",
     "watchdog_main",
+    "worker_preexec",
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -113,16 +113,38 @@ def live_group_members(pgids: Collection[int]) -> dict[int, list[int]]:
 _prctl: Callable[..., int] | None = None
 
 
-def affinity_preexec(cpus: Collection[int], then: Callable[[], None] | None = None) -> Callable[[], None]:
-    """A ``preexec_fn`` that binds the child to ``cpus`` (``--numa-binding``), then runs
-    ``then``.  Set between fork and exec, so the worker's first instruction and every thread it
-    starts run there, as under torch's ``numactl --physcpubind``; ``sched_setaffinity`` is one
-    system call, safe there.  A failure (the CPUs left the agent's cpuset meanwhile) fails the
-    spawn: a worker silently unbound is a slow job nobody can explain."""
-    mask = frozenset(cpus)
+def worker_preexec(
+    cpus: Collection[int] | None, then: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """A cold worker's ``preexec_fn``: no descriptor above 2 survives its exec, it is bound to
+    ``cpus`` (``--numa-binding``; None: not bound), then ``then`` runs.
+
+    The descriptors: uvloop, the agent's loop, implements no ``close_fds``, so without this a
+    worker inherited whatever inheritable descriptors the agent was started with (a
+    scheduler's pipes) and uvloop's copies of the worker's own stdio, where torchrun's worker
+    has 0, 1 and 2 only.  They are marked close-on-exec, not closed: libuv's and uvloop's error
+    pipes, already close-on-exec, must stay open until the exec succeeds.
+
+    The binding is set between fork and exec, so the worker's first instruction and every
+    thread it starts run there, as under torch's ``numactl --physcpubind``.  A failure (the CPUs
+    left the agent's cpuset meanwhile) fails the spawn: a worker silently unbound is a slow job
+    nobody can explain."""
+    mask = frozenset(cpus) if cpus else None
 
     def preexec() -> None:
-        os.sched_setaffinity(0, mask)
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            names = []
+        for name in names:
+            fd = int(name)
+            if fd > 2:
+                try:
+                    os.set_inheritable(fd, False)
+                except OSError:
+                    pass  # the listing's own descriptor, closed by now
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
         if then is not None:
             then()
 

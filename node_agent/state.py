@@ -33,8 +33,9 @@ SIGTERM to an elastic agent whose ranks all call ``worker.should_stop()`` (and w
 ``commit_timeout`` > 0) first asks for a commit point: ``LeaveAfterCommit``, the workers run on
 to the step the server picks, and the server's ``Drain`` (once they committed, or at once when
 it cannot commit) starts the drain above, from the exit barrier straight to the ``Leave``. It
-drains by itself when no ``Drain`` comes within ``commit_timeout`` + ``COMMIT_LEAD``, on a
-second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker failure (reported
+drains by itself when no ``Drain`` comes within ``commit_timeout`` + ``COMMIT_LEAD`` (from
+the armed step on: the server's own deadline for it, the steps to it at our step times
+added), on a second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker failure (reported
 first).
 
 Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
@@ -102,6 +103,7 @@ import enum
 import signal
 
 from protocol import (
+    COMMIT_LEAD,
     MAX_NODES,
     MAX_TEXT_LEN,
     Armed,
@@ -148,9 +150,6 @@ EXIT_CRASH_LOOP = 3
 # After a drain's Leave, how long to wait for the server's Left once the workers are down. The
 # server answers in the same step that handles the Leave, so silence this long means no answer.
 LEAVE_ANSWER_TIMEOUT = 10.0
-# A drain that waits for a commit point gives the server this long beyond the commit budget
-# to say Drain (its own commit deadline has the same lead) before draining by itself.
-COMMIT_LEAD = 1.0
 
 TERMINATING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
@@ -494,7 +493,7 @@ class AgentMachine:
                 return []  # not running that round (any more), or collecting already
             return [Log("warning", f"the server asks for our ranks' stacks: {shown(msg.reason)}"), dump]
         if isinstance(msg, StopAt):
-            return self._on_stop_at(msg)
+            return self._on_stop_at(msg, now)
         if self.phase is Phase.LEAVING:
             # Workers down, our Leave out: an assignment or restart that crossed it, a waiting
             # update or a drain request no longer change our course.
@@ -811,11 +810,16 @@ class AgentMachine:
             effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
         return effects
 
-    def _on_stop_at(self, msg: StopAt) -> list[Effect]:
+    def _on_stop_at(self, msg: StopAt, now: float) -> list[Effect]:
         """A commit point for the round we run: into the pages (training.py decides what)."""
         a, t = self.assignment, self.training
         if self.phase is not Phase.RUNNING or a is None or t is None or msg.round != a.round:
             return []  # a round we no longer run, or workers on their way down: nothing to stop
+        if msg.state == "arm" and self._commit_leave is not None and self.deadline is not None:
+            # Our drain waits for this commit: as long as the server's own deadline for it
+            # (the steps to it at our step times, the lead, the checkpoint budget), not less.
+            due = now + t.seconds_to(msg.step) + COMMIT_LEAD + self.settings.commit_timeout
+            self.deadline = max(self.deadline, due)
         writes, line = t.on_stop(msg)
         return [*([Log("info", line)] if line else []), *writes]
 

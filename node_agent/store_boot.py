@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Any
 
-MIN_TORCH = (2, 8)
+MIN_TORCH = (2, 8)  # the same as store_host.MIN_TORCH: this file imports nothing of node_agent
 
 
 def _say(line: str) -> None:

@@ -48,7 +48,9 @@ BACKLOG = 65535
 FRESH_TIMEOUT = 10.0
 _MAX_LINE = 4096
 _BOOT_SOURCE = Path(__file__).with_name("store_boot.py")
-MIN_TORCH = (2, 8)  # TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8
+# TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8. store_boot.py, run
+# by the workers' Python, keeps its own copy: it must import nothing of node_agent.
+MIN_TORCH = (2, 8)
 
 
 class StoreUnavailable(Exception):

@@ -830,8 +830,8 @@ class WorkerGroup:
                 )
                 worker.eof[fd] = loop.create_future()
             if warm is None:
-                if spec.cpus:
-                    preexec = procutil.affinity_preexec(spec.cpus, preexec)
+                if preexec is not None or spec.cpus:  # (none: measuring the bare spawn)
+                    preexec = procutil.worker_preexec(spec.cpus, preexec)
                 try:
                     transport, _ = await loop.subprocess_exec(
                         lambda: _WorkerProtocol(worker),

@@ -161,6 +161,10 @@ class Training:
     def max_step(self) -> int:
         return self.watch.max_step() if self.watch is not None else -1
 
+    def seconds_to(self, step: int) -> float:
+        """The slowest local rank's time to reach ``step``, as its step times go (0: unknown)."""
+        return self.watch.seconds_to(step) if self.watch is not None else 0.0
+
     def on_read(
         self, event: ProgressRead, now: float
     ) -> tuple[list[Progress | HangDetected | DumpStacks | Armed], str]:

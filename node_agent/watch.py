@@ -342,6 +342,15 @@ class NodeWatch:
         """The highest step any rank reported this round (-1: none)."""
         return max((r.step for r in self._ranks), default=-1)
 
+    def seconds_to(self, step: int) -> float:
+        """How long the slowest rank takes to reach ``step`` at this node's p90 step interval
+        (0 with no interval measured, or a rank there already)."""
+        pooled = sorted(i for r in self._ranks if r.attached for i in r.intervals)
+        steps = [r.step for r in self._ranks if r.attached]
+        if not pooled or not steps:
+            return 0.0
+        return max(0, step - min(steps)) * _percentile(pooled, 0.9) / _NS
+
     def summary(self, now_ns: int) -> dict[str, Any]:
         """The fields of ``protocol.Progress`` beside ``round``; clears :meth:`changed`."""
         self._changed = False

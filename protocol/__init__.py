@@ -33,6 +33,7 @@ from protocol.errors import (
 )
 from protocol.messages import (
     CLIENT_MESSAGES,
+    COMMIT_LEAD,
     MAX_ADDR_LEN,
     MAX_CODE_LEN,
     MAX_COUNT,
@@ -83,6 +84,7 @@ from protocol.preface import HTTP_METHODS, PREFACE_LEN, PrefaceKind, classify_pr
 
 __all__ = [
     "CLIENT_MESSAGES",
+    "COMMIT_LEAD",
     "HEADER",
     "HTTP_METHODS",
     "MAGIC",

@@ -699,6 +699,11 @@ class CollectStacks(_Schema):
 
 
 STOP_STATES = ("arm", "go", "cancel")
+# Seconds of lead a commit step gives, both sides of the wire: the server picks the step this
+# far beyond the estimated current one and adds it to its commit deadline (the push to every
+# agent, the page write, each rank's acknowledgement and the answers back, on any sane
+# network); an agent draining for a commit waits the commit budget plus this for its Drain.
+COMMIT_LEAD = 1.0
 
 
 @record(frozen=True, kw_only=True, slots=True)

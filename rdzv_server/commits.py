@@ -38,7 +38,7 @@ import math
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from protocol import Armed, Drain, LeaveAfterCommit, StopAt, WorkersCommitted
+from protocol import COMMIT_LEAD, Armed, Drain, LeaveAfterCommit, StopAt, WorkersCommitted
 from protocol.messages import clip_text
 
 from . import history as said
@@ -47,10 +47,6 @@ from .history import LOG_TEXT_LEN, escape
 from .jobs import PEER_TEXT_LEN, REASON_LEN, Commit, Job, JobPhase, Member, MemberState
 from .training_rules import TrainingRules
 
-# Seconds of lead a stop step gives beyond the estimated current step: the push to every
-# agent, its page write, each rank's acknowledgement at its next step and the answers back,
-# on any sane network. With k derived from it, ranks reach S after the go in the usual case.
-COMMIT_LEAD = 1.0
 MIN_STEPS_AHEAD = 2  # a rank acknowledges at its next step: S must be at least two ahead
 MAX_ARMS = 3  # late ranks make the server ask for a later step at most this often
 

@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import pytest
 
 from .live_job import get, wait_until
 from .procs import ROOT, WORKERS, Proc, agent_cmd, server_cmd, start_server
+from .workers.train_commit_log import Attempt, attempts, last_step
 
 SCRIPT = str(WORKERS / "train_commit.py")
 EVERY = 50  # the periodic checkpoint interval
@@ -39,68 +39,6 @@ JOIN_AT = 60  # node B starts once A has done this step
 SLOW_FROM, SLOW_SECONDS = 30, 0.2
 FIRST_STEPS_BOUND = 90.0  # agent start, import torch, gloo init on 2 busy cores
 JOB_BOUND = 120.0
-
-
-@dataclass
-class Attempt:
-    """One worker process: what its log says it did."""
-
-    node: str
-    pid: int
-    world: int = 0
-    start_from: int = -1
-    loaded: str | None = None  # checksum of the state it loaded
-    steps: list[int] = field(default_factory=list)
-    sums: dict[int, str] = field(default_factory=dict)
-    saves: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (checksum, why)
-    stopped: int | None = None  # should_stop() said yes after this step
-    done: bool = False
-
-    def __repr__(self) -> str:
-        ran = f"{self.steps[0]}..{self.steps[-1]} ({len(self.steps)})" if self.steps else "none"
-        return (
-            f"<node {self.node} pid {self.pid}: world {self.world}, from {self.start_from}, steps {ran}, "
-            f"saves {sorted(self.saves)}, stopped {self.stopped}, done {self.done}>"
-        )
-
-
-LINE = re.compile(r"^(\w+) pid=(\d+) (.*)$")
-
-
-def attempts(log_dir: Path) -> list[Attempt]:
-    """Every worker process's record, per node in the order they started."""
-    out: list[Attempt] = []
-    for path in sorted(log_dir.glob("*.log")):
-        node = path.stem.rsplit("-", 1)[0]
-        by_pid: dict[int, Attempt] = {}
-        for line in path.read_text().splitlines():
-            m = LINE.match(line)
-            assert m, f"{path}: a malformed line {line!r}"
-            kind, pid = m[1], int(m[2])
-            f = dict(kv.split("=", 1) for kv in m[3].split())
-            a = by_pid.get(pid)
-            if a is None:
-                a = by_pid[pid] = Attempt(node, pid)
-                out.append(a)
-            if kind == "start":
-                a.world, a.start_from = int(f["world"]), int(f["from"])
-            elif kind == "load":
-                a.loaded = f["sum"]
-            elif kind == "step":
-                a.steps.append(int(f["step"]))
-                a.sums[int(f["step"])] = f["sum"]
-            elif kind == "save":
-                a.saves[int(f["step"])] = (f["sum"], f["why"])
-            elif kind == "stop":
-                a.stopped = int(f["step"])
-            elif kind == "done":
-                a.done = True
-    return out
-
-
-def last_step(log_dir: Path, node: str) -> int:
-    steps = [s for a in attempts(log_dir) if a.node == node for s in a.steps]
-    return max(steps, default=0)
 
 
 class Job:

@@ -1,10 +1,10 @@
 """--preload end to end: workers made from warm interpreters are cold starts' twins.
 
-The same probe (workers/preload_probe.py) runs under node-agent cold, under node-agent with
---preload, and under torchrun; what it saw of its start must be the same, and so must exit
-codes, the @record error file and the agent's failure report.  A warm worker's agent
-SIGKILLed leaves nothing behind (workers, grandchildren, idle warm interpreters), and real gloo
-training with --max-restarts finishes on warm restarts.
+The same probe (tests/node_agent/workers/warm_probe.py, test_warm.py's) runs under node-agent
+cold, under node-agent with --preload, and under torchrun; what it saw of its start must be the
+same, and so must exit codes, the @record error file and the agent's failure report.  A warm
+worker's agent SIGKILLed leaves nothing behind (workers, grandchildren, idle warm interpreters),
+and real gloo training with --max-restarts finishes on warm restarts.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .procs import WORKERS, Proc, agent_cmd, pid_alive
+from .procs import ROOT, Proc, agent_cmd, pid_alive
 
-PROBE = str(WORKERS / "preload_probe.py")
+PROBE = str(ROOT / "tests" / "node_agent" / "workers" / "warm_probe.py")
 # Worker variables that differ between two runs whatever the launcher: a run's own values.
 PER_RUN = {
     "MASTER_PORT",
@@ -36,9 +36,9 @@ PER_RUN = {
 }
 
 
-def run(argv: list[str], out: Path, **env: str) -> Proc:
+def run(argv: list[str], out: Path) -> Proc:
     out.mkdir()
-    p = Proc(argv, env={"DUMP_DIR": str(out), **env})
+    p = Proc(argv, env={"DUMP_DIR": str(out)})
     try:
         p.wait(timeout=120)
     finally:
@@ -53,11 +53,7 @@ def states(out: Path) -> dict[str, dict[str, Any]]:
 def comparable(s: dict[str, Any]) -> dict[str, Any]:
     s = dict(s)
     s["environ"] = {k: v for k, v in s["environ"].items() if k not in PER_RUN}
-    # A cold worker started through uvloop also holds uvloop's copies of its stdio descriptors
-    # (a leak of the cold path, not of ours); the warm one has 0/1/2 only, as torchrun's: the
-    # torchrun comparison below checks that.
-    s.pop("fds")
-    return s
+    return s  # the descriptors too: cold and warm workers start with 0, 1 and 2 only
 
 
 def test_warm_workers_see_what_cold_ones_see(tmp_path: Path) -> None:
@@ -83,20 +79,20 @@ def test_warm_workers_see_what_cold_ones_see(tmp_path: Path) -> None:
     # Both ranks write the agent's stdout themselves (unprefixed, as torchrun's): lines may
     # interleave, so compare what was written, not the order.
     assert sorted(cold.stdout) == sorted(warm.stdout)
-    assert "probe rank 0" in warm.stdout.replace("probe rank 1", "")
+    assert "probe ok rank 0" in warm.stdout.replace("probe ok rank 1", "")
 
 
 def test_record_error_file_and_report_are_a_cold_workers(tmp_path: Path) -> None:
     flags = ["--standalone", "--nproc-per-node", "1", "--tee", "3"]
-    cold = run(agent_cmd(*flags, PROBE), tmp_path / "cold", PROBE_HOW="record")
-    warm = run(agent_cmd(*flags, "--preload", "torch", PROBE), tmp_path / "warm", PROBE_HOW="record")
+    cold = run(agent_cmd(*flags, PROBE, "record"), tmp_path / "cold")
+    warm = run(agent_cmd(*flags, "--preload", "torch", PROBE, "record"), tmp_path / "warm")
     assert cold.p.returncode == warm.p.returncode == 1
     assert "(1 warm: local ranks [0])" in warm.stderr
     for p in (cold, warm):
         assert "RuntimeError: probe rank 0 failed on purpose" in p.stderr
         assert "error_file:" in p.stderr and "/error.json" in p.stderr, p.stderr
     # The tee'd lines carry the same prefix.
-    assert "[default0]:probe rank 0" in cold.stdout and "[default0]:probe rank 0" in warm.stdout
+    assert "[default0]:probe record rank 0" in cold.stdout and "[default0]:probe record rank 0" in warm.stdout
 
 
 def _warm_interpreters(mark: str) -> list[int]:
@@ -121,8 +117,8 @@ def test_agent_sigkilled_leaves_no_warm_worker_or_interpreter_behind(tmp_path: P
     out = tmp_path / "out"
     out.mkdir()
     agent = Proc(
-        agent_cmd("--standalone", "--nproc-per-node", "1", "--preload", "json", PROBE),
-        env={"DUMP_DIR": str(out), "PROBE_HOW": "hold", "PRELOAD_MARK": mark},
+        agent_cmd("--standalone", "--nproc-per-node", "1", "--preload", "json", PROBE, "hold"),
+        env={"DUMP_DIR": str(out), "PRELOAD_MARK": mark},
     )
     try:
         agent.wait_for_line(r"1 warm", timeout=60)
@@ -148,13 +144,8 @@ def test_agent_sigkilled_leaves_no_warm_worker_or_interpreter_behind(tmp_path: P
 
 
 def test_gloo_training_finishes_on_warm_restarts(tmp_path: Path) -> None:
-    p = run(
-        agent_cmd(
-            "--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--preload", "torch", PROBE
-        ),
-        tmp_path / "out",
-        PROBE_HOW="train",
-    )
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--preload", "torch"]
+    p = run(agent_cmd(*flags, PROBE, "train"), tmp_path / "out")
     assert p.p.returncode == 0, p.stderr
     started = [line for line in p.stderr.splitlines() if "started 2 worker(s)" in line]
     assert len(started) == 2 and all("(2 warm" in line for line in started), started

@@ -495,3 +495,26 @@ def test_real_workers_stop_at_the_armed_step_and_the_agent_reports_the_commit(tm
     assert [m.step for m in msgs if isinstance(m, WorkersCommitted)] == [50]
     assert (tmp_path / "stopped-0").read_text() == (tmp_path / "stopped-1").read_text() == "50"
     assert code == st.EXIT_OK
+
+
+def test_a_drain_waits_as_long_as_the_servers_commit_deadline() -> None:
+    """Slow steps: the armed step lies further ahead than the lead covers. The agent's own
+    drain deadline moves to the server's (the steps to it at our step times, the lead, the
+    budget), so the checkpoint at that step is not cut off by our own clock."""
+
+    def at(now: float, step: int, pid: int) -> RankSample:
+        return RankSample(
+            step=step, progress_ns=int(now * NS), count=step + 1, phase="compute", phase_ns=NS,
+            compute_ns=0, pid=pid, stack_signal=38, attached_ns=NS, checks=True,
+        )  # fmt: skip
+
+    m = machine()
+    for i, now in enumerate((2.0, 12.0, 22.0)):  # a step every 10 s
+        read(m, now, at(now, 10 + i, 11), at(now, 10 + i, 12))
+    m.handle(st.SignalReceived(signal.SIGTERM), 22.5)
+    assert m.next_deadline() == 22.5 + BUDGET + st.COMMIT_LEAD
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=17, state="arm")), 23.0)
+    assert m.next_deadline() == pytest.approx(23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
+    assert m.handle(st.Tick(), 22.5 + BUDGET + st.COMMIT_LEAD) == []  # the first deadline passes
+    eff = m.handle(st.Tick(), 23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
+    assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING

@@ -30,7 +30,8 @@ Each process appends lines to ``<log-dir>/<NODE_TAG>-<LOCAL_RANK>.log`` (one wri
     done pid=P step=N
 
 and every line ends with ``t=<time.time()>`` (the bench times the restarts with it).
-``pid`` tells the attempts apart: a commit restart keeps the restart count.
+``pid`` tells the attempts apart: a commit restart keeps the restart count. The tests and the
+bench read these logs with ``train_commit_log.py``.
 """
 
 from __future__ import annotations
