@@ -26,7 +26,6 @@ ranks nobody is.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable
 from dataclasses import field
 
@@ -169,6 +168,8 @@ def straggler_scores(progress: JobProgress, threshold: float) -> list[RankScore]
     ]
     if len(known) < 2:
         return []
+    import statistics  # here: 4 ms to import, and an embedded server (--standalone) seldom scores
+
     median = statistics.median(ms for _, _, _, ms in known)
     out = []
     for rank, nid, lr, ms in sorted(known):
