@@ -115,6 +115,10 @@ class LaunchConfig:
     signals_to_handle: str | Sequence[str] = DEFAULT_SIGNALS
     shutdown_timeout: float | None = None  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     log_line_prefix_template: str | None = None
+    # --numa-binding: a mode ("node", "socket", "exclusive", "core-complex"), torch's
+    # AffinityMode, or torch's NumaOptions (its should_fall_back_if_binding_fails is not
+    # honoured: a binding that cannot be made is an error, as by default in torch).
+    numa_options: Any = None
     # For a str entrypoint: run it as a module (python -m) or as a command (no python).
     module: bool = False
     no_python: bool = False
@@ -262,7 +266,19 @@ def agent_argv(config: LaunchConfig, entry_argv: Sequence[str]) -> list[str]:
     argv.append(f"--signals-to-handle={signals if isinstance(signals, str) else ','.join(signals)}")
     if config.shutdown_timeout is not None:
         argv.append(f"--shutdown-timeout={config.shutdown_timeout}")
+    mode = _numa_mode(config.numa_options)
+    if mode is not None:
+        argv.append(f"--numa-binding={mode}")
     return [*argv, *entry_argv]
+
+
+def _numa_mode(options: Any) -> str | None:
+    """The --numa-binding mode a LaunchConfig's ``numa_options`` names (torch's NumaOptions
+    or AffinityMode, duck-typed: importing torch here would cost the launch seconds)."""
+    if options is None:
+        return None
+    mode = getattr(options, "affinity_mode", options)
+    return str(getattr(mode, "value", mode))
 
 
 def agent_config_for(config: LaunchConfig, entry_argv: Sequence[str]) -> AgentConfig:

@@ -190,6 +190,21 @@ def test_an_empty_endpoint_is_a_standalone_run() -> None:
     assert cfg.standalone and cfg.module and cfg.training_script == WORKER_MODULE
 
 
+def test_numa_options_as_torch_spells_them(tmp_path: Path) -> None:
+    """torch's LaunchConfig(numa_options=NumaOptions(...)), its AffinityMode, or a plain mode."""
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    script = tmp_path / "x.py"
+    script.write_text("")
+
+    for given in (NumaOptions(affinity_mode=AffinityMode.EXCLUSIVE), AffinityMode.EXCLUSIVE, "exclusive"):
+        cfg = agent_config_for(LaunchConfig(numa_options=given), [str(script)])
+        assert cfg.numa_binding == "exclusive"
+    assert agent_config_for(LaunchConfig(), [str(script)]).numa_binding is None
+    with pytest.raises(ConfigError, match="--numa-binding='everywhere' is not valid"):
+        agent_config_for(LaunchConfig(numa_options="everywhere"), [str(script)])
+
+
 def test_a_comma_in_an_rdzv_config_value_is_refused() -> None:
     with pytest.raises(ConfigError, match="cannot carry a ','"):
         agent_argv(LaunchConfig(rdzv_configs={"join_timeout": "1,2"}), ["x.py"])
