@@ -114,10 +114,11 @@ _prctl: Callable[..., int] | None = None
 
 
 def worker_preexec(
-    cpus: Collection[int] | None, then: Callable[[], None] | None = None
+    cpus: Collection[int] | None, then: Callable[[], None] | None = None, *, keep: Collection[int] = ()
 ) -> Callable[[], None]:
-    """A cold worker's ``preexec_fn``: no descriptor above 2 survives its exec, it is bound to
-    ``cpus`` (``--numa-binding``; None: not bound), then ``then`` runs.
+    """A worker's (or warm interpreter's) ``preexec_fn``: no descriptor above 2 but ``keep``
+    survives its exec, it is bound to ``cpus`` (``--numa-binding``; None: not bound), then
+    ``then`` runs.
 
     The descriptors: uvloop, the agent's loop, implements no ``close_fds``, so without this a
     worker inherited whatever inheritable descriptors the agent was started with (a
@@ -130,6 +131,7 @@ def worker_preexec(
     left the agent's cpuset meanwhile) fails the spawn: a worker silently unbound is a slow job
     nobody can explain."""
     mask = frozenset(cpus) if cpus else None
+    kept = frozenset(keep)
 
     def preexec() -> None:
         try:
@@ -138,7 +140,7 @@ def worker_preexec(
             names = []
         for name in names:
             fd = int(name)
-            if fd > 2:
+            if fd > 2 and fd not in kept:
                 try:
                     os.set_inheritable(fd, False)
                 except OSError:

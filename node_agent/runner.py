@@ -198,15 +198,6 @@ class Agent:
     # -- the whole run ---------------------------------------------------------------------
 
     async def run(self) -> AgentOutcome:
-        if self.warm is None:
-            return await self._run()
-        self.warm.start()  # the first warm-up overlaps the rendezvous
-        try:
-            return await self._run()
-        finally:
-            await self.warm.close()
-
-    async def _run(self) -> AgentOutcome:
         if self.config.numa_binding is not None:
             from .gpu_node import GpuSetupError  # GPU nodes only (1.5 ms to import)
 
@@ -214,6 +205,17 @@ class Agent:
                 self._bind()
             except GpuSetupError as exc:
                 return self._gave_up(str(exc))
+        if self.warm is None:
+            return await self._run()
+        # The first warm-up overlaps the rendezvous; each interpreter starts on its rank's CPUs,
+        # so what its imports size by the CPUs they see (OpenMP's threads) is a cold worker's.
+        self.warm.start(self._cpus)
+        try:
+            return await self._run()
+        finally:
+            await self.warm.close()
+
+    async def _run(self) -> AgentOutcome:
         if self.backend is None:
             try:
                 self.backend = await open_backend(

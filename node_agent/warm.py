@@ -182,8 +182,15 @@ class WarmInterpreter:
         if self._on_exit is not None:
             self._on_exit(returncode)
 
-    async def spawn(self, python_flags: Sequence[str], preload: Sequence[str], cwd: str | None) -> None:
-        """Start it as a cold worker would start (session, PDEATHSIG, env); OSError if it cannot."""
+    async def spawn(
+        self,
+        python_flags: Sequence[str],
+        preload: Sequence[str],
+        cwd: str | None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        """Start it as a cold worker would start (session, PDEATHSIG, env, the descriptors,
+        ``cpus``: its --numa-binding); OSError if it cannot."""
         loop = asyncio.get_running_loop()
         self._gone = loop.create_future()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,6 +199,7 @@ class WarmInterpreter:
                 self._prelude[fd] = os.memfd_create(f"warm-{self.local_rank}-{fd}", os.MFD_CLOEXEC)
             config = {"fd": theirs.fileno(), "preload": list(preload), "argv": list(self.argv)}
             argv = [self.argv[0], *python_flags, os.path.abspath(warm_boot.__file__), json.dumps(config)]
+            keep = (theirs.fileno(),)  # its control socket; stray descriptors go, as a cold worker's
             transport, _ = await loop.subprocess_exec(
                 lambda: _WarmProtocol(self),
                 *argv,
@@ -201,8 +209,8 @@ class WarmInterpreter:
                 env=self.env,
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=procutil.pdeathsig_preexec(),
-                pass_fds=(theirs.fileno(),),
+                preexec_fn=procutil.worker_preexec(cpus, procutil.pdeathsig_preexec(), keep=keep),
+                pass_fds=keep,
             )
         except BaseException:
             ours.close()
@@ -357,11 +365,14 @@ class WarmPool:
         self._reaping: set[asyncio.Task[None]] = set()
         self.disabled: str | None = None  # why warm-ups are off (said once)
         self._closed = False
+        self._cpus: dict[int, frozenset[int]] = {}  # local rank -> its --numa-binding
 
     # --- what the supervisor calls -----------------------------------------------------------
 
-    def start(self) -> None:
-        """Warm every local rank (the first warm-up, overlapping the rendezvous)."""
+    def start(self, cpus: Mapping[int, frozenset[int]] | None = None) -> None:
+        """Warm every local rank (the first warm-up, overlapping the rendezvous); ``cpus``:
+        each rank's --numa-binding, which its interpreters start with."""
+        self._cpus = dict(cpus or {})
         for local_rank in range(self._cfg.nproc_per_node):
             self.refill(local_rank)
 
@@ -470,7 +481,7 @@ class WarmPool:
         argv = worker_argv(cfg, local_rank)
         interp = WarmInterpreter(local_rank, argv, warm_env(cfg, self._environ, local_rank))
         try:
-            await interp.spawn(_python_flags(argv), self.preload, None)
+            await interp.spawn(_python_flags(argv), self.preload, None, self._cpus.get(local_rank))
         except OSError as e:
             self._turn_off(f"cannot start {argv[0]} ({e.strerror or e})")
             return None

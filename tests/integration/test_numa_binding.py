@@ -84,7 +84,7 @@ def test_each_worker_runs_on_its_gpus_cpus(tmp_path: Path, form: str) -> None:
         "script": [PROBE],
         "module": ["-m", "tests.integration.workers.affinity_probe"],
         "no-python": ["--no-python", sys.executable, PROBE],
-        "preload": ["--preload", "json", PROBE],
+        "preload": ["--preload", "affinity_at_import", PROBE],
     }[form]
     p = run_agent(machine, tmp_path / "out", *flags, *target)
     assert p.p.returncode == 0, p.stderr
@@ -98,6 +98,8 @@ def test_each_worker_runs_on_its_gpus_cpus(tmp_path: Path, form: str) -> None:
         assert not want[0] & want[1] and want[0] | want[1] == ALLOWED
     if form == "preload":
         assert "(2 warm: local ranks [0, 1])" in p.stderr
+        # The interpreter ran there from its start: its preloaded imports saw the rank's CPUs.
+        assert [seen[rank]["at_import"] for rank in (0, 1)] == [sorted(want[0]), sorted(want[1])]
     # The agent says each rank's binding, and --log-dir keeps it beside the attempt's logs.
     for rank in (0, 1):
         said = f"NUMA binding: local_rank {rank}: cuda:{rank} {machine.gpus[rank].uuid} (PCI {PCI[rank]}"
