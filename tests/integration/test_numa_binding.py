@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.numa import cpu_sets, gpu_numa_node
+from node_agent.numa import BindingError, cpu_sets, gpu_numa_node
 from tests.fake_gpu_machine import FakeGpu, FakeMachine, build
 
 from .procs import WORKERS, Proc, agent_cmd
@@ -28,14 +28,31 @@ ALLOWED = frozenset(os.sched_getaffinity(0))
 
 
 def _real_pci_devices() -> list[str]:
+    """Two PCI devices of this machine on one NUMA node where this process has two cores
+    (every mode can bind two ranks there), or fewer: the tests are skipped."""
     try:
-        return sorted(os.listdir("/sys/bus/pci/devices"))
+        devices = sorted(os.listdir("/sys/bus/pci/devices"))
     except OSError:
         return []
+    by_node: dict[int, list[str]] = {}
+    for dev in devices:
+        try:
+            by_node.setdefault(gpu_numa_node(dev), []).append(dev)
+        except BindingError:
+            continue
+    for node, found in sorted(by_node.items()):
+        try:
+            if len(found) >= 2 and len(cpu_sets("exclusive", [node, node], ALLOWED)) == 2:
+                return found[:2]
+        except BindingError:
+            continue  # fewer than two of its cores are ours
+    return []
 
 
 PCI = _real_pci_devices()
-pytestmark = pytest.mark.skipif(len(PCI) < 2, reason="this machine shows fewer than 2 PCI devices in sysfs")
+pytestmark = pytest.mark.skipif(
+    len(PCI) < 2, reason="no two PCI devices in sysfs on a NUMA node with two of our cores"
+)
 
 
 def fake_gpus(tmp_path: Path, n: int = 2, **kw: object) -> FakeMachine:
