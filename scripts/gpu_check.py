@@ -56,6 +56,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, object] = {}
     checks: dict[str, bool] = {}
+    if shutil.which("nvidia-smi") is None:
+        print("gpu_check: no nvidia-smi on PATH: this is not a GPU machine", file=sys.stderr)
+        return 2
     smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
     summary["nvidia_smi_L"] = smi.stdout
     physical = physical_gpus()
