@@ -66,7 +66,6 @@ DEFAULT_ETCD_PORT = 2379
 # torch's registered event handlers: "null" and "dynamic_rendezvous" discard events, "console"
 # prints them to stderr; any other name fails in torchrun at the first event.
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
-NUMA_BINDING_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET")
 STANDALONE_ENDPOINT = "127.0.0.1:0"
 
@@ -1085,10 +1084,12 @@ def _numa_binding(inputs: _Inputs) -> str | None:
     given = inputs.get("numa_binding")
     if given.value is None:
         return None
-    if given.value not in NUMA_BINDING_MODES:
+    from .numa import MODES  # torch.numa.binding.AffinityMode's values
+
+    if given.value not in MODES:
         raise ConfigError(
             f"{given.what(_BY_DEST['numa_binding'])}={given.value!r} is not valid: use one of "
-            f"{', '.join(NUMA_BINDING_MODES)}"
+            f"{', '.join(MODES)}"
         )
     return given.value
 

@@ -474,3 +474,9 @@ def test_torch_crashes_where_we_skip_cpuless_nodes(tmp_path: Path, torch_numa: _
         _table(cpu_sets("socket", _nodes(machine), machine.all_cpus(), sys_root=machine.sys))
         == (TWO_SOCKET["socket"])
     )
+
+
+def test_the_modes_are_torchs() -> None:
+    """--numa-binding accepts exactly torch's AffinityMode values (torchrun's choices)."""
+    binding = pytest.importorskip("torch.numa.binding")
+    assert {m.value for m in binding.AffinityMode} == set(MODES)
