@@ -437,15 +437,16 @@ class Agent:
         return auth_proof(token, challenge, self.config.rdzv_id, self.node_id)
 
     async def _start_workers(self, a: Assignment) -> None:
+        rendezvous_ms = (self.clock() - self._joined_at) * 1000  # not counting a GPU wait below
         released = self._gpus_released
         if released is not None and not released.done():
             # The last workers' GPU memory is not free yet: start once it is (or the wait gave
             # up). The machine meanwhile handles signals and stops as in any start.
-            self._start_task = self._spawn(self._start_after(released, a))
+            self._start_task = self._spawn(self._start_after(released, a, rendezvous_ms))
             return
-        await self._launch(a)
+        await self._launch(a, rendezvous_ms)
 
-    async def _start_after(self, released: asyncio.Task[None], a: Assignment) -> None:
+    async def _start_after(self, released: asyncio.Task[None], a: Assignment, rendezvous_ms: float) -> None:
         done, _ = await asyncio.wait([released], timeout=1.0)  # the usual case: one quick query
         if not done:
             self.log(
@@ -453,15 +454,14 @@ class Agent:
                 f"(at most {self.config.gpu_release_timeout:g} s, --gpu-release-timeout)"
             )
             await asyncio.wait([released])
-        await self._launch(a)
+        await self._launch(a, rendezvous_ms)
 
-    async def _launch(self, a: Assignment) -> None:
+    async def _launch(self, a: Assignment, rendezvous_ms: float) -> None:
         self._assignment = a
         events = self.events_log
         if events.enabled:
             events.restarts = a.restart_count
-            took = (self.clock() - self._joined_at) * 1000
-            events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=took)
+            events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=rendezvous_ms)
             events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
         attempt = self.logs.new_attempt()
         specs = worker_specs(self.config, a, os.environ, attempt, self._cpus)

@@ -162,17 +162,21 @@ def test_restart_waits_for_the_last_workers_gpu_memory(tmp_path: Path) -> None:
     the next workers start only after the query that saw it released."""
     machine = fake_gpus(tmp_path, n=1, memory_used=[30000, 10])
     p = run_agent(
-        machine, tmp_path / "out", "--nproc-per-node", "1", "--max-restarts", "1", PROBE,
-        PROBE_FAIL_FIRST="1",
+        machine, tmp_path / "out", "--nproc-per-node", "1", "--max-restarts", "1",
+        "--event-log-handler", "console", PROBE, PROBE_FAIL_FIRST="1",
     )  # fmt: skip
     assert p.p.returncode == 0, p.stderr
     out = tmp_path / "out"
     assert sorted(affinities(out, 0)) == sorted(affinities(out, 1)) == [0]
     queries = [c for c in machine.calls() if "memory.used" in c]
     assert len(queries) == 2, machine.calls()
-    assert "the last workers' GPU memory was released after" in p.stderr
+    waited = float(p.wait_for_line(r"the last workers' GPU memory was released after ([\d.]+) s").group(1))
     released = (machine.bin / "nvidia-smi.count").stat().st_mtime
     assert (out / "affinity-0-1.json").stat().st_mtime >= released
+    # torchrun's RENDEZVOUS event of the restart times the rendezvous, not the GPU wait after it.
+    events = [json.loads(line)["metadata"] for line in p.err if '"state": "RENDEZVOUS"' in line]
+    assert [e["agent_restarts"] for e in events] == [0, 1]
+    assert events[1]["duration_ms"] < waited * 1000
 
 
 def test_restart_stops_waiting_after_the_timeout(tmp_path: Path) -> None:
