@@ -31,6 +31,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .numa import sysfs_pci_address
+
 __all__ = [
     "FATAL_XIDS",
     "QUERY_TIMEOUT",
@@ -188,7 +190,7 @@ def _parse_line(line: str) -> GpuReading | None:
     fields = [f.strip() for f in line.split(",")]
     if len(fields) != 5 or not fields[0].startswith(("GPU-", "MIG-")):
         return None
-    bus = _sysfs_bus_id(fields[1])
+    bus = sysfs_pci_address(fields[1])
     if bus is None:
         return None
     return GpuReading(
@@ -198,18 +200,6 @@ def _parse_line(line: str) -> GpuReading | None:
         memory_total_mib=_number(fields[3]),
         ecc_uncorrected=_number(fields[4]),
     )
-
-
-def _sysfs_bus_id(smi_bus_id: str) -> str | None:
-    """ "00000000:1B:00.0" (nvidia-smi) -> "0000:1b:00.0" (sysfs, the kernel log)."""
-    domain, sep, rest = smi_bus_id.partition(":")
-    try:
-        number = int(domain, 16)
-    except ValueError:
-        return None
-    if not sep or len(rest) != 7:  # "1B:00.0"
-        return None
-    return f"{number:04x}:{rest.lower()}"
 
 
 def _number(text: str) -> int | None:

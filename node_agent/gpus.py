@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .executables import which
+from .numa import sysfs_pci_address
 
 __all__ = [
     "NVIDIA_PROC_DIR",
@@ -266,12 +267,9 @@ def _run_smi(smi: str, args: Sequence[str], timeout: float) -> tuple[int, str] |
 
 
 def _sysfs_bus_id(text: str) -> str:
-    """A PCI bus id as sysfs spells it: nvidia-smi's "00000000:1B:00.0" is "0000:1b:00.0"."""
-    m = re.fullmatch(r"\s*([0-9a-fA-F]{1,8}):([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])\s*", text)
-    if m is None:
-        return text.strip().lower()
-    domain, bus, device = (int(x, 16) for x in m.groups()[:3])
-    return f"{domain:04x}:{bus:02x}:{device:02x}.{m.group(4)}"
+    """A PCI bus id as sysfs spells it (nvidia-smi's "00000000:1B:00.0" is "0000:1b:00.0");
+    anything else as given, lower case (it sorts last)."""
+    return sysfs_pci_address(text) or text.strip().lower()
 
 
 def _bus_key(bus_id: str) -> tuple[int, int, str]:

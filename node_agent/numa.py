@@ -40,7 +40,15 @@ import os
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
-__all__ = ["MODES", "BindingError", "cpu_sets", "format_cpulist", "gpu_numa_node", "parse_cpulist"]
+__all__ = [
+    "MODES",
+    "BindingError",
+    "cpu_sets",
+    "format_cpulist",
+    "gpu_numa_node",
+    "parse_cpulist",
+    "sysfs_pci_address",
+]
 
 MODES: tuple[str, ...] = ("node", "socket", "exclusive", "core-complex")
 
@@ -114,13 +122,16 @@ def gpu_numa_node(pci_bus_id: str, *, sys_root: str = "/sys") -> int:
 
     -1 (a machine that does not say, usually one with a single node) reads as node 0, as in torch.
     """
-    sysfs = _Sysfs(sys_root)
-    path = f"bus/pci/devices/{_sysfs_pci_address(pci_bus_id)}/numa_node"
-    return max(sysfs.integer(path), 0)
+    address = sysfs_pci_address(pci_bus_id)
+    if address is None:
+        raise BindingError(f"{pci_bus_id!r} is not a PCI address (expected DOMAIN:BUS:DEVICE.FUNCTION)")
+    return max(_Sysfs(sys_root).integer(f"bus/pci/devices/{address}/numa_node"), 0)
 
 
-def _sysfs_pci_address(bus_id: str) -> str:
-    """``DOMAIN:BUS:DEVICE.FUNCTION`` in hex, any case and domain width -> sysfs's spelling."""
+def sysfs_pci_address(bus_id: str) -> str | None:
+    """``DOMAIN:BUS:DEVICE.FUNCTION`` in hex, any case and domain width (nvidia-smi's
+    ``00000000:1B:00.0``) -> sysfs's and the kernel log's spelling (``0000:1b:00.0``); None
+    when it is not one. The one reading of a bus id for gpus.py and gpu_health.py too."""
     parts = bus_id.strip().split(":")
     if len(parts) == 3:
         device, dot, function = parts[2].partition(".")
@@ -129,7 +140,7 @@ def _sysfs_pci_address(bus_id: str) -> str:
         if dot and all(_is_hex(f) and int(f, 16) <= top for f, top in zip(fields, limits, strict=True)):
             domain, bus, dev, fn = (int(f, 16) for f in fields)
             return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn:x}"
-    raise BindingError(f"{bus_id!r} is not a PCI address (expected DOMAIN:BUS:DEVICE.FUNCTION)")
+    return None
 
 
 def _is_hex(text: str) -> bool:
