@@ -16,9 +16,10 @@ no binding. Otherwise the agent says why once and binds nothing. A machine it ca
 undefined) is an error before any rendezvous: the user asked for a binding and would
 otherwise not get one without knowing.
 
-The bindings are applied to the worker process before it runs anything (supervisor.py: in the
-child between fork and exec; warm_boot.py: to every thread of a preloaded interpreter), which
-torch does with ``numactl --physcpubind``; the CPU sets are the same.
+The bindings are applied to the worker process before it runs anything (procutil.py's
+``worker_preexec``, in the child between fork and exec: a cold worker, and a preloaded
+interpreter from its own start, so its imports see the rank's CPUs too), which torch does with
+``numactl --physcpubind``; the CPU sets are the same.
 """
 
 from __future__ import annotations

@@ -904,7 +904,6 @@ class WorkerGroup:
             cwd=spec.cwd or os.getcwd(),
             fds=fds,
             on_exit=worker.on_exited,
-            cpus=spec.cpus,
         )
         assert warm.transport is not None
         worker.warm = True
@@ -918,7 +917,7 @@ class WorkerGroup:
         pool = self._warm
         if pool is None:
             return None
-        interp = await pool.take(spec.local_rank, spec.argv, spec.env)
+        interp = await pool.take(spec.local_rank, spec.argv, spec.env, spec.cpus)
         if interp is None:
             return None
         worker = _Worker(spec, loop)

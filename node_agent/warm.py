@@ -162,6 +162,7 @@ class WarmInterpreter:
         self.local_rank = local_rank
         self.argv = tuple(argv)  # the cold worker's command line it expects to run
         self.env = dict(env)  # what it was started with
+        self.cpus: frozenset[int] | None = None  # the --numa-binding it was started with
         self.pid = 0
         self.transport: asyncio.SubprocessTransport | None = None
         self.returncode: int | None = None
@@ -193,6 +194,7 @@ class WarmInterpreter:
         ``cpus``: its --numa-binding); OSError if it cannot."""
         loop = asyncio.get_running_loop()
         self._gone = loop.create_future()
+        self.cpus = cpus or None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             for fd in (1, 2):
@@ -241,8 +243,13 @@ class WarmInterpreter:
             data += b"\n[node-agent: %d more bytes of preload output left out]\n" % (size - PRELUDE_LIMIT)
         return data
 
-    def mismatch(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
-        """Why this interpreter cannot become a worker with this argv and env, else None."""
+    def mismatch(
+        self, argv: Sequence[str], env: Mapping[str, str], cpus: frozenset[int] | None = None
+    ) -> str | None:
+        """Why this interpreter cannot become a worker with this argv, env and CPU binding
+        (which it had from its start: its imports saw those CPUs), else None."""
+        if (cpus or None) != self.cpus:
+            return "its CPU binding differs"
         if tuple(argv) != self.argv:
             return f"the command line changed ({list(argv)[:4]}... is not {list(self.argv)[:4]}...)"
         held = {k: v for k, v in env.items() if k not in ROUND_VARS}
@@ -260,21 +267,16 @@ class WarmInterpreter:
         cwd: str,
         fds: Mapping[int, int],
         on_exit: Callable[[int], None],
-        cpus: frozenset[int] | None = None,
     ) -> None:
-        """Make it the worker: ``fds`` maps 0/1/2 to our descriptors to put there; ``cpus``:
-        its ``--numa-binding``, applied to all its threads before the worker's code runs.  Once
-        this returns, ``on_exit`` gets its returncode when it ends.  WarmHandoffError (and the
+        """Make it the worker: ``fds`` maps 0/1/2 to our descriptors to put there.  Once this
+        returns, ``on_exit`` gets its returncode when it ends.  WarmHandoffError (and the
         interpreter killed) if it cannot."""
         if not self.alive or self._sock is None:
             raise WarmHandoffError(f"it exited ({self.returncode})")
         loop = asyncio.get_running_loop()
         sock = self._sock
         targets = sorted(fds)
-        handoff: dict[str, object] = {"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets}
-        if cpus:
-            handoff["cpus"] = sorted(cpus)
-        payload = _frame(handoff)
+        payload = _frame({"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets})
         self._on_exit = on_exit
         try:
             async with asyncio.timeout(HANDOFF_TIMEOUT):
@@ -386,10 +388,15 @@ class WarmPool:
         self._slots[local_rank] = asyncio.get_running_loop().create_task(self._warm(local_rank))
 
     async def take(
-        self, local_rank: int, argv: Sequence[str], env: Mapping[str, str]
+        self,
+        local_rank: int,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cpus: frozenset[int] | None = None,
     ) -> WarmInterpreter | None:
-        """This rank's warm interpreter for a worker with this argv and env, waiting for a
-        warm-up under way; None (the reason said once) when the worker must start cold."""
+        """This rank's warm interpreter for a worker with this argv, env and CPU binding,
+        waiting for a warm-up under way; None (the reason said once) when the worker must start
+        cold."""
         if self._closed or self.disabled is not None:
             return None
         slot = self._slots.get(local_rank)
@@ -406,7 +413,7 @@ class WarmPool:
         if not interp.alive:
             self._turn_off(f"the warm interpreter of local rank {local_rank} exited ({interp.returncode})")
             return None
-        reason = interp.mismatch(argv, env)
+        reason = interp.mismatch(argv, env, cpus)
         if reason is not None:
             self.discard(interp)
             self._turn_off(f"local rank {local_rank}'s worker does not match its warm interpreter: {reason}")

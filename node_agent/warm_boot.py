@@ -19,8 +19,7 @@ never imports node_agent, which that Python may not have.  Nothing here runs in 
 Wire format, both ways: a 4-byte big-endian length, then that much UTF-8 JSON; the handoff's
 first bytes carry the descriptors.  Boot -> agent: ``{"ready": true}`` or
 ``{"ready": false, "error": TEXT}``; agent -> boot: ``{"argv", "env", "cwd", "targets"}``
-and, under ``--numa-binding``, ``"cpus"`` (``targets``: the descriptor numbers 0/1/2 the passed
-descriptors go onto, in order);
+(``targets``: the descriptor numbers 0/1/2 the passed descriptors go onto, in order);
 boot -> agent: ``{"ok": true}`` or ``{"ok": false, "error": TEXT}``.
 """
 
@@ -161,11 +160,6 @@ def _become(payload: "dict[str, Any]", fds: "list[int]") -> "tuple[str, str, lis
     if sorted(targets) != sorted(set(targets)) or len(targets) != len(fds):
         raise BootError(f"targets {targets} do not match {len(fds)} descriptor(s)")
     kind, target, args = split_main(argv)
-    cpus = payload.get("cpus")
-    if cpus is not None:
-        if not (isinstance(cpus, list) and cpus and all(isinstance(c, int) for c in cpus)):
-            raise BootError("cpus is not a non-empty list of CPU numbers")
-        _bind(set(cpus))
     os.chdir(payload["cwd"])
     templates = {0: sys.stdin or sys.stdout, 1: sys.stdout, 2: sys.stderr}
     for stream in (sys.stdout, sys.stderr):
@@ -187,38 +181,6 @@ def _become(payload: "dict[str, Any]", fds: "list[int]") -> "tuple[str, str, lis
         setattr(sys, names[fd], stream)
         setattr(sys, f"__{names[fd]}__", stream)
     return kind, target, args, argv
-
-
-def _bind(cpus: "set[int]") -> None:
-    """``--numa-binding``: this interpreter's threads (the preloaded modules may have started
-    some) move to ``cpus``, as a cold worker's would have started there.  A thread whose
-    affinity was set on purpose (it differs from the main thread's) keeps it, as in torch."""
-    before = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as e:
-        raise BootError(f"cannot bind to CPUs {sorted(cpus)}: {e}") from None
-    me = _native_tid()
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return
-    for tid in tids:
-        if not tid.isdigit() or int(tid) == me:
-            continue
-        try:
-            if os.sched_getaffinity(int(tid)) == before:
-                os.sched_setaffinity(int(tid), cpus)
-        except OSError:
-            pass  # it ended meanwhile
-
-
-def _native_tid() -> int:
-    """This thread's kernel id, without importing threading (the worker's own import of it
-    must come first, as in a cold start)."""
-    import _thread
-
-    return _thread.get_native_id()
 
 
 def _close_other_fds() -> None:

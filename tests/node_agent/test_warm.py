@@ -160,6 +160,18 @@ def test_only_round_variables_are_held_back(tmp_path: Path) -> None:
         assert held == warm_env(cfg, os.environ, sa.local_rank)
 
 
+def test_an_interpreter_bound_otherwise_is_not_taken() -> None:
+    """Its --numa-binding is its start's (its imports saw those CPUs): another binding, or none
+    where it has one, sends the worker cold."""
+    argv, env = worker_argv(config(), 0), dict(os.environ)
+    interp = WarmInterpreter(0, argv, env)
+    assert interp.mismatch(argv, env) is None
+    assert interp.mismatch(argv, env, frozenset({0})) == "its CPU binding differs"
+    interp.cpus = frozenset({0})
+    assert interp.mismatch(argv, env, frozenset({0})) is None
+    assert interp.mismatch(argv, env) == "its CPU binding differs"
+
+
 # --- one interpreter, alone ----------------------------------------------------------------------
 
 
