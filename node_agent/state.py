@@ -35,8 +35,8 @@ to the step the server picks, and the server's ``Drain`` (once they committed, o
 it cannot commit) starts the drain above, from the exit barrier straight to the ``Leave``. It
 drains by itself when no ``Drain`` comes within ``commit_timeout`` + ``COMMIT_LEAD`` (from
 the armed step on: the server's own deadline for it, the steps to it at our step times
-added), on a second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker failure (reported
-first).
+added), on a second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker
+failure (reported first).
 
 Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
 we run goes into the pages (``WriteStop``: arm, go, cancel); the ``Armed`` answer follows once
@@ -391,8 +391,10 @@ class AgentMachine:
     # The commit step every worker of the round we hold stopped at (BARRIER, waiting for the
     # server's Restart; said again after a reconnect's Resumed); None: not committed.
     _committed: int | None = None
-    # A SIGTERM drain waiting for a commit point (our LeaveAfterCommit is out): its reason.
+    # A SIGTERM drain waiting for a commit point (our LeaveAfterCommit is out): its reason,
+    # and when we asked (its give-up line says how long we waited).
     _commit_leave: str | None = None
+    _commit_asked_at: float = 0.0
     away: bool = False  # the connection broke: nothing can be sent until Reconnected
     # Our Resume is out on a new connection and not yet answered: until the answer says whether
     # the server holds us in its round, what only a node of the round may say waits.
@@ -818,8 +820,7 @@ class AgentMachine:
         if msg.state == "arm" and self._commit_leave is not None and self.deadline is not None:
             # Our drain waits for this commit: as long as the server's own deadline for it
             # (the steps to it at our step times, the lead, the checkpoint budget), not less.
-            due = now + t.seconds_to(msg.step) + COMMIT_LEAD + self.settings.commit_timeout
-            self.deadline = max(self.deadline, due)
+            self.deadline = max(self.deadline, now + t.seconds_to(msg.step) + self._commit_budget())
         writes, line = t.on_stop(msg)
         return [*([Log("info", line)] if line else []), *writes]
 
@@ -1057,8 +1058,8 @@ class AgentMachine:
             or self._resuming
         ):
             return self._drain(why, now)
-        self._commit_leave = why
-        budget = self.settings.commit_timeout + COMMIT_LEAD
+        self._commit_leave, self._commit_asked_at = why, now
+        budget = self._commit_budget()
         self.deadline = now + budget
         return [
             Log(
@@ -1068,6 +1069,11 @@ class AgentMachine:
             ),
             Send(self._leave_after_commit(a.round, why)),
         ]
+
+    def _commit_budget(self) -> float:
+        """How long a drain waits for the server's Drain past the committing ranks' steps: the
+        checkpoint budget and the lead, as the server's own commit deadline."""
+        return self.settings.commit_timeout + COMMIT_LEAD
 
     @staticmethod
     def _leave_after_commit(round_: int, why: str) -> LeaveAfterCommit:
@@ -1153,10 +1159,10 @@ class AgentMachine:
             ]
         if self._commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
             why = self._commit_leave
-            budget = self.settings.commit_timeout + COMMIT_LEAD
+            waited = now - self._commit_asked_at  # the budget, or longer once a step was armed
             note = Log(
                 "warning",
-                f"no drain from the rendezvous server within {budget:g} s of asking for a commit point",
+                f"no drain from the rendezvous server within {waited:g} s of asking for a commit point",
             )
             return [note, *self._drain(why, now)]
         if self.phase is Phase.BARRIER and self._committed is not None:

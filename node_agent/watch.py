@@ -342,10 +342,14 @@ class NodeWatch:
         """The highest step any rank reported this round (-1: none)."""
         return max((r.step for r in self._ranks), default=-1)
 
+    def _pooled_intervals(self) -> list[float]:
+        """Every attached rank's recent step intervals (ns), sorted: the node's distribution."""
+        return sorted(i for r in self._ranks if r.attached for i in r.intervals)
+
     def seconds_to(self, step: int) -> float:
         """How long the slowest rank takes to reach ``step`` at this node's p90 step interval
         (0 with no interval measured, or a rank there already)."""
-        pooled = sorted(i for r in self._ranks if r.attached for i in r.intervals)
+        pooled = self._pooled_intervals()
         steps = [r.step for r in self._ranks if r.attached]
         if not pooled or not steps:
             return 0.0
@@ -356,7 +360,7 @@ class NodeWatch:
         self._changed = False
         seen = [r for r in self._ranks if r.attached]
         steps = [r.step for r in seen] or [-1]
-        pooled = sorted(i for r in seen for i in r.intervals)
+        pooled = self._pooled_intervals()
         oldest = min(seen, key=lambda r: r.last_ns if r.last_ns else now_ns, default=None)
         age_ms = phase = None
         if oldest is not None and oldest.last_ns:

@@ -518,3 +518,4 @@ def test_a_drain_waits_as_long_as_the_servers_commit_deadline() -> None:
     assert m.handle(st.Tick(), 22.5 + BUDGET + st.COMMIT_LEAD) == []  # the first deadline passes
     eff = m.handle(st.Tick(), 23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
     assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING
+    assert "no drain from the rendezvous server within 111.5 s" in logs(eff)  # from the SIGTERM
