@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -362,3 +363,15 @@ async def test_a_wedged_driver_fails_the_check(tmp_path: Path) -> None:
 
     assert problem == f"{machine.smi} did not answer within 0.3 s (a wedged GPU driver?)"
     assert smi_processes(machine) == []
+
+
+async def test_an_nvidia_smi_that_says_too_much_is_read_to_its_bounds(tmp_path: Path) -> None:
+    """20,000 GPU lines (1.5 MB): the query ends (the rest is drained, not left to block the
+    writer) and keeps at most its 1,024 lines."""
+    smi = tmp_path / "nvidia-smi"
+    line = "GPU-00000000-1111-2222-3333-444444440000, 00000000:1B:00.0, 10, 81559, 0"
+    smi.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(({line!r} + '\\n') * 20000)\n")
+    smi.chmod(0o755)
+    readings = await read_gpus(str(smi), timeout=10)
+    assert len(readings) == 1024
+    assert readings[0].pci_bus_id == "0000:1b:00.0" and readings[0].memory_used_mib == 10

@@ -469,3 +469,12 @@ def exits_within(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])  # a pidfd is readable once it exits
     finally:
         os.close(fd)
+
+
+def test_an_nvidia_smi_that_says_too_much_gives_no_gpus(tmp_path: Path) -> None:
+    """Past 1 MiB of output nvidia-smi's answer is not one: no GPU, not a huge list."""
+    smi = tmp_path / "nvidia-smi"
+    line = "0, GPU-00000000-1111-2222-3333-444444440000, 00000000:1B:00.0, NVIDIA H100"
+    smi.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.write(({line!r} + '\\n') * 20000)\n")
+    smi.chmod(0o755)
+    assert physical_gpus(proc_dir=str(tmp_path / "no-proc"), smi=str(smi), timeout=10) == []
