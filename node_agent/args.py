@@ -37,6 +37,7 @@ from typing import Any, Literal, overload
 
 from edge.tls import CLIENT_ENV, TLSConfigError, client_context, client_files
 from edge.tokens import TokenFileError, job_token
+from edge.version import VersionAction
 from protocol.records import record
 
 from .config import (
@@ -429,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(*flag.names, nargs="?", const="dash", metavar=flag.metavar, **common)
         else:
             parser.add_argument(*flag.names, metavar=flag.metavar, **common)
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("training_script", help="the training script (or module, or command) to run")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return parser

@@ -390,6 +390,8 @@ class Agent:
             if isinstance(eff, st.Send):
                 self._send(eff.msg)
             elif isinstance(eff, st.SendJoin):
+                if self.store is not None:
+                    await self.store.end_round()  # no next-round connection may reach its store
                 self._joined_at = self.clock()
                 self._phase = "rendezvous"
                 self._send(self._join())

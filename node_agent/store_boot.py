@@ -12,7 +12,11 @@ answers on stdout, one line each:
   never hosts a round never pays for it: then ``ready``, or ``unusable <why>`` and exit;
 * ``import``: import torch now (``--preload torch``: the first round's store is ready early);
 * ``fresh <n>``: drop the last store (its keys and connections) and serve a new, empty one on
-  the same listening socket; ``serving <n>``, or ``error <n> <why>``.
+  the same listening socket; ``serving <n>``, or ``error <n> <why>``;
+* ``drop <n>``: the round is over: drop its store and serve nothing (``dropped <n>``). The agent
+  sends it before its next Join, so that a new round's worker (another node's can start the
+  moment the round forms, before this node serves the new store) waits in the backlog instead
+  of reaching the old store, which would close its connection on ``fresh``.
 
 The socket listens from before any worker starts, so a worker that connects before the store
 is served waits in the kernel's backlog (no refused connect, so no retry sleep in torch) and is
@@ -80,6 +84,10 @@ def main(argv: "list[str]") -> int:
     served: list[object] = []  # the round's store, alive while referenced
     for line in sys.stdin:
         words = line.split()
+        if len(words) == 2 and words[0] == "drop":
+            served.clear()  # the only reference: the store's server stops and its connections close
+            _say("dropped " + words[1])
+            continue
         if words == ["import"] or (len(words) == 2 and words[0] == "fresh"):
             if TCPStore is None:
                 try:
@@ -96,23 +104,27 @@ def main(argv: "list[str]") -> int:
         tag = words[1]
         # A store's own wait on a client (after the agent is gone nobody waits for it).
         timeout = datetime.timedelta(seconds=1800)
-        served.clear()  # the last round's store closes its connections and its copy of the socket
+        # The last round's store closes its connections and its copy of the socket before the
+        # new one is made: ``served`` holds the only reference (no local name keeps it), else two
+        # servers would accept on the one socket while the new one starts.
+        served.clear()
         try:
             # TCPStore closes the descriptor it serves when it goes: give it a copy.
             # The master's own client connects to it through the loopback.
-            store = TCPStore(
-                "127.0.0.1",
-                port,
-                is_master=True,
-                master_listen_fd=os.dup(fd),
-                use_libuv=True,
-                wait_for_workers=False,
-                timeout=timeout,
+            served.append(
+                TCPStore(
+                    "127.0.0.1",
+                    port,
+                    is_master=True,
+                    master_listen_fd=os.dup(fd),
+                    use_libuv=True,
+                    wait_for_workers=False,
+                    timeout=timeout,
+                )
             )
         except Exception as exc:
             _say(f"error {tag} {type(exc).__name__}: {exc}")
             continue
-        served.append(store)
         _say("serving " + tag)
     return 0
 

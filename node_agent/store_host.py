@@ -46,6 +46,8 @@ __all__ = ["StoreHost", "StoreUnavailable", "hosts_round", "listen_socket"]
 BACKLOG = 65535
 # A warm store process answers `fresh` in about a millisecond; this only bounds a wedged one.
 FRESH_TIMEOUT = 10.0
+# ``drop`` while torch still imports waits behind the import (a cold torch import on a busy node).
+IMPORT_TIMEOUT = 120.0
 _MAX_LINE = 4096
 _BOOT_SOURCE = Path(__file__).with_name("store_boot.py")
 # TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8. store_boot.py, run
@@ -163,6 +165,7 @@ class StoreHost:
         self._tag = 0
         self._closing = False
         self._verdict = asyncio.Event()  # torch found, or the store is off
+        self._served = False  # a round's store was asked for and not dropped since
 
     @property
     def hosting(self) -> bool:
@@ -235,23 +238,33 @@ class StoreHost:
             raise StoreUnavailable(f"this node's agent cannot host the workers' store: {self.why_off}")
         if a.master_port != self.port:
             raise StoreUnavailable(f"the round's MASTER_PORT {a.master_port} is not ours ({self.port})")
-        self._tag += 1
-        tag = str(self._tag)
-        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters[tag] = waiter
-        try:
-            self._proc.stdin.write(f"fresh {tag}\n".encode())
-        except (ConnectionError, OSError) as exc:
-            self._waiters.pop(tag, None)
-            raise StoreUnavailable(f"the store process is gone ({exc})") from None
+        self._served = True
         if self.phase is not Phase.READY:
-            return  # answered after the import; a failure then is reported through on_lost
-        try:
-            answer = await asyncio.wait_for(asyncio.shield(waiter), FRESH_TIMEOUT)
-        except asyncio.TimeoutError:
-            raise StoreUnavailable(f"the store process did not answer within {FRESH_TIMEOUT:g} s") from None
+            # Answered after the import; a failure then is reported through on_lost.
+            self._command("fresh")
+            return
+        answer = await self._ask("fresh", FRESH_TIMEOUT)
         if answer != "serving":
             raise StoreUnavailable(answer)
+
+    async def end_round(self) -> None:
+        """The round this node served is over (called before the next Join): drop its store, so
+        that no connection made for the next round can reach it. Another node's workers start
+        as soon as the next round forms, before this node serves its new store; a connection the
+        old store accepted would be closed under them at ``fresh`` ("Failed to recv, got 0
+        bytes"). With no store served, connections wait in the backlog. Never raises: a store
+        process that does not answer is given up (the Join then offers no store)."""
+        if not self._served or self.phase is Phase.OFF or self._proc is None or self._proc.stdin is None:
+            return
+        self._served = False
+        # While torch imports, a queued ``fresh`` is answered first: wait for the import too.
+        bound = FRESH_TIMEOUT if self.phase is Phase.READY else IMPORT_TIMEOUT
+        try:
+            answer = await self._ask("drop", bound)
+        except StoreUnavailable as exc:
+            answer = str(exc)
+        if answer != "dropped":
+            await self.give_up(f"the last round's store could not be dropped: {answer}")
 
     async def close(self) -> None:
         """Stop the store process and close the socket (the agent is exiting)."""
@@ -260,6 +273,28 @@ class StoreHost:
         self._listener.close()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _command(self, word: str) -> asyncio.Future[str]:
+        """Send ``<word> <tag>``; the future gets the answer's word (or why there is none)."""
+        assert self._proc is not None and self._proc.stdin is not None
+        self._tag += 1
+        tag = str(self._tag)
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters[tag] = waiter
+        try:
+            self._proc.stdin.write(f"{word} {tag}\n".encode())
+        except (ConnectionError, OSError) as exc:
+            self._waiters.pop(tag, None)
+            raise StoreUnavailable(f"the store process is gone ({exc})") from None
+        return waiter
+
+    async def _ask(self, word: str, timeout: float) -> str:
+        """``<word> <tag>`` and its answer, bounded; raises StoreUnavailable only for a gone pipe."""
+        waiter = self._command(word)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            return f"the store process did not answer within {timeout:g} s"
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
@@ -294,10 +329,10 @@ class StoreHost:
             self.phase = Phase.READY
         elif word == "unusable":
             return rest or "no usable torch"
-        elif word in ("serving", "error"):
+        elif word in ("serving", "dropped", "error"):
             tag, _, detail = rest.partition(" ")
             waiter = self._waiters.pop(tag, None)
-            answer = "serving" if word == "serving" else f"the store could not be served: {detail}"
+            answer = word if word != "error" else f"the store could not be served: {detail}"
             if waiter is not None and not waiter.done():
                 waiter.set_result(answer)
             if word == "error" and waiter is None and self.on_lost is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from edge.version import VersionAction
+
 EXIT_OK = 0
 EXIT_ERROR = 1  # could not serve; the endpoint is unreachable or did not answer as we expect
 EXIT_USAGE = 2
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"exit codes: {EXIT_OK} ok, {EXIT_ERROR} error or endpoint unreachable, "
         f"{EXIT_USAGE} usage, {EXIT_NOT_FOUND} no such job or node",
     )
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all IPv4 interfaces)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
     p.add_argument(

@@ -199,3 +199,52 @@ def test_a_round_whose_port_is_not_ours_is_refused() -> None:
             await host.close()
 
     asyncio.run(main())
+
+
+def _queued(port: int) -> int:
+    """Connections waiting in the accept queue of our listening socket on ``port`` (the kernel
+    shows a listening socket's accept queue as its rx_queue in /proc/net/tcp6 and tcp)."""
+    total = 0
+    for table in ("/proc/net/tcp6", "/proc/net/tcp"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    total += int(queues.split(":")[1], 16)
+    return total
+
+
+def test_a_next_rounds_worker_that_connects_before_the_new_store_waits_for_it() -> None:
+    """Another node's warm worker connects the moment the next round forms, before this node
+    serves the new store: it must wait in the backlog (the last round's store was dropped before
+    this node's Join), never be accepted by the old store and cut off at ``fresh``."""
+
+    async def main() -> None:
+        log = Logged()
+        host = StoreHost(sys.executable, os.environ, log=log)
+        await host.start(eager=True)
+        try:
+            a = _assignment(host.port)
+            await _until(lambda: host.phase.value == "ready")
+            await host.serve_round(a)
+            c = await asyncio.to_thread(_client, host.port)
+            await asyncio.to_thread(c.set, "default_pg/key", "round 1")  # type: ignore[attr-defined]
+            del c
+            await host.end_round()  # the runner does this before its next Join
+
+            def next_rounds_worker() -> bool:
+                c2 = _client(host.port)  # returns only once a store answers
+                c2.set("default_pg/mine", "round 2")  # type: ignore[attr-defined]
+                return c2.check(["default_pg/key"])  # type: ignore[attr-defined,no-any-return]
+
+            worker = asyncio.ensure_future(asyncio.to_thread(next_rounds_worker))
+            await _until(lambda: _queued(host.port) >= 1)  # its connect waits: nothing accepts it
+            assert not worker.done()
+            await host.serve_round(a)
+            assert await asyncio.wait_for(worker, 20) is False  # served by the new, empty store
+            assert log.lines == []
+        finally:
+            await host.close()
+
+    asyncio.run(main())
