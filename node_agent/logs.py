@@ -1,9 +1,14 @@
 """Where worker logs go: torchrun's directory layout, minus its overwriting.
 
     <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/{stdout.log,stderr.log,error.json}
-    <log_dir>/<run_id>_<random>/attempt_<k>/<local_rank>/progress.page[.stacks]  (node_agent.worker)
-    <log_dir>/<run_id>_<random>/attempt_<k>/{hang_report.txt,fr/}  (after a hang)
+    <log_dir>/<run_id>_<random>/attempt_<k>/{hang_report.txt,nccl_trace_rank_<rank>}  (a hang)
     <log_dir>/<run_id>_<random>/attempt_<k>/numa_binding.txt  (--numa-binding)
+
+What is not a log stays out: the progress pages and torch's flight-recorder pipes live in the
+agent's private, node-local folder (``runtime_dir.py``), so that a run with nothing to report
+leaves exactly torchrun's tree. The hang report and torch's flight-recorder dumps (files torch
+writes only after a hang, named as torch's own default ``nccl_trace_rank_``) are what a user
+looks for after a hang: they land in the attempt's folder.
 
 torchrun names the attempt directory after TORCHELASTIC_RESTART_COUNT and ``rmtree``s it when a
 membership change restarts the workers with the same count, so the logs of the attempt that
@@ -19,6 +24,8 @@ and torch's error handler does not create missing directories.
 from __future__ import annotations
 
 import os
+
+from .runtime_dir import RuntimeDir
 
 __all__ = ["Attempt", "RunLogs", "make_temp_dir"]
 
@@ -47,11 +54,13 @@ def make_temp_dir(prefix: str, parent: str) -> str:
 
 
 class Attempt:
-    """One attempt's directory; paths for each local rank inside it."""
+    """One attempt's directory; paths for each local rank inside it. ``private``: the
+    attempt's folder in the agent's private directory (pages and pipes, not logs)."""
 
-    def __init__(self, index: int, dir: str) -> None:
+    def __init__(self, index: int, dir: str, private: str) -> None:
         self.index = index
         self.dir = dir
+        self.private = private
 
     def rank_dir(self, local_rank: int) -> str:
         """``<attempt>/<local_rank>``, created on first use."""
@@ -69,8 +78,11 @@ class Attempt:
         return os.path.join(self.rank_dir(local_rank), "stderr.log")
 
     def page_path(self, local_rank: int) -> str:
-        """The rank's progress page (``node_agent.worker`` writes it; ``<page>.stacks`` beside it)."""
-        return os.path.join(self.rank_dir(local_rank), "progress.page")
+        """The rank's progress page (``node_agent.worker`` writes it; ``<page>.stacks`` beside
+        it), in the private folder."""
+        folder = os.path.join(self.private, str(local_rank))
+        os.makedirs(folder, 0o700, exist_ok=True)
+        return os.path.join(folder, "progress.page")
 
     def numa_binding_path(self) -> str:
         """--numa-binding: each local rank's CPUs, GPU and NUMA node (gpu_node.py)."""
@@ -80,10 +92,13 @@ class Attempt:
         return os.path.join(self.dir, "hang_report.txt")
 
     def flight_recorder_stem(self, kind: str) -> str:
-        """``<attempt>/fr/<kind>_rank_``: torch appends the rank (and ``.pipe`` to a pipe)."""
-        folder = os.path.join(self.dir, "fr")
-        os.makedirs(folder, exist_ok=True)
-        return os.path.join(folder, f"{kind}_rank_")
+        """torch's flight recorder: the stem its dumps (``trace``) or its dump FIFOs (``pipe``)
+        are named after (torch appends the rank, and ``.pipe`` to a FIFO). Dumps are written
+        only after a hang, into the attempt's folder; the FIFOs, made at every start, stay in
+        the private folder."""
+        if kind == "pipe":
+            return os.path.join(self.private, "fr_pipe_rank_")
+        return os.path.join(self.dir, "nccl_trace_rank_")
 
     def filtered_stdout_path(self) -> str:
         """--duplicate-stdout-filters' lines of every rank of the attempt (torchrun's name and place)."""
@@ -99,7 +114,8 @@ class Attempt:
 class RunLogs:
     """The log directory of one run on this node (see the module header for the layout)."""
 
-    def __init__(self, log_dir: str | None, run_id: str) -> None:
+    def __init__(self, log_dir: str | None, run_id: str, runtime: RuntimeDir) -> None:
+        self.runtime = runtime
         if log_dir is None:
             # torchrun's default: a fresh temporary base, so concurrent runs never collide.
             base = make_temp_dir("torchelastic_", _temp_root())
@@ -124,4 +140,4 @@ class RunLogs:
                 k += 1
                 continue
             self._next = k + 1
-            return Attempt(k, path)
+            return Attempt(k, path, self.runtime.attempt(k))

@@ -197,9 +197,11 @@ def pdeathsig_preexec(sig: int = _SIGKILL) -> Callable[[], None]:
 WATCHDOG_QUIT = b"q\n"
 
 
-def watchdog_argv(read_fd: int) -> list[str]:
-    """Command line that runs the watchdog on an inherited pipe read end."""
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watchdog", str(read_fd)]
+def watchdog_argv(read_fd: int, remove_on_death: str = "") -> list[str]:
+    """Command line that runs the watchdog on an inherited pipe read end; ``remove_on_death``:
+    the agent's private folder (runtime_dir.py), removed if the agent dies."""
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watchdog", str(read_fd)]
+    return [*argv, remove_on_death] if remove_on_death else argv
 
 
 def encode_guard(pgid: int) -> bytes:
@@ -228,8 +230,9 @@ def _apply(groups: set[int], lines: Iterable[bytes]) -> bool:
     return False
 
 
-def watchdog_main(read_fd: int) -> None:
-    """Guard process groups until the agent quits us (no kill) or dies (SIGKILL them all)."""
+def watchdog_main(read_fd: int, remove_on_death: str = "") -> None:
+    """Guard process groups until the agent quits us (no kill) or dies (SIGKILL them all, then
+    remove the agent's private folder ``remove_on_death``)."""
     groups: set[int] = set()
     pending = b""
     while True:
@@ -245,7 +248,20 @@ def watchdog_main(read_fd: int) -> None:
             os.killpg(pgid, _SIGKILL)
         except OSError:  # ESRCH: already gone; EPERM: nothing more this process could do
             pass
+    if remove_on_death:
+        _remove_private(remove_on_death)
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--watchdog":
-    watchdog_main(int(sys.argv[2]))
+def _remove_private(path: str) -> None:
+    """runtime_dir.remove_tree, for a process started with -I -S and this file alone (the
+    package is not importable here): the agent's private folder, symlinks never followed."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from runtime_dir import remove_tree  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    remove_tree(path)
+
+
+if __name__ == "__main__" and len(sys.argv) in (3, 4) and sys.argv[1] == "--watchdog":
+    watchdog_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else "")

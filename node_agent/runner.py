@@ -37,6 +37,7 @@ from .executables import which
 from .logs import RunLogs
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
+from .runtime_dir import RuntimeDir
 from .specs import (
     failure_of,
     failures_of,
@@ -153,10 +154,19 @@ class Agent:
         self.clock: Callable[[], float] = time.monotonic
         # --preload: warm interpreters that become the workers (warm.py); None: always cold.
         self.warm = warm_pool(config, os.environ, self.log)
-        self.group = WorkerGroup(stdout=self.stdout, stderr=self.stderr, log=self.log, warm=self.warm)
+        # Pages and pipes, node-local and private (runtime_dir.py); removed when the run ends,
+        # by the orphan watchdog if the agent is killed, else by the node's next agent.
+        self.runtime = RuntimeDir()
+        self.group = WorkerGroup(
+            stdout=self.stdout,
+            stderr=self.stderr,
+            log=self.log,
+            warm=self.warm,
+            remove_on_death=self.runtime.path,
+        )
         # A worker's partial line (a progress bar) is ended before the agent's own line.
         self.log.before_line = self.group.fresh_line
-        self.logs = RunLogs(config.log_dir, config.rdzv_id)
+        self.logs = RunLogs(config.log_dir, config.rdzv_id, self.runtime)
         self.backend = backend
         self.conn: RendezvousLink | None = None
         self.addr = ""
@@ -198,6 +208,12 @@ class Agent:
     # -- the whole run ---------------------------------------------------------------------
 
     async def run(self) -> AgentOutcome:
+        try:
+            return await self._run_bound()
+        finally:
+            self.runtime.close()
+
+    async def _run_bound(self) -> AgentOutcome:
         if self.config.numa_binding is not None:
             from .gpu_node import GpuSetupError  # GPU nodes only (1.5 ms to import)
 

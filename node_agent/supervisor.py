@@ -496,11 +496,11 @@ class _Watchdog:
         return self.proc.pid
 
     @classmethod
-    def start(cls, log: Callable[[str], None]) -> _Watchdog | None:
+    def start(cls, log: Callable[[str], None], remove_on_death: str = "") -> _Watchdog | None:
         read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits the write end
         try:
             proc = subprocess.Popen(
-                procutil.watchdog_argv(read_fd),
+                procutil.watchdog_argv(read_fd, remove_on_death),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -630,6 +630,7 @@ class WorkerGroup:
         log: Callable[[str], None] | None = None,
         guard_orphans: bool = True,
         warm: WarmPool | None = None,
+        remove_on_death: str = "",
     ) -> None:
         self._log: Callable[[str], None] = log or _logger.info
         self._warm = warm  # --preload: where warm interpreters come from (None: always cold)
@@ -639,6 +640,7 @@ class WorkerGroup:
         self._filtered: dict[str, _SharedFile] = {}  # this attempt's filtered-lines files, by path
         self._pty_failed = False  # a pty could not be opened (logged once; pipes instead)
         self._guard_orphans = guard_orphans
+        self._remove_on_death = remove_on_death  # the watchdog removes it if the agent dies
         self._workers: list[_Worker] = []
         self._watchdog: _Watchdog | None = None
         self._started = False  # start() was called at least once
@@ -674,7 +676,7 @@ class WorkerGroup:
                 if self._watchdog is None or not self._watchdog.usable:
                     if self._watchdog is not None:
                         await self._watchdog.wait_closed(REAP_TIMEOUT, self._log)
-                    self._watchdog = _Watchdog.start(self._log)
+                    self._watchdog = _Watchdog.start(self._log, self._remove_on_death)
                 preexec = procutil.pdeathsig_preexec()
             for spec in specs:
                 worker = await self._warm_worker(spec, loop, preexec)

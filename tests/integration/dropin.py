@@ -28,9 +28,9 @@ LAUNCHERS = {
     "ours": [sys.executable, "-m", "node_agent"],
 }
 
-# Only ours, and why (README "Progress, hangs and stragglers"): every rank's progress page (a
-# file in its log folder) and its environment variable, and torch's flight-recorder dump
-# variables pointed into the attempt's log folder.
+# Only ours, and why (README "Progress, hangs and stragglers"): every rank's progress page (in
+# the agent's private folder, never in --log-dir) and its environment variable, and torch's
+# flight-recorder dump variables (dumps into the attempt's log folder, only after a hang).
 ADDED_KEYS = {
     "NODE_AGENT_PROGRESS_PAGE",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
@@ -38,7 +38,6 @@ ADDED_KEYS = {
     "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
     "TORCH_FR_DEBUG_INFO_PIPE_FILE",
 }
-ADDED_FILES = ("progress.page",)  # and its ".stacks" beside it, once a worker attached
 
 # Worker environment values that differ between two runs or two launchers, and why.
 DIFFERENT_BY_DESIGN = {
@@ -85,7 +84,7 @@ class Outcome:
     dumps: list[dict[str, str]]  # one per worker, by RANK
     stdout: list[str]  # one per node
     stderr: list[str]
-    log_files: set[str]  # under {log_dir}, the run folder's name replaced by RUN
+    log_files: set[str]  # under {log_dir}, files and folders, the run folder's name replaced by RUN
     port: int
     filtered: dict[str, Counter[str]] = field(default_factory=dict)  # filtered_*.log: their lines
 
@@ -118,13 +117,12 @@ def run_line(launcher: str, line: Line, tmp: Path, timeout: float = 90.0) -> Out
             p.kill()
     files, filtered = set(), {}
     if log_dir.exists():
-        for path in log_dir.rglob("*"):
-            if path.is_file() and not path.name.startswith(ADDED_FILES):
-                parts = path.relative_to(log_dir).parts
-                name = "/".join(("RUN", *parts[1:]))
-                files.add(name)
-                if path.name.startswith("filtered_"):
-                    filtered[name] = Counter(path.read_text(errors="replace").splitlines())
+        for path in log_dir.rglob("*"):  # every file and folder: torchrun's tree, byte for byte
+            parts = path.relative_to(log_dir).parts
+            name = "/".join(("RUN", *parts[1:]))
+            files.add(name + ("/" if path.is_dir() else ""))
+            if path.is_file() and path.name.startswith("filtered_"):
+                filtered[name] = Counter(path.read_text(errors="replace").splitlines())
     found = [json.loads(p.read_text()) for p in sorted(dumps.glob("*.json"))]  # env-R / node-R.json
     ranked = sorted(found, key=lambda d: int(d.get("RANK", "-1")))
     return Outcome(codes, ranked, [p.stdout for p in procs], [p.stderr for p in procs], files, port, filtered)

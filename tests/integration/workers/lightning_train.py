@@ -85,6 +85,11 @@ def main() -> None:
     trainer.fit(Tiny(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     print(f"done {trainer.global_step}", flush=True)
     print("phases " + json.dumps(sorted(SEEN)), flush=True)
+    if os.environ.get("PAGE_COPY"):  # the agent removes its private folder when it ends
+        with open(os.environ["NODE_AGENT_PROGRESS_PAGE"], "rb") as src:
+            page = src.read()
+        with open(os.environ["PAGE_COPY"], "wb") as dst:
+            dst.write(page)
 
 
 if __name__ == "__main__":
