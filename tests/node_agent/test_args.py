@@ -1026,10 +1026,13 @@ def test_a_launch_imports_nothing_it_does_not_need():
     # Each of these costs milliseconds of every launch (shutil brings zlib, bz2 and lzma;
     # uuid brings platform; hashlib initialises OpenSSL); the agent has its own small versions.
     setup = (
-        "import os, node_agent.args, node_agent.runner, node_agent.logs, rdzv_server.service\n"
+        "import os, node_agent.args, node_agent.runner, node_agent.logs, node_agent.runtime_dir\n"
+        "import rdzv_server.service\n"
         "node_agent.args.build_parser().format_help()\n"
-        "run = node_agent.logs.RunLogs(None, 'x')\n"
-        "os.rmdir(run.root); os.rmdir(os.path.dirname(run.root))  # leave no temp dirs behind"
+        "rt = node_agent.runtime_dir.RuntimeDir()\n"
+        "run = node_agent.logs.RunLogs(None, 'x', rt)\n"
+        "run.new_attempt().page_path(0)\n"
+        "node_agent.runtime_dir.remove_tree(os.path.dirname(run.root)); rt.close()  # nothing left behind"
     )
     slow = ("shutil", "tempfile", "uuid", "platform", "hashlib", "secrets")
     assert loaded_in_a_fresh_interpreter(setup, slow) == []
