@@ -16,6 +16,14 @@ A page that is not one (wrong magic, version or size, too short, gone) reads as 
 a page no worker attached yet; a record caught halfway through a write (its check word does not
 match) is read again, up to :data:`READ_TRIES` times within the call, then reads as None. No
 read raises.
+
+A page is written by the user's process (or by a C++ or Rust trainer following
+``docs/progress-page.md``), so every value read is checked here, where it enters the agent: a
+whole record whose value the layout does not allow (a negative step, a phase slot past 15, a
+stop step below -1 in the check record) makes the page *bad* (:class:`BadPage`, from
+:meth:`Page.check`; ``read`` gives None), and phase names are cleaned
+(:func:`~node_agent.worker.layout.clean_name`). What a sample holds is then within the bounds
+of the messages built from it.
 """
 
 from __future__ import annotations
@@ -26,14 +34,22 @@ from protocol.records import record
 
 from .worker import layout as L
 
-__all__ = ["Page", "PageSet", "RankSample", "create_page", "read_page", "read_stacks_since", "write_stop"]
+__all__ = [
+    "BadPage",
+    "Page",
+    "PageSet",
+    "RankSample",
+    "create_page",
+    "read_page",
+    "read_stacks_since",
+    "write_stop",
+]
 
 READ_TRIES = 3
 STACKS_READ_MAX = 1 << 20  # bytes of a stacks file read per call
 # The bytes a read needs: header, the four records and the phase names.
 _SPAN = L.NAMES_OFFSET + L.NAME_SLOTS * L.NAME_SIZE
 _ZERO_RECORD = (0, 0, 0, 0)
-UNKNOWN_PHASE = "?"  # a phase slot outside 0..15 in a record whose check holds (a writer's bug)
 
 
 @record(frozen=True, slots=True, kw_only=True)
@@ -57,6 +73,14 @@ class RankSample:
     seen: int = L.NO_STEP
     seen_at: int = L.NO_STEP
     stopped: int = L.NO_STEP
+
+
+@record(frozen=True, slots=True)
+class BadPage:
+    """A page whose records are whole (their checks hold) but hold a value the layout does not
+    allow: a writer's bug. ``why`` names the field and its value (numbers only)."""
+
+    why: str
 
 
 def page_bytes() -> bytes:
@@ -95,8 +119,8 @@ def create_page(path: str) -> None:
         raise
 
 
-def _sample(data: bytes) -> RankSample | None:
-    """A sample from a page's first bytes, or None (not a page, not attached, torn)."""
+def _sample(data: bytes) -> RankSample | BadPage | None:
+    """A sample from a page's first bytes, None (not a page, not attached, torn), or BadPage."""
     if len(data) < _SPAN:
         return None
     magic, version, size, pid, sig, attached_ns = L.HEADER.unpack_from(data, 0)
@@ -107,23 +131,26 @@ def _sample(data: bytes) -> RankSample | None:
         step = L.NO_STEP  # no progress() yet
     elif chk != L.check(step, progress_ns, count):
         return None
+    elif step < 0:
+        return BadPage(f"step {step} in its progress record (steps are 0 or more)")
     slot, phase_ns, compute_ns, chk = rec = L.PHASE.unpack_from(data, L.PHASE_OFFSET)
     if rec != _ZERO_RECORD and chk != L.check(slot, phase_ns, compute_ns):
         return None
-    if slot == 0:
-        name = ""
-    elif slot < L.NAME_SLOTS:
+    if slot >= L.NAME_SLOTS:
+        return BadPage(f"phase slot {slot} in its phase record (slots are 0 to {L.NAME_SLOTS - 1})")
+    name = ""
+    if slot:
         off = L.name_offset(slot)
         raw = data[off : off + L.NAME_SIZE - 1].split(b"\0", 1)[0]
-        name = raw.decode("utf-8", "replace")
-    else:
-        name = UNKNOWN_PHASE
+        name = L.clean_name(raw.decode("utf-8", "replace"))
     seen, seen_at, stopped, chk = rec = L.CHECK.unpack_from(data, L.CHECK_OFFSET)
     checks = rec != _ZERO_RECORD
     if not checks:
         seen = seen_at = stopped = L.NO_STEP  # should_stop() never called
     elif chk != L.check(seen, seen_at, stopped):
         return None
+    elif min(seen, seen_at, stopped) < L.NO_STEP:
+        return BadPage(f"steps {seen}, {seen_at}, {stopped} in its check record (each -1 or more)")
     return RankSample(
         step=step,
         progress_ns=progress_ns,
@@ -157,7 +184,12 @@ class Page:
             self._fd = -1
 
     def read(self) -> RankSample | None:
-        """The page's current sample; None when not attached, not a page, or torn thrice."""
+        """The page's current sample; None when not attached, not a page, bad or torn thrice."""
+        sample = self.check()
+        return sample if isinstance(sample, RankSample) else None
+
+    def check(self) -> RankSample | BadPage | None:
+        """As :meth:`read`, but a bad page says why (:class:`BadPage`)."""
         if self._fd < 0:
             return None
         for _ in range(READ_TRIES):
@@ -224,6 +256,9 @@ class PageSet:
 
     def read(self) -> tuple[RankSample | None, ...]:
         return tuple(p.read() for p in self.pages)
+
+    def check(self) -> tuple[RankSample | BadPage | None, ...]:
+        return tuple(p.check() for p in self.pages)
 
     def write_stop(self, step: int, state: int) -> None:
         """Write the stop record of every page (see :meth:`Page.write_stop`); a page that cannot

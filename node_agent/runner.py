@@ -49,9 +49,9 @@ from .specs import (
 )
 from .store_host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor import WorkerGroup, WorkerSpawnError
-from .training import DumpStacks, Training, WriteStop
+from .training import JOB_REPORT_TITLE, DumpStacks, JobHangReport, Training, WriteStop
 from .warm import warm_pool
-from .watching import ARMING_POLL_S, RoundPages, dump, poll
+from .watching import ARMING_POLL_S, RoundPages, add_job_report, dump, poll
 from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:
@@ -193,6 +193,9 @@ class Agent:
         self._training: Training | None = None  # the machine's: its arming step picks the poll
         self._poll_task: asyncio.Task[None] | None = None
         self._dump_task: asyncio.Task[None] | None = None
+        # The server's job-wide hang report filed (report path, text): a dump that ends after
+        # it writes the file anew, and files it again.
+        self._job_report: tuple[str, str] | None = None
         self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store_host.py)
         # GPU nodes (gpu_node.py): --numa-binding's CPUs per local rank; the visible GPUs'
         # UUIDs, found once when first needed; the wait for the last workers' GPU memory to be
@@ -433,6 +436,8 @@ class Agent:
             elif isinstance(eff, WriteStop):
                 if self._pages is not None:
                     self._pages.write_stop(eff)
+            elif isinstance(eff, JobHangReport):
+                self._file_job_report(eff)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -654,9 +659,20 @@ class Agent:
         assert self._pages is not None
         try:
             done = await dump(eff, self._pages, self.group.pids, self.node_id)
+            if self._job_report is not None and done.path == self._job_report[0]:
+                add_job_report(*self._job_report)  # the dump wrote the file anew
         finally:
             self._dump_task = None
         self.events.put_nowait(done)
+
+    def _file_job_report(self, eff: JobHangReport) -> None:
+        """The job's hang report, from the server, into this round's report file."""
+        if self._pages is None:
+            return  # no round of ours ran: nothing to add it to
+        path = self._pages.report_path
+        self._job_report = (path, eff.text)
+        if add_job_report(path, eff.text):
+            self.log(f"{JOB_REPORT_TITLE} is in {path}")
 
     async def _reconnect(self, deadline: float) -> None:
         while True:

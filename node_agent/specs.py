@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import string
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -159,6 +160,7 @@ def machine_settings(cfg: AgentConfig, *, node_id: str, addr: str, reconnects: b
         max_restarts=cfg.max_restarts,
         min_nodes=cfg.min_nodes,
         max_nodes=cfg.max_nodes,
+        wall_offset=time.time() - time.monotonic(),  # the runner's clock is monotonic
     )
 
 
@@ -170,6 +172,7 @@ def training(cfg: AgentConfig, *, node_id: str, addr: str) -> Training:
         node_id=node_id,
         addr=addr,
         interval=cfg.rdzv_conf.heartbeat_interval,
+        wall_offset=time.time() - time.monotonic(),
     )
 
 

@@ -17,7 +17,7 @@ reaped, and nothing raises for a rank's sake: a rank's failure is its text.
 
 Also here: :func:`poke_flight_recorder` (asks torch's NCCL flight recorder of every rank to
 dump, through the FIFOs torch opens when ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is set) and
-:func:`write_report`.
+:func:`write_report` and :func:`append_report`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from protocol.records import record
 
 from .pages import read_stacks_since
 
-__all__ = ["RankStacks", "Target", "collect", "poke_flight_recorder", "write_report"]
+__all__ = ["RankStacks", "Target", "append_report", "collect", "poke_flight_recorder", "write_report"]
 
 PY_SPY = "py-spy"
 SETTLE_S = 0.1  # a stacks file unchanged this long is complete
@@ -236,3 +236,21 @@ def write_report(path: str, text: str) -> bool:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         return False
+
+
+def append_report(path: str, text: str) -> bool:
+    """Add ``text`` at the end of ``path`` (created if missing, never through a symlink);
+    False if it could not be written."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return False
+    try:
+        view = memoryview(text.encode("utf-8", "replace"))
+        while view:
+            view = view[os.write(fd, view) :]
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -131,7 +131,16 @@ from protocol import (
 from protocol.records import record
 
 from .agent_log import shown
-from .training import DumpStacks, ProgressRead, StacksDumped, Training, WriteStop
+from .training import (
+    DumpStacks,
+    JobHangReport,
+    PageWarning,
+    ProgressRead,
+    StacksDumped,
+    Training,
+    WriteStop,
+    job_hang_report,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
@@ -326,6 +335,7 @@ Effect = (
     | Log
     | DumpStacks
     | WriteStop
+    | JobHangReport
 )
 
 
@@ -357,6 +367,9 @@ class AgentSettings:
     # first asks the server for one, and waits this long (plus COMMIT_LEAD) for its Drain.
     # 0: never ask (the drain stops the workers at once).
     commit_timeout: float = 0.0
+    # The wall clock minus the machine's clock: a Failure's timestamp is wall time (the banner
+    # and torchrun's error file show it as a date), the machine's ``now`` is monotonic.
+    wall_offset: float = 0.0
 
 
 class AfterStop(enum.Enum):
@@ -467,7 +480,7 @@ class AgentMachine:
         if isinstance(msg, Left):
             return self._on_left(msg)
         if isinstance(msg, JobFailed):
-            return self._on_job_failed(msg)
+            return [*self._job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
         if isinstance(msg, JobDone):
             return self._on_job_done()
         if isinstance(msg, Error):
@@ -505,7 +518,7 @@ class AgentMachine:
         if isinstance(msg, Assignment):
             return self._on_assignment(msg)
         if isinstance(msg, Restart):
-            return self._on_restart(msg, now)
+            return [*self._on_restart(msg, now), *self._job_hang_report(msg.report, restart=True)]
         if isinstance(msg, Drain):
             if self._leaving or self._exit is not None:
                 return []  # already on our way out
@@ -722,7 +735,7 @@ class AgentMachine:
             local_rank=0,
             exitcode=127,
             signal="",
-            timestamp=now,
+            timestamp=now + self.settings.wall_offset,
             message=event.reason,
         )
         self.local_failures = (failure,)
@@ -735,9 +748,12 @@ class AgentMachine:
             return []  # we are already stopping them for another reason
         if event.failure is None:
             self.phase = Phase.BARRIER
-            step = self.training.committed_step() if self.training is not None else None
-            if step is not None:
-                return self._on_committed(step, now)
+            stop = self.training.commit_stop() if self.training is not None else None
+            if isinstance(stop, int):
+                return self._on_committed(stop, now)
+            if isinstance(stop, str):
+                self.phase = Phase.RUNNING  # (no success) a failure of this node's workers
+                return self._fail(self._commit_failure(stop, now), (), now)
             self._succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
@@ -748,6 +764,20 @@ class AgentMachine:
                 effects += self._drain(self._commit_leave, now)  # finished before any commit point
             return effects
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
+
+    def _commit_failure(self, why: str, now: float) -> Failure:
+        a = self.assignment
+        assert a is not None
+        return Failure(
+            node_id=self.settings.node_id,
+            addr=self.settings.addr,
+            rank=a.rank_offset,
+            local_rank=0,
+            exitcode=0,
+            signal="",
+            timestamp=now + self.settings.wall_offset,
+            message=_fit(why),
+        )
 
     def _on_committed(self, step: int, now: float) -> list[Effect]:
         """Every worker stopped at the commit step and exited 0: not the job's success, a
@@ -806,21 +836,37 @@ class AgentMachine:
         out, line = t.on_read(event, now)
         effects: list[Effect] = [Log("error", line)] if line else []
         for item in out:
+            if isinstance(item, PageWarning):
+                effects.append(Log("warning", item.text))
+                continue
             if isinstance(item, Armed) and (self.away or self._resuming):
                 t.arming = item.step  # not said yet: said on a read once we are back
                 continue
             effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
         return effects
 
+    @staticmethod
+    def _job_hang_report(report: str, *, restart: bool) -> list[Effect]:
+        """A hang ended the round, and the server sent the job's report (every node's stacks
+        merged; an older server sends none): filed beside ours, and said on a restart."""
+        if not report:
+            return []
+        filed, line = job_hang_report(report, restart=restart)
+        return [*([Log("warning", line)] if line else []), filed]
+
     def _on_stop_at(self, msg: StopAt, now: float) -> list[Effect]:
         """A commit point for the round we run: into the pages (training.py decides what)."""
         a, t = self.assignment, self.training
         if self.phase is not Phase.RUNNING or a is None or t is None or msg.round != a.round:
             return []  # a round we no longer run, or workers on their way down: nothing to stop
-        if msg.state == "arm" and self._commit_leave is not None and self.deadline is not None:
-            # Our drain waits for this commit: as long as the server's own deadline for it
-            # (the steps to it at our step times, the lead, the checkpoint budget), not less.
-            self.deadline = max(self.deadline, now + t.seconds_to(msg.step) + self._commit_budget())
+        if msg.state in ("arm", "go") and self._commit_leave is not None and self.deadline is not None:
+            # Our drain waits for this commit as long as the server does: its one deadline,
+            # which StopAt says (an older server's: the steps to S at our step times, the
+            # lead, the checkpoint budget), and a second for the message's way.
+            if msg.deadline_s > 0:
+                self.deadline = max(self.deadline, now + msg.deadline_s + 1.0)
+            elif msg.state == "arm":
+                self.deadline = max(self.deadline, now + t.seconds_to(msg.step) + self._commit_budget())
         writes, line = t.on_stop(msg)
         return [*([Log("info", line)] if line else []), *writes]
 
@@ -1051,7 +1097,9 @@ class AgentMachine:
         if (
             self.settings.commit_timeout <= 0
             or t is None
-            or not t.checks()
+            # Early in the training its ranks may not have called should_stop() yet: the
+            # server knows (it waits for every node's summary) and drains us at once if not.
+            or not t.may_check(now)
             or self.phase is not Phase.RUNNING
             or a is None
             or self.away

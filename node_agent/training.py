@@ -27,8 +27,12 @@ A commit point (issue 20), this node's part:
    Once every local rank has, the server hears ``Armed`` (``late`` when a rank was already at
    or past S: it decided not to stop there, so the job cannot; ``checked``: the highest step);
 3. ``StopAt(go, S)`` (every node armed in time) or ``StopAt(cancel)``: written into the pages;
-4. the workers exit 0 and every page says ``stopped == S``: :meth:`Training.committed_step`
-   is S, and the machine says ``WorkersCommitted`` instead of ``WorkersSucceeded``.
+4. the workers exit 0 and every page says one ``stopped`` step T >= S (S itself, or, for
+   ranks that call ``should_stop()`` every few steps, their first call past S):
+   :meth:`Training.commit_stop` is T, and the machine says ``WorkersCommitted(T)`` instead of
+   ``WorkersSucceeded``. Ranks that stopped at different steps (or some that did not stop) are
+   no commit and no success: a failure of this node, so the job restarts (never a job that
+   "finished" early).
 """
 
 from __future__ import annotations
@@ -36,21 +40,29 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from protocol import Armed, Assignment, Failure, HangDetected, Progress, Stacks, StopAt
+from protocol import COMMIT_EARLY_S, Armed, Assignment, Failure, HangDetected, Progress, Stacks, StopAt
 from protocol.failure_text import HUNG
 from protocol.messages import MAX_HUNG_RANKS, MAX_PHASE_LEN, MAX_TIMEOUT
 from protocol.records import record
 
 if TYPE_CHECKING:
-    from .pages import RankSample
+    from .pages import BadPage, RankSample
     from .watch import HangPolicy, Hung, NodeWatch
 
 
 @record(frozen=True, slots=True)
 class ProgressRead:
-    """The I/O layer read every local rank's page (None: not attached yet, or torn)."""
+    """The I/O layer read every local rank's page (None: not attached yet, or torn; BadPage:
+    a value the layout does not allow)."""
 
-    samples: tuple[RankSample | None, ...]
+    samples: tuple[RankSample | BadPage | None, ...]
+
+
+@record(frozen=True, slots=True)
+class PageWarning:
+    """A line for the agent's log: a local rank's page was bad (said once per rank and round)."""
+
+    text: str
 
 
 @record(frozen=True, slots=True)
@@ -81,6 +93,29 @@ class WriteStop:
     state: int
 
 
+@record(frozen=True, slots=True)
+class JobHangReport:
+    """Add the server's job-wide hang report (every node's stacks merged; already escaped for
+    a terminal) to this node's report file of the round, ``hang_report.txt``: after what the
+    node wrote itself, and again should a stack dump still under way write the file anew."""
+
+    text: str
+
+
+def job_hang_report(report: str, *, restart: bool) -> tuple[JobHangReport, str]:
+    """The server's job-wide hang report (``Restart.report``, ``JobFailed.report``): the
+    effect that files it, and the console's text of it ("": none). A job that failed prints
+    its root cause, which names the rank the report points at, in the failure banner; a
+    restart has no banner, so the console gets the report itself."""
+    from .agent_log import shown
+
+    text = shown(report.rstrip(), multiline=True)
+    return JobHangReport(text), f"{JOB_REPORT_TITLE}:\n{text}" if restart else ""
+
+
+JOB_REPORT_TITLE = "the job-wide hang report (every node's stacks, merged by the rendezvous server)"
+
+
 @record
 class Training:
     policy: HangPolicy
@@ -88,6 +123,7 @@ class Training:
     node_id: str
     addr: str
     interval: float  # the least time between two Progress summaries (the heartbeat interval)
+    wall_offset: float = 0.0  # the wall clock minus the machine's (a Failure's timestamp is wall time)
     watch: NodeWatch | None = None
     round: int = -1
     rank_offset: int = 0
@@ -99,17 +135,23 @@ class Training:
     # polls the pages fast meanwhile), and the step the server said go for.
     arming: int | None = None
     go: int | None = None
+    first_progress: float | None = None  # when a local rank of the round first reported a step
     _samples: tuple[RankSample | None, ...] = ()  # each local rank's last whole sample
     _sent_checks: bool = False  # what the last Progress said of should_stop()
+    # Local ranks whose page was bad this round: from then on they count as not reporting
+    # (not watched, not in the summary, no should_stop), whatever their page says later.
+    _bad: frozenset[int] = frozenset()
 
     def start(self, a: Assignment) -> None:
         """New workers of round ``a.round`` start (with fresh pages)."""
         from .watch import NodeWatch
 
+        self.first_progress = None
         self.watch = NodeWatch(self.policy, self.nproc)
         self.round, self.rank_offset = a.round, a.rank_offset
         self.collecting, self.hung, self._sent_at, self._again = False, (), None, False
         self.arming, self.go, self._samples, self._sent_checks = None, None, (None,) * self.nproc, False
+        self._bad = frozenset()
 
     def stop(self) -> None:
         """The workers are being stopped: their silence from now on is no hang."""
@@ -120,13 +162,41 @@ class Training:
         """Every local rank calls ``worker.should_stop()`` (as its last whole sample says)."""
         return bool(self._samples) and all(s is not None and s.checks for s in self._samples)
 
-    def committed_step(self) -> int | None:
-        """The commit step every local rank stopped at (``should_stop()`` said True there), or
-        None: no go, or a rank that did not stop at it (an ordinary exit)."""
+    def may_check(self, now: float) -> bool:
+        """Whether the ranks may still turn out to call ``should_stop()``: they do, or their
+        training has only just begun (no step yet, or the first less than ``COMMIT_EARLY_S``
+        ago: a rank's first call can follow its first steps)."""
+        first = self.first_progress
+        return self.checks() or first is None or now - first < COMMIT_EARLY_S
+
+    def commit_stop(self) -> int | str | None:
+        """How the workers' exit 0 ends the round, once the server said go for a commit step:
+        the step every local rank stopped at (``should_stop()`` said True there: S, or each
+        rank's first check past S), or, when some ranks stopped and others did not or at other
+        steps, why that is no commit (the rule: every rank calls ``should_stop()`` at the same
+        steps). None: no go, or no rank stopped for it (the training ended by itself)."""
         go = self.go
         if go is None or not self._samples:
             return None
-        return go if all(s is not None and s.stopped == go for s in self._samples) else None
+        stopped = [s.stopped if s is not None else -1 for s in self._samples]
+        if all(x < go for x in stopped):
+            return None
+        # A rank that ended on its own at the very step the others stopped at (the training's
+        # last step) is no obstacle: the job resumes there and ends again at once.
+        ends = {
+            x if x >= go else (s.step if s is not None else -1)
+            for x, s in zip(stopped, self._samples, strict=True)
+        }
+        if len(ends) == 1:
+            return ends.pop()
+        where = ", ".join(
+            f"local rank {lr} {'stopped at step ' + str(x) if x >= go else 'did not stop'}"
+            for lr, x in enumerate(stopped[:8])
+        )
+        return (
+            f"the ranks did not all stop at one step for the commit point at step {go} ({where}); "
+            "every rank must call worker.should_stop() at the same steps"
+        )
 
     def on_stop(self, msg: StopAt) -> tuple[list[WriteStop], str]:
         """The server's ``StopAt`` for our round: what to write into the pages, and a log line.
@@ -167,24 +237,28 @@ class Training:
 
     def on_read(
         self, event: ProgressRead, now: float
-    ) -> tuple[list[Progress | HangDetected | DumpStacks | Armed], str]:
+    ) -> tuple[list[Progress | HangDetected | DumpStacks | Armed | PageWarning], str]:
         """A page read: the summary to send (at most one per ``interval``, only on change),
         the answer to an armed commit point once every local rank saw it, and on a new hang
         the notice and the stacks to collect; plus a log line ("" if none)."""
         if self.watch is None:
             return [], ""
-        out: list[Progress | HangDetected | DumpStacks | Armed] = []
+        out: list[Progress | HangDetected | DumpStacks | Armed | PageWarning] = []
+        samples = self._screen(event.samples, out)
         # A torn or missing read keeps the rank's last whole sample (a CHECK record, once
-        # written, stays valid: a rank does not stop calling should_stop).
+        # written, stays valid: a rank does not stop calling should_stop); a bad page's rank
+        # keeps none.
         self._samples = tuple(
-            new if new is not None else old
-            for new, old in zip(_padded(event.samples, self.nproc), self._samples, strict=True)
+            None if lr in self._bad else new if new is not None else old
+            for lr, (new, old) in enumerate(zip(samples, self._samples, strict=True))
         )
+        if self.first_progress is None and any(s is not None and s.count > 0 for s in self._samples):
+            self.first_progress = now
         armed = self._armed()
         if armed is not None:
             out.append(armed)
         now_ns = int(now * 1e9)
-        hung = self.watch.observe(event.samples, now_ns) if not self.hung else []
+        hung = self.watch.observe(samples, now_ns) if not self.hung else []
         due = self._sent_at is None or now - self._sent_at >= self.interval
         checks = self.checks()
         if due and (self.watch.changed() or checks != self._sent_checks):
@@ -210,6 +284,32 @@ class Training:
         else:
             self._again = True  # the report must mark our hung ranks: collect again after
         return out, f"{reason}; collecting every rank's stacks before stopping the workers"
+
+    def _screen(
+        self,
+        samples: tuple[RankSample | BadPage | None, ...],
+        out: list[Progress | HangDetected | DumpStacks | Armed | PageWarning],
+    ) -> tuple[RankSample | None, ...]:
+        """Exactly ``nproc`` samples, None for a rank whose page was bad this round; a rank's
+        first bad page is said (``PageWarning``) and the watch forgets it."""
+        from .pages import BadPage
+
+        screened: list[RankSample | None] = []
+        for lr, s in enumerate(_padded(samples, self.nproc)):
+            if isinstance(s, BadPage):
+                if lr not in self._bad and self.watch is not None:
+                    self._bad |= {lr}
+                    self.watch.forget(lr)
+                    out.append(
+                        PageWarning(
+                            f"local rank {lr} (rank {self.rank_offset + lr}): its progress page holds "
+                            f"{s.why}; the rank counts as not reporting progress (no hang detection, "
+                            "no straggler score, no commit point) until the workers restart"
+                        )
+                    )
+                s = None
+            screened.append(None if lr in self._bad else s)
+        return tuple(screened)
 
     def on_collect(self, round_: int, reason: str) -> DumpStacks | None:
         """The server asks for our stacks (another node's rank hung): collect, unless we are."""
@@ -254,12 +354,14 @@ class Training:
             local_rank=first.local_rank,
             exitcode=-int(signal.SIGTERM),  # what we do to it next
             signal=HUNG,
-            timestamp=now,
+            timestamp=now + self.wall_offset,
             message=_clip(f"{self.headline()}{where}\n{report}"),
         )
 
 
-def _padded(samples: tuple[RankSample | None, ...], n: int) -> tuple[RankSample | None, ...]:
+def _padded(
+    samples: tuple[RankSample | BadPage | None, ...], n: int
+) -> tuple[RankSample | BadPage | None, ...]:
     """Exactly ``n`` samples (a read of another size is cut or filled with "no sample")."""
     return samples[:n] + (None,) * (n - len(samples))
 

@@ -30,10 +30,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from protocol.messages import MAX_PHASE_LEN, MAX_TIMEOUT
+from protocol.messages import MAX_TIMEOUT
 from protocol.records import record
 
 from .pages import RankSample
+from .worker.layout import clean_name
 
 __all__ = ["HangPolicy", "Hung", "NodeWatch"]
 
@@ -205,6 +206,7 @@ class _Rank:
         "phase_ns",
         "reported",
         "resumed_ns",
+        "since_ns",
         "step",
     )
 
@@ -225,6 +227,9 @@ class _Rank:
         # Last seen inside a phase with a budget of its own (0: never): the step budget counts
         # from there, not from the progress before it, and no interval spans it.
         self.resumed_ns = 0
+        # No progress of this rank is older than this: the read before the one that first saw
+        # it attached (the first read of the round when none came before).
+        self.since_ns = 0
 
 
 class NodeWatch:
@@ -241,7 +246,14 @@ class NodeWatch:
         """Forget everything: new workers with new pages."""
         self._ranks = [_Rank() for _ in range(self.nproc)]
         self._active_ns = 0  # when some rank first reported progress (0: none has)
+        self._read_ns = 0  # the previous read (0: none yet)
         self._changed = False
+
+    def forget(self, local_rank: int) -> None:
+        """Rank ``local_rank`` no longer counts as reporting (its page went bad): as if it never
+        touched its page, until :meth:`reset`."""
+        self._ranks[local_rank] = _Rank()
+        self._changed = True
 
     # --- hangs ---------------------------------------------------------------------------------
 
@@ -252,6 +264,7 @@ class NodeWatch:
         for rank, sample in zip(self._ranks, samples, strict=False):
             if sample is not None:
                 self._update(rank, sample, now_ns)
+        self._read_ns = now_ns
         if not self._active_ns and any(r.count for r in self._ranks):
             self._active_ns = now_ns
         if self._active_ns:
@@ -280,7 +293,8 @@ class NodeWatch:
     def _update(self, r: _Rank, s: RankSample, now_ns: int) -> None:
         if not s.pid:
             return
-        r.attached = True
+        if not r.attached:
+            r.attached, r.since_ns = True, min(self._read_ns or now_ns, now_ns)
         phase = _plain(s.phase)
         if phase != r.phase:
             r.phase = phase
@@ -291,8 +305,8 @@ class NodeWatch:
         if s.count == r.count or s.count < r.count:
             return  # no progress (a smaller count is a writer's bug: ignored)
         # The writer's clock is trusted only within what we saw: never in our future, never
-        # before its previous progress.
-        at = min(max(s.progress_ns, r.last_ns), now_ns)
+        # before its previous progress, nor before it could have reported at all.
+        at = min(max(s.progress_ns, r.last_ns, r.since_ns), now_ns)
         if r.count:  # an interval needs the previous progress's time
             steps = s.count - r.count
             interval = (at - max(r.last_ns, min(r.resumed_ns, at))) / steps
@@ -400,5 +414,6 @@ def _ms(value: float, *, ns: bool = True) -> float:
 
 
 def _plain(name: str) -> str:
-    """A phase name as Progress takes it: no control characters, at most MAX_PHASE_LEN."""
-    return "".join(c if c.isprintable() else "?" for c in name)[:MAX_PHASE_LEN]
+    """A phase name as Progress takes it (the reader cleaned it already; a sample made by other
+    means gets the same rule)."""
+    return clean_name(name)

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from protocol import Stacks
 from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
 from .pages import PageSet, create_page
 from .training import DumpStacks, ProgressRead, StacksDumped, WriteStop
+
+if TYPE_CHECKING:
+    from .pages import RankSample
 
 STACKS_TIMEOUT = 5.0  # every rank's stacks, in all
 # The poll while an armed commit step waits for every local rank to see it: the server's
@@ -43,7 +48,7 @@ class RoundPages:
         self.wake = asyncio.Event()  # a stop record was written: poll now, not at the next interval
 
     def read(self) -> ProgressRead:
-        return ProgressRead(self.pages.read())
+        return ProgressRead(self.pages.check())
 
     def write_stop(self, eff: WriteStop) -> None:
         """Write every page's stop record and have the poll read the pages at once."""
@@ -72,6 +77,7 @@ async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node
     from .stacks import Target, collect, poke_flight_recorder, write_report
 
     samples = pages.pages.read()
+    read_ns = time.monotonic_ns()  # the workers' progress clock (node_agent.worker)
     hung = {h.local_rank: h for h in eff.hung}
     order = sorted(range(len(pages.paths)), key=lambda lr: (lr not in hung, lr))
     targets = []
@@ -94,7 +100,7 @@ async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node
     for t in targets:
         s = samples[t.local_rank] if t.local_rank < len(samples) else None
         h = hung.get(t.local_rank)
-        silent = h.silent_s if h is not None else 0.0
+        silent = h.silent_s if h is not None else _silence(s, read_ns)
         step = h.step if h is not None else (s.step if s is not None else -1)
         phase = h.phase if h is not None else (s.phase if s is not None else "")
         g = by_rank.get(t.rank)
@@ -111,7 +117,10 @@ async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node
             )
         )
     report = merge(entries, hung=[pages.rank_offset + lr for lr in hung])
-    text = render(report)
+    # Our ranks only: when they all wait in a collective, the rank they wait for is another
+    # node's, which only the job-wide report (the server's, added here once it comes) names.
+    text = f"node {node}'s hang report (its own ranks only; the job-wide one merges every node's)\n"
+    text += render(report)
     full = f"{text}\n\nEach rank's stacks as collected:\n\n{render_raw(entries)}"
     path = pages.report_path if write_report(pages.report_path, full) else ""
     sent = entries[:MAX_STACK_RANKS]
@@ -124,3 +133,20 @@ async def dump(eff: DumpStacks, pages: RoundPages, pids: Mapping[int, int], node
         stacks=tuple(compact(e.text, MAX_STACK_LEN) for e in sent),
     )
     return StacksDumped(stacks=stacks, report=text, path=path)
+
+
+def _silence(s: RankSample | None, now_ns: int) -> float:
+    """Seconds since a rank not found hung (another node's hang) last made progress: the
+    job-wide report compares it with the hung ones (0: it reported none)."""
+    if s is None or s.step < 0:
+        return 0.0
+    return min(max(0, now_ns - s.progress_ns) / 1e9, MAX_TIMEOUT)
+
+
+def add_job_report(path: str, text: str) -> bool:
+    """Add the server's job-wide hang report (escaped) after what ``path`` holds; False if it
+    could not be written."""
+    from .stacks import append_report
+    from .training import JOB_REPORT_TITLE
+
+    return append_report(path, f"\n\n{JOB_REPORT_TITLE}:\n\n{text}\n")

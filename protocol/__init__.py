@@ -33,6 +33,7 @@ from protocol.errors import (
 )
 from protocol.messages import (
     CLIENT_MESSAGES,
+    COMMIT_EARLY_S,
     COMMIT_LEAD,
     MAX_ADDR_LEN,
     MAX_CODE_LEN,
@@ -84,6 +85,7 @@ from protocol.preface import HTTP_METHODS, PREFACE_LEN, PrefaceKind, classify_pr
 
 __all__ = [
     "CLIENT_MESSAGES",
+    "COMMIT_EARLY_S",
     "COMMIT_LEAD",
     "HEADER",
     "HTTP_METHODS",

@@ -28,7 +28,8 @@ working together, so neither bumps ``PROTOCOL_VERSION``; anything else does.
   default. (``Join.node_rank``, -1: the agent was given no ``--node-rank``;
   ``Join.node_secret``, "": an agent that proves nothing about its node;
   ``Leave.workers_stopping``, False: a plain Leave; ``Waiting.spare``, False: the node waits
-  for its round, not as a hot spare.)
+  for its round, not as a hot spare; ``Restart.report`` and ``JobFailed.report``, "": no
+  job-wide hang report.)
 - A new server -> agent message whose only use is in a moment where an older agent expects
   the connection to close anyway: the older agent fails to decode it, treats that as the lost
   connection it expected, and so does what it did before. (``GoingAway``: it reconnects;
@@ -551,8 +552,8 @@ class Armed(_Schema):
 
 @record(frozen=True, kw_only=True, slots=True)
 class WorkersCommitted(_Schema):
-    """Every worker of this node stopped at the commit step ``step`` and exited 0 in ``round``
-    (a planned stop, not a success of the job and not a failure)."""
+    """Every worker of this node stopped at one step ``step`` (at or past the commit step) and
+    exited 0 in ``round`` (a planned stop, not a success of the job and not a failure)."""
 
     TYPE: ClassVar[str] = "workers_committed"
     round: int = field(metadata=_COUNT)
@@ -674,6 +675,10 @@ class Restart(_Schema):
     round: int = field(metadata=_COUNT)
     reason: str = field(metadata=_TEXT)
     restart_count: int = field(metadata=_COUNT)
+    # A hang ended the round: the job's hang report, every node's stacks merged (at most
+    # MAX_TEXT_LEN characters), for the agents' consoles and report files. Added within
+    # version 1: an older agent ignores it, an older server sends none ("").
+    report: str = field(default="", metadata=_TEXT)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -687,6 +692,8 @@ class JobFailed(_Schema):
     # "crash_loop" (restarts in a row made no step progress: the agent's distinct exit code).
     # Added within version 1: an older agent ignores it.
     code: str = field(default="", metadata=_text(MAX_CODE_LEN, plain=True))
+    # As Restart.report: the job's hang report when a hang ended it ("": none, or an older server).
+    report: str = field(default="", metadata=_TEXT)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -704,6 +711,10 @@ STOP_STATES = ("arm", "go", "cancel")
 # agent, the page write, each rank's acknowledgement and the answers back, on any sane
 # network); an agent draining for a commit waits the commit budget plus this for its Drain.
 COMMIT_LEAD = 1.0
+# A planned change in a round's first seconds waits this long for every node to say that its
+# ranks call should_stop() (a rank's first call may follow its first step) before it gives up
+# on a commit point; a draining agent asks for one that early even before its ranks said so.
+COMMIT_EARLY_S = 5.0
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -712,13 +723,18 @@ class StopAt(_Schema):
 
     ``arm``: write ``step`` into every local rank's page and answer ``Armed``; a rank that
     reaches it waits in ``should_stop()``. ``go``: every node armed in time; each rank stops
-    at ``step`` (``should_stop()`` is True there). ``cancel``: no stop (a waiting rank goes on).
+    at the first step >= ``step`` it calls ``should_stop()`` at (``step`` itself for a rank
+    that calls it every step). ``cancel``: no stop (a waiting rank goes on).
     """
 
     TYPE: ClassVar[str] = "stop_at"
     round: int = field(metadata=_COUNT)
     step: int = field(metadata=_COUNT)
     state: str = field(metadata=_choice(STOP_STATES))
+    # The seconds left, as sent, to the commit's one deadline (past it the server restarts the
+    # round instead): a draining agent waits exactly as long. Added within version 1: 0 from an
+    # older server (the agent then estimates it), ignored by an older agent.
+    deadline_s: float = field(default=0.0, metadata=_TIMEOUT)
 
 
 @record(frozen=True, kw_only=True, slots=True)

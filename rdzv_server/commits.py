@@ -22,9 +22,20 @@ and that its ranks call ``worker.should_stop()`` (``Progress.checks``):
    ``WorkersCommitted``; once every node has, the change happens (the job regathers, drained
    nodes are told to leave). A commit uses no restart and counts as no node's failure.
 
-It is bounded: past the deadline (the steps to S at the slowest step time, ``COMMIT_LEAD``,
-and the job's ``commit_timeout``, the checkpoint budget) the change happens as a hard
-restart, as it did before. A failure or a lost node during a commit is handled as always
+A rank that calls ``should_stop()`` only every few steps stops at its first call at or past
+S; every rank must call it at the same steps (the same script does), so they all stop at one
+step T >= S and the job resumes from T. Ranks that stop at different steps make the change a
+hard restart (the fallback below); a worker exit during a commit is never the job's success.
+
+Early in a round the server may not know yet whether the ranks call ``should_stop()`` or how
+long a step takes: a change then waits ``PENDING_WAIT_S`` for every node's word before it
+gives up on a commit (``_may_wait``), and without a step time yet it aims a few
+steps ahead and bounds the commit by the round's age instead.
+
+It is bounded, by one deadline set when S is first chosen (the steps to S at the slowest step
+time, ``COMMIT_LEAD``, and the job's ``commit_timeout``, the checkpoint budget; a re-ask for a
+later step keeps it, and ``StopAt`` tells the agents how long is left): past it the change
+happens as a hard restart, as it did before. A failure or a lost node during a commit is handled as always
 (the commit is dropped with the round). Jobs whose ranks do not call ``should_stop``, or
 that report no progress, never see a commit.
 
@@ -38,17 +49,31 @@ import math
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from protocol import COMMIT_LEAD, Armed, Drain, LeaveAfterCommit, StopAt, WorkersCommitted
-from protocol.messages import clip_text
+from protocol import (
+    COMMIT_EARLY_S,
+    COMMIT_LEAD,
+    Armed,
+    Drain,
+    LeaveAfterCommit,
+    Progress,
+    StopAt,
+    WorkersCommitted,
+)
+from protocol.messages import MAX_COUNT, MAX_TIMEOUT, clip_text
 
 from . import history as said
 from .events import Effect, Log, Send
+from .faults import from_volatile
 from .history import LOG_TEXT_LEN, escape
 from .jobs import PEER_TEXT_LEN, REASON_LEN, Commit, Job, JobPhase, Member, MemberState
+from .progress import MAX_STEP
 from .training_rules import TrainingRules
 
 MIN_STEPS_AHEAD = 2  # a rank acknowledges at its next step: S must be at least two ahead
 MAX_ARMS = 3  # late ranks make the server ask for a later step at most this often
+# How long a change early in a round waits for every node to report that its ranks call
+# should_stop() (agents send a summary at most once per heartbeat interval, 1 s by default).
+PENDING_WAIT_S = COMMIT_EARLY_S
 
 
 class CommitRules(TrainingRules):
@@ -85,26 +110,86 @@ class CommitRules(TrainingRules):
                 c.reason = clip_text(f"{c.reason}; {reason}", REASON_LEN)
             return  # (the same node asking again changes nothing, but is logged: harmless)
         choice = self._stop_choice(job, now)
-        if choice is None:
+        if choice is None and not self._may_wait(job, now):
             if drain is not None:
                 words = reason if told is None else told
                 out.append(Send(drain.conn, Drain(reason=clip_text(words, PEER_TEXT_LEN))))
             else:
                 self._regather(job, reason, now, out)
             return
-        step, deadline = choice
-        job.commit = Commit(
+        job.commit = c = Commit(
             round=job.round,
-            step=step,
+            step=Commit.PENDING,
             reason=reason,
-            deadline=deadline,
+            deadline=now + PENDING_WAIT_S,
             started_at=now,
             drains=[drain.node_id] if drain is not None else [],
         )
-        said.note(job, said.commit_asked(now, job.round, step, reason, deadline - now), out)
-        self._send_round(job, StopAt(round=job.round, step=step, state="arm"), out)
+        if choice is None:
+            line = f"job {job.id}: {reason}: waiting for every node's progress to choose a commit point"
+            out.append(Log("info", escape(clip_text(line, LOG_TEXT_LEN))))
+            return
+        self._arm(job, c, choice, now, out)
 
-    def _stop_choice(self, job: Job, now: float, *, past: int = -1) -> tuple[int, float] | None:
+    def _arm(self, job: Job, c: Commit, choice: tuple[int, float], now: float, out: list[Effect]) -> None:
+        """Ask every node of the round to stop at S (the commit's one deadline is set here)."""
+        c.step, c.deadline = choice
+        said.note(job, said.commit_asked(now, job.round, c.step, c.reason, c.deadline - now), out)
+        self._send_round(job, self._stop_at(c, "arm", now), out)
+
+    @staticmethod
+    def _stop_at(c: Commit, state: str, now: float) -> StopAt:
+        # Clamped as well as the deadline is (_choose_stop): float rounding, an older log's fact.
+        left = min(MAX_TIMEOUT, max(0.0, c.deadline - now))
+        return StopAt(round=c.round, step=c.step, state=state, deadline_s=left)
+
+    @from_volatile("commit_wait")
+    def _may_wait(self, job: Job, now: float) -> bool:
+        """No S can be chosen now, but one may be soon: commits are on, the round runs, the job
+        reports progress (this round or an earlier one: a job that never does behaves as
+        before, without waiting), and no node has said for long that its ranks do not call
+        should_stop(): a node yet to send its first summary of the round, or whose first came
+        less than ``PENDING_WAIT_S`` ago (a rank's first call may follow its first steps), may
+        still say they do. (Early in a round is early in its training, not since it formed:
+        the workers' imports and loads can take minutes.)"""
+        if self.logged_facts is not None:  # replaying: the live server's decision (from Progress)
+            logged = self.logged_facts.get("commit_wait", [])
+            mine = [e for e in logged if e[0] == job.id]
+            if not mine:
+                return False
+            self.logged_facts["commit_wait"] = [e for e in logged if e is not mine[0]]  # used once
+            return True
+        s, p = job.settings, job.progress
+        this_round = p.nodes if p.round == job.round else {}
+        if s.commit_timeout <= 0 or job.phase is not JobPhase.RUNNING or (p.max_step < 0 and not this_round):
+            return False
+        for nid in job.order:
+            m, n = job.members.get(nid), this_round.get(nid)
+            if m is None or m.state is not MemberState.RUNNING:
+                return False
+            if n is not None and not n.checks and now - n.first_at >= PENDING_WAIT_S:
+                return False  # its ranks have reported a while without calling should_stop()
+        self._add_fact("commit_wait", [job.id])
+        return True
+
+    def _on_progress(self, job: Job, member: Member, msg: Progress, now: float, out: list[Effect]) -> None:
+        super()._on_progress(job, member, msg, now, out)
+        if not self.unchanged:
+            self._commit_progress(job, now, out)
+
+    def _commit_progress(self, job: Job, now: float, out: list[Effect]) -> None:
+        """A node's summary came in while a commit waits for one: choose S if it now can."""
+        c = job.commit
+        if c is None or not c.pending:
+            return
+        choice = self._stop_choice(job, now)
+        if choice is not None:
+            self._arm(job, c, choice, now, out)
+
+    @from_volatile("commit")
+    def _stop_choice(
+        self, job: Job, now: float, *, past: int = -1, arms: int = 1
+    ) -> tuple[int, float] | None:
         """(S, deadline) for a commit of the running round, or None when it cannot have one.
 
         Live, from the job's Progress (and logged as a fact); replaying, from the fact."""
@@ -115,19 +200,28 @@ class CommitRules(TrainingRules):
                 return None
             self.logged_facts["commit"] = [e for e in logged if e is not mine[0]]  # used once
             return int(mine[0][1]), float(mine[0][2])
-        choice = self._choose_stop(job, now, past)
+        choice = self._choose_stop(job, now, past, arms)
         if choice is not None:
             self._add_fact("commit", [job.id, *choice])
         return choice
 
-    def _choose_stop(self, job: Job, now: float, past: int) -> tuple[int, float] | None:
+    def _choose_stop(self, job: Job, now: float, past: int, arms: int = 1) -> tuple[int, float] | None:
         """S = the highest step any rank is estimated at now (its last report plus the steps
         since, at the job's rate) + k, and the commit's deadline; None when the job's ranks
         cannot stop at one (commits off, a node not reporting, or not calling should_stop).
 
         k = ``commit_steps``, or enough steps to cover ``COMMIT_LEAD`` at the slowest node's
-        median step time (at least ``MIN_STEPS_AHEAD``). ``past``: S must also be beyond it
-        (a step a late rank had already passed)."""
+        median step time (at least ``MIN_STEPS_AHEAD``), doubled at each re-ask (``arms``): a
+        rank that checks only every few steps was late, and is in time once k covers its
+        cadence. ``past``: S must also be beyond it (a step a late rank had already passed).
+        No step time yet (the round's first steps): k steps past the highest reported, and the
+        round's age stands in for a step's time in the deadline.
+
+        In range whatever the agents sent: the steps and step times it reads are bounded
+        where they come in (``progress.py``: at most 2**53, at least 1 µs; a node at 2**53
+        gets no commit), so S stays far below MAX_COUNT (still checked), and the time to S is
+        clamped to MAX_TIMEOUT (what ``StopAt.deadline_s`` carries; a job may ask for a
+        commit_timeout of that much alone)."""
         s, p = job.settings, job.progress
         if s.commit_timeout <= 0 or job.phase is not JobPhase.RUNNING or p.round != job.round:
             return None
@@ -137,19 +231,28 @@ class CommitRules(TrainingRules):
             m, n = job.members.get(nid), p.nodes.get(nid)
             if m is None or m.state is not MemberState.RUNNING or n is None or not n.checks or n.max_step < 0:
                 return None
+            if n.max_step >= MAX_STEP:
+                return None  # past the steps the server counts exactly: no step to stop at
             step_s = max(step_s, n.step_p50_ms / 1000.0)
             p90_s = max(p90_s, n.step_p90_ms / 1000.0)
         if step_s <= 0.0:
             step_s = 1.0 / p.steps_per_s if p.steps_per_s > 0 else 0.0
-        if step_s <= 0.0:
-            return None  # no step time measured yet
         for nid in job.order:
             n = p.nodes[nid]
-            estimate = max(estimate, n.max_step + max(0.0, now - n.received_at) / step_s)
-        k = s.commit_steps or max(MIN_STEPS_AHEAD, math.ceil(COMMIT_LEAD / step_s))
-        step = math.floor(estimate) + k
-        deadline = now + (step - estimate) * max(step_s, p90_s) + COMMIT_LEAD + s.commit_timeout
-        return step, deadline
+            since = min(max(0.0, now - n.received_at) / step_s, MAX_STEP) if step_s > 0.0 else 0.0
+            estimate = max(estimate, n.max_step + since)
+        if step_s > 0.0:
+            k = s.commit_steps or max(MIN_STEPS_AHEAD, math.ceil(COMMIT_LEAD / step_s))
+        else:
+            k = max(s.commit_steps, MIN_STEPS_AHEAD)
+        step = math.floor(estimate) + k * 2 ** (arms - 1)
+        if step > MAX_COUNT:
+            return None  # no later step can be asked for
+        slowest = (
+            max(step_s, p90_s) if step_s > 0.0 else min(max(0.0, now - job.running_since), s.commit_timeout)
+        )
+        lead = (step - estimate) * slowest + COMMIT_LEAD + s.commit_timeout
+        return step, now + min(lead, MAX_TIMEOUT)
 
     def _send_round(self, job: Job, msg: StopAt, out: list[Effect]) -> None:
         for nid in job.order:
@@ -164,6 +267,7 @@ class CommitRules(TrainingRules):
         if (
             c is None
             or c.go
+            or c.pending
             or msg.round != c.round
             or msg.step != c.step
             or not self._in_round(job, member, msg.round)
@@ -177,7 +281,7 @@ class CommitRules(TrainingRules):
         if all(nid in c.armed for nid in job.order):
             c.go = True
             out.append(Log("info", f"job {job.id}: every rank armed in time; stopping at step {c.step}"))
-            self._send_round(job, StopAt(round=c.round, step=c.step, state="go"), out)
+            self._send_round(job, self._stop_at(c, "go", now), out)
 
     def _ask_later(
         self, job: Job, c: Commit, member: Member, msg: Armed, now: float, out: list[Effect]
@@ -188,26 +292,27 @@ class CommitRules(TrainingRules):
         if c.arms >= MAX_ARMS:
             self._abandon(job, f"{late}, the {MAX_ARMS}th step asked for", now, out)
             return
-        choice = self._stop_choice(job, now, past=max(msg.checked, c.step))
+        choice = self._stop_choice(job, now, past=max(msg.checked, c.step), arms=c.arms + 1)
         if choice is None:
             self._abandon(job, f"{late}, and no later step can be chosen", now, out)
             return
-        c.step, c.deadline = choice
+        c.step = choice[0]  # the deadline stays: one bound for the whole commit
         c.arms += 1
         c.armed.clear()
         line = f"job {job.id}: {late}; asking for step {c.step} instead"
         out.append(Log("warning", escape(clip_text(line, LOG_TEXT_LEN))))
-        self._send_round(job, StopAt(round=c.round, step=c.step, state="arm"), out)
+        self._send_round(job, self._stop_at(c, "arm", now), out)
 
     def _on_committed(
         self, job: Job, member: Member, msg: WorkersCommitted, now: float, out: list[Effect]
     ) -> None:
-        """A node's workers all stopped at the commit step and exited 0."""
+        """A node's workers all stopped at one step (the commit step, or their first check
+        past it) and exited 0."""
         if not self._in_round(job, member, msg.round):
             self.unchanged = True
             return
         c = job.commit
-        if c is None or not c.go or msg.step != c.step:
+        if c is None or not c.go or msg.step < c.step:
             # Stopped at a step nobody asked for (a commit dropped meanwhile, e.g. by a server
             # that lost its state): the round cannot go on without those ranks.
             why = (
@@ -216,11 +321,18 @@ class CommitRules(TrainingRules):
             )
             self._regather(job, why, now, out)
             return
-        c.committed.add(member.node_id)
-        if not all(nid in c.committed for nid in job.order):
+        c.stopped[member.node_id] = msg.step
+        if not all(nid in c.stopped for nid in job.order):
             return
-        said.note(job, said.committed(now, c.round, c.step, c.reason, now - c.started_at), out)
-        self._carry_out(job, c, f"{c.reason}; committed at step {c.step}", now, out)
+        steps = sorted({c.stopped[nid] for nid in job.order})
+        if len(steps) > 1:
+            # Ranks checking should_stop() at different steps: no one step to resume from.
+            where = ", ".join(f"{nid} at {c.stopped[nid]}" for nid in job.order[:8])
+            self._abandon(job, f"the ranks stopped at different steps ({where})", now, out)
+            return
+        step = steps[0]
+        said.note(job, said.committed(now, c.round, step, c.reason, now - c.started_at), out)
+        self._carry_out(job, c, f"{c.reason}; committed at step {step}", now, out)
 
     def _carry_out(self, job: Job, c: Commit, reason: str, now: float, out: list[Effect]) -> None:
         """The planned change itself: drained nodes are told to leave (their place is kept, not
@@ -236,7 +348,11 @@ class CommitRules(TrainingRules):
         c = job.commit
         if c is None:
             return
-        said.note(job, said.commit_abandoned(now, c.round, c.step, why), out, "warning")
+        if c.pending:
+            line = f"job {job.id}: round {c.round}: no commit point: {why}"
+            out.append(Log("warning", escape(clip_text(line, LOG_TEXT_LEN))))
+        else:
+            said.note(job, said.commit_abandoned(now, c.round, c.step, why), out, "warning")
         self._carry_out(job, c, f"{c.reason} (no commit: {why})", now, out)
 
     def _on_leave_after_commit(
@@ -261,6 +377,10 @@ class CommitRules(TrainingRules):
         """The tick: a commit past its deadline becomes a hard restart."""
         c = job.commit
         if c is not None and now >= c.deadline:
+            if c.pending:
+                why = "no commit point could be chosen in time (not every node said its ranks check)"
+                self._abandon(job, why, now, out)
+                return
             stage = "stopped" if c.go else "acknowledged the step"
             self._abandon(job, f"not every rank {stage} within {c.deadline - c.started_at:.0f} s", now, out)
 
@@ -271,5 +391,8 @@ class CommitRules(TrainingRules):
         if c is None or c.go or c.drains or any(nid not in job.order for nid in job.members):
             return
         job.commit = None
+        if c.pending:  # nothing was asked of the agents
+            out.append(Log("info", f"job {job.id}: no commit point: the node(s) joining left"))
+            return
         said.note(job, said.commit_abandoned(now, c.round, c.step, "the node(s) joining left"), out)
-        self._send_round(job, StopAt(round=c.round, step=c.step, state="cancel"), out)
+        self._send_round(job, self._stop_at(c, "cancel", now), out)

@@ -52,6 +52,7 @@ from protocol import Drain, ProtocolError
 from protocol.records import record
 
 from . import metrics, status
+from .status import to_json
 
 if TYPE_CHECKING:
     from protocol.auth import TokenTable
@@ -180,8 +181,13 @@ def host_names_server(host: str | None, names: frozenset[str]) -> bool:
     return name.rstrip(".") in names
 
 
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response, never holding NaN or Infinity (``status.to_json``)."""
+    return web.json_response(data, status=status, headers=headers, dumps=to_json)
+
+
 def _error(status_code: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(
+    return _json(
         {"error": code, "message": message}, status=status_code, headers={**_NO_STORE, **(headers or {})}
     )
 
@@ -249,10 +255,10 @@ def build_app(
 
     async def healthz(request: web.Request) -> web.Response:
         m = service.machine
-        return web.json_response({"status": "ok", "jobs": len(m.jobs), "connections": len(m.conns)})
+        return _json({"status": "ok", "jobs": len(m.jobs), "connections": len(m.conns)})
 
     async def list_jobs(request: web.Request) -> web.Response:
-        return web.json_response(
+        return _json(
             status.jobs_view(service.machine, mono_now=service.clock(), wall_now=time.time()),
             headers=_NO_STORE,
         )
@@ -263,7 +269,7 @@ def build_app(
         view = status.find_job(service.machine, job_id, mono_now=service.clock(), wall_now=time.time())
         if view is None:
             return _error(404, "not_found", f"no job {job_id!r}")
-        return web.json_response(view, headers=_NO_STORE)
+        return _json(view, headers=_NO_STORE)
 
     async def drain(request: web.Request) -> web.Response:
         await authorize(request, "drain")
@@ -275,7 +281,7 @@ def build_app(
             service.drain(job_id, node_id, reason)
         except KeyError as exc:
             return _error(404, "not_found", str(exc.args[0]) if exc.args else "not found")
-        return web.json_response(
+        return _json(
             {"status": "draining", "job_id": job_id, "node_id": node_id, "reason": reason},
             status=202,
             headers=_NO_STORE,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import field, replace
+from typing import ClassVar
 
 from protocol import Failure, Join
 from protocol.messages import clip_text
@@ -51,6 +52,9 @@ class JobPhase(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    # Every node left before it finished or failed; set as the job is forgotten (so only a
+    # forgotten job has it), never "running" or "gathering" for a job nobody is in.
+    ABANDONED = "abandoned"
 
 
 class MemberState(enum.Enum):
@@ -216,19 +220,49 @@ class Commit:
     """A planned change waiting for the job's ranks to stop at ``step`` (commits.py)."""
 
     round: int  # the running round whose ranks stop
-    step: int  # S: every rank stops after finishing it
+    step: int  # S: every rank stops at the first step >= S it checks at; PENDING: not chosen yet
     reason: str  # why, in words ("node(s) joined: n3"), cut to REASON_LEN
-    deadline: float  # past it, the change happens as a hard restart
+    # Past it, the change happens as a hard restart. One deadline for the whole commit: set
+    # when S is first chosen (a re-ask for a later step keeps it); while PENDING, how long the
+    # server waits for the progress it needs to choose S.
+    deadline: float
     started_at: float
     arms: int = 1  # how many times a step was asked for (a late rank asks for a later one)
     go: bool = False  # every node armed in time: the ranks stop at ``step``
     drains: list[str] = field(default_factory=list)  # nodes to drain once stopped (members)
     armed: set[str] = field(default_factory=set)  # nodes of the round armed in time for ``step``
-    committed: set[str] = field(default_factory=set)  # nodes whose workers stopped at ``step``
+    # node -> the step its workers all stopped at (>= step: a rank that checks should_stop()
+    # every few steps stops at its first check past S; every node must say the same step)
+    stopped: dict[str, int] = field(default_factory=dict)
+
+    PENDING: ClassVar[int] = -1
 
     @property
     def kind(self) -> CommitKind:
         return CommitKind.DRAIN if self.drains else CommitKind.ADMIT
+
+    @property
+    def pending(self) -> bool:
+        """S is not chosen yet: the server waits (bounded) for every node's progress."""
+        return self.step == Commit.PENDING
+
+    @property
+    def committed(self) -> set[str]:
+        """The nodes whose workers stopped at the commit point."""
+        return set(self.stopped)
+
+
+@record(frozen=True, slots=True)
+class HangVerdict:
+    """A hang's failure whose verdict (restart or fail) waits for every node's stacks, at most
+    until ``deadline``, so the job's root cause can name the rank they point at
+    (``training_rules._settle_hang``)."""
+
+    round: int
+    node: str  # the node that reported it
+    failure: Failure  # as reported (its message cut to FAILURE_TEXT_LEN)
+    step: int  # WorkersFailed.step, for the crash-loop rule
+    deadline: float
 
 
 RESUME_WINDOW = 10.0  # how long a rebuilt round waits for every node to come back
@@ -252,6 +286,7 @@ class Job:
     next_seq: int = 0
     created_at: float = 0.0
     gathering_since: float = 0.0  # when the round being gathered started (rendezvous latency)
+    running_since: float = 0.0  # when the running round formed (a commit early in it waits)
     rounds_completed: int = 0
     outcome: str = ""  # why the job ended, once it has
     excluded: dict[str, str] = field(default_factory=dict)  # node id -> why
@@ -285,6 +320,8 @@ class Job:
     hang: HangState | None = None
     # A commit point under way (commits.py; kept in snapshots); None: none.
     commit: Commit | None = None
+    # A hang's failure waiting for the other nodes' stacks (kept in snapshots); None: none.
+    hang_verdict: HangVerdict | None = None
 
     def __post_init__(self) -> None:
         self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}

@@ -255,7 +255,12 @@ def event_record(
     """
     if unchanged and not facts:
         return None
-    if isinstance(event, Received) and isinstance(event.msg, _VOLATILE) and not facts:
+    if (
+        isinstance(event, Received)
+        and isinstance(event.msg, _VOLATILE)
+        and not facts
+        and not any(isinstance(e, Close) for e in effects)  # (a refusal: a connection dropped)
+    ):
         return None
     row = _KIND_OF.get(type(event))
     if row is None:
@@ -269,7 +274,8 @@ def event_record(
 # Training progress and stacks change only the machine's volatile views (not in snapshots, not
 # needed by replay); a node sends one Progress a second, so they are not logged. A decision
 # taken from them (a straggler noted, a node left out of a round) is: as the facts of the
-# event that took it.
+# event that took it; and so is one that was refused (from a connection that had not joined:
+# its connection is dropped).
 _VOLATILE = (Progress, Stacks)
 
 

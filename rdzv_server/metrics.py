@@ -19,9 +19,13 @@ oldest last-progress ages (a job's own numbers are in its status,
 ``/v1/jobs/{id}``).
 
 Per job, only when the operator asks (``rdzv-server --metrics-jobs N``): the training gauges of
-at most N running jobs (the first N by id), labelled ``job``, so the series stay bounded
-whatever the agents send; the operator accepts that a job's id is then readable by anyone who
-reaches the port.
+at most N running jobs, labelled ``job``, so the series stay bounded whatever the agents send;
+the operator accepts that a job's id is then readable by anyone who reaches the port. The N are
+the largest: most nodes in the running round, then the oldest. Not the first by id: agents choose
+ids, so a stranger's jobs named to sort first would push the real ones out; to displace a job
+here, one must run a larger one (each node is a connection of its own, heartbeating), and an
+older one cannot be made after the fact. The choice is stable from scrape to scrape while the
+jobs keep their sizes.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class RendezvousCollector(Collector):
 
         jobs = GaugeMetricFamily("rdzv_jobs", "Active jobs by phase.", labels=["phase"])
         for phase in JobPhase:
+            if phase is JobPhase.ABANDONED:
+                continue  # only forgotten jobs have it: never an active one
             jobs.add_metric([phase.value], sum(1 for j in m.jobs.values() if j.phase is phase))
         yield jobs
 
@@ -135,6 +141,8 @@ class _JobNow:
     O(world size))."""
 
     id: str
+    nodes: int  # in the running round: what the per-job series are chosen by
+    created_at: float
     step: int
     steps_per_s: float  # 0: none in the running round
     age: float | None  # its least recent rank's last-progress age (None: no progress this round)
@@ -154,6 +162,8 @@ def _running(m: Rendezvous, now: float) -> list[_JobNow]:
         out.append(
             _JobNow(
                 id=j.id,
+                nodes=sum(1 for nid in j.order if nid in j.members),
+                created_at=j.created_at,
                 step=p.max_step,
                 steps_per_s=p.steps_per_s if current else 0.0,
                 age=oldest.age_s(now) if oldest is not None else None,
@@ -199,7 +209,8 @@ def _training(running: list[_JobNow]) -> Iterator[Metric]:
 
 
 def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
-    """The training gauges of the first ``limit`` running jobs by id, labelled ``job``."""
+    """The training gauges of the ``limit`` largest running jobs (the module's docstring),
+    labelled ``job``."""
     step = GaugeMetricFamily("rdzv_job_step", "The job's highest step reported (-1: none).", labels=["job"])
     rate = GaugeMetricFamily(
         "rdzv_job_steps_per_second", "The job's steps per second, lately.", labels=["job"]
@@ -215,7 +226,7 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
     hung = GaugeMetricFamily(
         "rdzv_job_hung", "1 while the job's running round has a hang report.", labels=["job"]
     )
-    for j in sorted(running, key=lambda j: j.id)[:limit]:
+    for j in sorted(running, key=lambda j: (-j.nodes, j.created_at, j.id))[:limit]:
         label = [j.id]
         step.add_metric(label, j.step)
         rate.add_metric(label, j.steps_per_s)

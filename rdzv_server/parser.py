@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="give /metrics per-job training gauges (step, steps/s, last-progress age, stragglers, hang) "
-        "labelled with the job's id, for at most N running jobs (default 0: none; /metrics answers any "
-        "Host, so a job id there is readable by whoever reaches the port)",
+        "labelled with the job's id, for the N largest running jobs (most nodes, then the oldest; never "
+        "chosen by id, which agents pick) (default 0: none; /metrics answers any Host, so a job id there "
+        "is readable by whoever reaches the port)",
     )
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"

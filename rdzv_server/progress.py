@@ -21,7 +21,16 @@ collectives wait for the slowest), so the score is from the time a step spent in
 "compute" phase, each rank's median over the agent's window (``Progress.compute_ms``):
 score = job median / rank's value (1.0: the median; 0.5: twice as slow). A rank with no
 compute time (0: it does not mark the phase) is not scored, and with fewer than two known
-ranks nobody is.
+ranks nobody is. A score is at most :data:`SCORE_MAX`: compute times are whatever an agent
+sends within Progress's bounds (1e10 ms beside 5e-324 ms is a valid pair), and their ratio
+must stay a finite number for every surface that shows it (JSON has no Infinity).
+
+Bounds on what comes in. Whatever an agent sends within Progress's bounds, what the server
+computes from it (the commit step S, a commit's deadline, steps/s, scores) must stay in its
+own range. So steps are taken up to :data:`MAX_STEP` (a float holds every step up to it
+exactly; 2**53 steps is 285 years at a million steps a second), a step time is at least
+:data:`MIN_STEP_MS` (a shorter one is no measurement), and steps/s is at most the rate that
+step time gives.
 """
 
 from __future__ import annotations
@@ -37,6 +46,15 @@ HANG_TEXT_KEPT = 1 << 20  # characters of stacks a hang report keeps in all
 HANG_RANKS_KEPT = 256  # hung ranks a hang report names
 RATE_WINDOW = 10.0  # seconds over which steps/s is measured
 STRAGGLER_CHECK_EVERY = 1.0  # seconds between a job's straggler checks (each is O(world size))
+SCORE_MAX = 1000.0  # a rank "a thousand times the median speed" or more: no finer score is real
+MAX_STEP = 2**53  # the highest step taken from a Progress (a higher one counts as this)
+MIN_STEP_MS = 1e-3  # the shortest step time taken from a Progress (0 stays 0: not measured)
+MAX_STEPS_PER_S = 1000.0 / MIN_STEP_MS  # the highest rate the job's progress is measured at
+
+
+def _step_ms(ms: float) -> float:
+    """A step time as the server takes it: 0 (not measured), or at least MIN_STEP_MS."""
+    return 0.0 if ms <= 0.0 else max(ms, MIN_STEP_MS)
 
 
 @record(slots=True)
@@ -54,6 +72,7 @@ class NodeProgress:
     compute_ms: tuple[float, ...]  # by local rank; 0.0: unknown
     rank_offset: int  # global rank of local rank 0 in the round
     checks: bool = False  # every local rank calls worker.should_stop(): it can stop at a commit point
+    first_at: float = 0.0  # when the node's first Progress of the round arrived (machine clock)
 
     def age_s(self, now: float) -> float:
         """Seconds since the node's least recent rank last made progress, as of ``now``."""
@@ -89,23 +108,25 @@ class JobProgress:
     def update(self, node_id: str, msg: Progress, nproc: int, now: float) -> NodeProgress:
         """Keep ``msg`` as the node's latest (its compute times cut to its ``nproc`` ranks)."""
         compute = msg.compute_ms if len(msg.compute_ms) <= nproc else msg.compute_ms[:nproc]
+        max_step = min(msg.max_step, MAX_STEP)
         np = NodeProgress(
             round=msg.round,
-            min_step=msg.min_step,
-            max_step=msg.max_step,
-            step_p50_ms=msg.step_p50_ms,
-            step_p90_ms=msg.step_p90_ms,
+            min_step=min(msg.min_step, MAX_STEP),
+            max_step=max_step,
+            step_p50_ms=_step_ms(msg.step_p50_ms),
+            step_p90_ms=_step_ms(msg.step_p90_ms),
             phase=msg.phase,
             age_ms=msg.age_ms,
             received_at=now,
             compute_ms=compute,
             rank_offset=self.offsets.get(node_id, 0),
             checks=msg.checks,
+            first_at=old.first_at if (old := self.nodes.get(node_id)) is not None else now,
         )
         self.nodes[node_id] = np
-        self.max_step = max(self.max_step, msg.max_step)
-        if msg.max_step > self._fastest:
-            self._fastest = msg.max_step
+        self.max_step = max(self.max_step, max_step)
+        if max_step > self._fastest:
+            self._fastest = max_step
             self._observe_rate(now)
         return np
 
@@ -117,7 +138,8 @@ class JobProgress:
             return
         dt = now - self._rate_at
         if dt > 0:
-            self.steps_per_s = (self._fastest - self._rate_step) / dt
+            # Bounded: two reports a nanosecond apart must not make a step take no time.
+            self.steps_per_s = min((self._fastest - self._rate_step) / dt, MAX_STEPS_PER_S)
         if dt >= RATE_WINDOW:
             self._rate_at, self._rate_step = now, self._fastest
 
@@ -173,7 +195,7 @@ def straggler_scores(progress: JobProgress, threshold: float) -> list[RankScore]
     median = statistics.median(ms for _, _, _, ms in known)
     out = []
     for rank, nid, lr, ms in sorted(known):
-        score = median / ms
+        score = min(median / ms, SCORE_MAX)  # the quotient of two valid times may overflow
         out.append(RankScore(rank, nid, lr, ms, score, score < threshold))
     return out
 
@@ -203,6 +225,9 @@ class HangState:
     stacks: dict[str, Stacks] = field(default_factory=dict)  # node -> its Stacks
     nodes_dropped: int = 0  # nodes whose stacks did not fit HANG_NODES_KEPT / HANG_TEXT_KEPT
     text_kept: int = 0  # characters of stacks kept
+    # node -> its global ranks in the hang's round: the only ranks its Stacks may name (the
+    # round may have restarted before they come). Dropped once the job is over.
+    spans: dict[str, range] = field(default_factory=dict)
 
     def settle(self) -> None:
         """Keep the report of a job that is over at the cost of one stack text per group of
@@ -228,6 +253,7 @@ class HangState:
                 stacks=tuple(shared[msg.ranks[i]] for i in keep),
             )
         self.text_kept = sum(len(t) for t in {id(t): t for t in shared.values()}.values())
+        self.spans = {}  # no more stacks come
 
     def add_ranks(self, ranks: tuple[int, ...]) -> bool:
         """Name more hung ranks (bounded); True if any was new."""

@@ -307,6 +307,7 @@ class RoundRules(CommitRules):
         world_size = sum(job.members[nid].nproc for nid in job.order)
         master = job.members[job.order[0]]
         job.phase = JobPhase.RUNNING
+        job.running_since = now
         job.last_call_deadline = None
         job.rounds_completed += 1
         self.stats.rounds_completed += 1
@@ -367,16 +368,28 @@ class RoundRules(CommitRules):
             said.note(job, event, out, "warning")
 
     def _regather(
-        self, job: Job, reason: str, now: float, out: list[Effect], *, quiet: Collection[str] = ()
+        self,
+        job: Job,
+        reason: str,
+        now: float,
+        out: list[Effect],
+        *,
+        quiet: Collection[str] = (),
+        report: str = "",
     ) -> None:
         """Stop the running round: every member restarts its workers and re-joins (all but
         ``quiet``, leaving nodes already stopping their own). A commit under way ends with the
-        round; the nodes it was to drain are told to leave now."""
+        round; the nodes it was to drain are told to leave now. ``report``: the job's hang
+        report, when a hang ended the round."""
         abandoned = job.round
         # Built before anything changes: a message that cannot be built leaves the job as it was.
         restart = Restart(
-            round=abandoned, reason=clip_text(reason, REASON_LEN), restart_count=job.restart_count
+            round=abandoned,
+            reason=clip_text(reason, REASON_LEN),
+            restart_count=job.restart_count,
+            report=report,
         )
+        self._hang_superseded(job)
         if job.commit is not None:
             drains = [job.members[nid] for nid in job.commit.drains if nid in job.members]
             drain = Drain(reason=clip_text(job.commit.reason, PEER_TEXT_LEN))
@@ -403,6 +416,7 @@ class RoundRules(CommitRules):
             return
         newcomers = [nid for nid in job.members if nid not in job.order]
         if not newcomers:
+            job.last_call_deadline = None  # the newcomers it was for left: a window left open stays due
             return
         if job.commit is not None:
             # A commit under way: the regather after it takes every newcomer in.
@@ -446,11 +460,19 @@ class RoundRules(CommitRules):
             said.note(job, said.finished(now, job.round, job.outcome), out)
 
     def _fail(
-        self, job: Job, reason: str, failure: Failure | None, now: float, out: list[Effect], code: str = ""
+        self,
+        job: Job,
+        reason: str,
+        failure: Failure | None,
+        now: float,
+        out: list[Effect],
+        code: str = "",
+        report: str = "",
     ) -> None:
         reason = clip_text(reason, REASON_LEN)
         # One object: encoded once for all. ``code``: why, for the agent's exit code.
-        failed = JobFailed(reason=reason, failure=failure, code=code)
+        failed = JobFailed(reason=reason, failure=failure, code=code, report=report)
+        self._hang_superseded(job)
         job.phase = JobPhase.FAILED
         job.commit = None
         job.fail_code = code
@@ -470,11 +492,16 @@ class RoundRules(CommitRules):
             # A failure while the round is being rebuilt ends the rebuild: it is a failure of
             # that round, handled like any other.
             job.end_rebuild([job.resume_slots[i] for i in sorted(job.resume_slots)])
-        if job.phase is not JobPhase.RUNNING or msg.round != job.round or member.node_id not in job.order:
-            # A second failure in a round that is already being restarted counts once.
+        if (
+            job.phase is not JobPhase.RUNNING
+            or msg.round != job.round
+            or member.node_id not in job.order
+            or job.hang_verdict is not None
+        ):
+            # A second failure in a round that is already being restarted (or whose hang's
+            # verdict waits for the nodes' stacks) counts once.
             self.unchanged = not rebuilding
             return
-        member.failures += 1
         # The node and address are the sender's, whatever it wrote: a member cannot name
         # another node as the root cause. Its message is kept cut to FAILURE_TEXT_LEN.
         failure = replace(
@@ -484,13 +511,26 @@ class RoundRules(CommitRules):
             message=clip_text(msg.failure.message, FAILURE_TEXT_LEN),
             error_file=clip_text(msg.failure.error_file, FAILURE_PATH_LEN),
         )
+        if not self._hang_waits(job, member, failure, msg.step, now):
+            self._verdict(job, member.node_id, failure, msg.step, now, out)
+
+    def _verdict(
+        self, job: Job, node_id: str, failure: Failure, step: int, now: float, out: list[Effect]
+    ) -> None:
+        """Restart or fail the job for a worker failure of its running round, which ``node_id``
+        reported. A hang's is first told as every node's stacks tell it: the rank they point
+        at, on its node, which the failure then counts against."""
+        failure, report = self._hang_cause(job, failure)
+        member = job.members.get(failure.node_id) or job.members.get(node_id)
+        if member is not None:
+            member.failures += 1
         job.add_failure(failure)
         self.stats.failures["worker"] += 1
         cause = describe_failure(failure)
-        if self._crash_loop(job, msg.step, cause, failure, now, out):
+        if self._crash_loop(job, step, cause, failure, now, out, report):
             return
         limit = job.settings.exclude_after
-        excluded = limit > 0 and member.failures >= limit
+        excluded = member if member is not None and limit > 0 and member.failures >= limit else None
         if job.restart_count < job.settings.max_restarts:
             job.restart_count += 1
             self.stats.restarts += 1
@@ -505,18 +545,31 @@ class RoundRules(CommitRules):
                 job.settings.max_restarts,
             )
             said.note(job, event, out, "warning")
-            if excluded:
-                self._exclude(job, member, f"its workers failed {member.failures} times", now, out)
+            if excluded is not None:
+                self._exclude(job, excluded, f"its workers failed {excluded.failures} times", now, out)
                 if job.phase is not JobPhase.RUNNING:
                     return
-            self._regather(job, f"worker failure: {cause}", now, out)
+            self._regather(job, f"worker failure: {cause}", now, out, report=report)
         else:
             reason = (
                 f"{cause}; no restarts left (--max-restarts {job.settings.max_restarts})"
                 if job.settings.max_restarts
                 else f"{cause} (--max-restarts 0)"
             )
-            self._fail(job, reason, failure, now, out)
+            self._fail(job, reason, failure, now, out, report=report)
+
+    def _hang_superseded(self, job: Job) -> None:
+        """The round ends for another reason while a hang's verdict waited for the nodes'
+        stacks: the hang is still one of its failures (kept and counted, as reported), but
+        that other reason decides what follows."""
+        v, job.hang_verdict = job.hang_verdict, None
+        if v is None:
+            return
+        member = job.members.get(v.node)
+        if member is not None:
+            member.failures += 1
+        job.add_failure(v.failure)
+        self.stats.failures["worker"] += 1
 
     def _exclude(self, job: Job, member: Member, why: str, now: float, out: list[Effect]) -> None:
         """Take a flaky node out of the job for good; the others go on if enough remain."""
@@ -684,6 +737,7 @@ class RoundRules(CommitRules):
         if job.members or job.spares:
             return False
         if job.phase not in (JobPhase.FINISHED, JobPhase.FAILED):
+            job.phase = JobPhase.ABANDONED  # its status must not say it still runs or gathers
             job.outcome = job.outcome or "every node left"
             said.note(job, said.forgotten(now), out)
         del self.jobs[job.id]

@@ -30,6 +30,15 @@ What a stranger can make the server hold, and for how long, is bounded:
   watchdog timer and credited to every agent (``Rendezvous.credit_stall``) before the
   heartbeat sweep can run, so it never counts as the agents' silence.
 
+Faults. The machine contains a fault of its rules itself (``faults.py``); this layer makes
+sure no fault can leave the server without its timer, which every deadline of every job
+(heartbeats, settle windows, commits, handshakes) hangs on. The timer is re-armed after every
+event whatever happens (``_dispatch``, ``_on_timer``); an exception that still escapes the
+machine is logged with its traceback and, with a state log, the machine is snapshotted as it
+is, since the event's record cannot say what the event did; the watchdog re-arms a timer
+found missing while a deadline is pending; and a deadline that a Tick at its time left due
+(a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
+
 Everything the machine decides comes back as effects; this module only carries them out.
 """
 
@@ -72,6 +81,7 @@ from .state import (
     Disconnected,
     DrainRequested,
     Effect,
+    Event,
     Log,
     NotFound,
     Received,
@@ -109,6 +119,7 @@ IGNORED_BURST = 20
 # The watchdog: how often it looks, and the lateness that counts as a stall of the server.
 WATCHDOG_INTERVAL = 0.25
 STALL_MIN = 0.2
+STUCK_RETRY = 1.0  # a deadline a Tick left due is delivered again after this long, not at once
 _monotonic = time.monotonic
 
 
@@ -532,6 +543,8 @@ class RendezvousService:
         self._next_id = 0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
+        self._ticked_at = -float("inf")  # the machine's clock at a Tick, until the next event
+        self._stuck_at: float | None = None  # a deadline already said to be left due
         self._closed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -547,6 +560,7 @@ class RendezvousService:
         self._pending: list[Effect] = []
         self._flush_soon = False
         self._inflight: asyncio.Future[None] | None = None  # the fsync of the batch being committed
+        self._snapshot_due = False  # an event escaped the machine: snapshot it as it is
         self._gone = False  # told the agents we are going away: the machine takes no more events
         if state_log is not None:
             restored = state_log.machine
@@ -839,13 +853,32 @@ class RendezvousService:
         ):
             return False  # the machine closed it; the Close waits for the batch's fsync
         now = self.clock()
-        effects = self.machine.handle(event, now)
-        if self.state_log is not None:
-            self.state_log.record(event, effects, now)
-        self._carry_out(effects)
-        self._schedule()
-        self._wake_waiters()
+        try:
+            try:
+                effects = self.machine.handle(event, now)
+            except Exception:
+                self._escaped(event)
+                return True
+            # A deadline due at a Tick's time must be gone after it (see _schedule).
+            self._ticked_at = now if isinstance(event, Tick) else -float("inf")
+            if self.state_log is not None:
+                self.state_log.record(event, effects, now)
+            self._carry_out(effects)
+        finally:
+            self._schedule()  # whatever happened: every deadline hangs on this timer
+            self._wake_waiters()
         return True
+
+    def _escaped(self, event: Event) -> None:
+        """The machine raised (it contains its rules' faults, so this is a bug in that, or the
+        caller's). Its state may have changed without a record saying how: with a state log,
+        snapshot it as it is, so a restart starts from what the server serves."""
+        logger.exception("internal error: the machine raised handling %s; going on", type(event).__name__)
+        if self.state_log is not None:
+            self._snapshot_due = True
+            if not self._flush_soon:
+                self._flush_soon = True
+                asyncio.get_running_loop().call_soon(self._flush)
 
     def _wake_waiters(self) -> None:
         """After each machine step: whoever waits for a change (wait_job_gone) looks again."""
@@ -873,7 +906,12 @@ class RendezvousService:
         if log is None or self._inflight is not None or self._gone:
             return  # the fsync in flight flushes again when it is done
         try:
-            urgent = log.write()
+            if self._snapshot_due:
+                self._snapshot_due = False
+                log.compact()  # the records buffered and the state, durable (fsync'd) before...
+                urgent = False  # ...the effects are carried out
+            else:
+                urgent = log.write()
         except OSError as exc:
             self._log_failed(exc)
             return
@@ -898,7 +936,7 @@ class RendezvousService:
         except OSError as exc:
             self._log_failed(exc)
             return
-        if self._pending or self.state_log.pending:
+        if self._pending or self.state_log.pending or self._snapshot_due:
             self._flush()
 
     async def _commit_all(self) -> None:
@@ -946,8 +984,11 @@ class RendezvousService:
                 logger.log(_LEVELS.get(eff.level, logging.INFO), "%s", eff.text)
 
     def _schedule(self) -> None:
+        """Arm the one timer for the machine's next deadline (none: no timer)."""
+        if self._gone:
+            return  # the machine takes no more events: its deadlines do not matter
         at = self.machine.next_deadline()
-        if at == self._timer_at:
+        if at == self._timer_at and (at is None) == (self._timer is None):
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -955,18 +996,44 @@ class RendezvousService:
         self._timer_at = at
         if at is not None:
             delay = max(0.0, at - self.clock())
+            if at <= self._ticked_at:
+                # A Tick at or after it left it due: a bug of the machine's, which must not
+                # become a busy loop. Said once per such deadline.
+                if self._stuck_at != at:
+                    self._stuck_at = at
+                    logger.error(
+                        "internal error: a deadline (%.3f) is still due after a tick; "
+                        "delivering it again every %g s",
+                        at,
+                        STUCK_RETRY,
+                    )
+                delay = max(delay, STUCK_RETRY)
             self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at = None
-        self._check_stall()  # before the sweep: a stall of ours is no agent's silence
-        self._dispatch(Tick())
+        try:
+            self._check_stall()  # before the sweep: a stall of ours is no agent's silence
+            self._dispatch(Tick())
+        finally:
+            self._schedule()
 
     def _watch(self) -> None:
-        self._check_stall()
-        self._watch_due = _monotonic() + WATCHDOG_INTERVAL
-        self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
+        try:
+            self._check_stall()
+            self._check_timer()
+        finally:  # nothing above may stop the watchdog
+            self._watch_due = _monotonic() + WATCHDOG_INTERVAL
+            self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
+
+    def _check_timer(self) -> None:
+        """A deadline pending and no timer armed for it: no heartbeat sweep, settle window,
+        commit or handshake deadline of any job would fire. Say so and arm it."""
+        if self._gone or self._timer is not None or self.machine.next_deadline() is None:
+            return
+        logger.error("internal error: no timer was armed for the machine's next deadline; arming it")
+        self._schedule()
 
     def _check_stall(self) -> None:
         """Credit the agents with the time the server itself did not run: the watchdog fires

@@ -8,7 +8,8 @@ loads. A field added since is read with its default when missing (``Member.node_
 ``Job.ranks_noted``, ``Member.node_secret``, ``Job.failures_total``; issue 19's job settings
 ``straggler_threshold``, ``exclude_stragglers``, ``crash_loop_restarts``, the counters
 ``Job.best_step``, ``Job.stuck_restarts``, ``Job.fail_code``, ``Job.hang_round``; issue 20's
-``commit_timeout``, ``commit_steps`` and ``Job.commit``, a commit point under way; and the
+``commit_timeout``, ``commit_steps`` and ``Job.commit``, a commit point under way;
+``Job.hang_verdict``, a hang's failure waiting for every node's stacks; and the
 history's typed fields ``ranks``, ``step``, ``phase``, ``silent_s``, ``scores``,
 ``restarts``), so snapshots of every age load; such additions keep the version at 2. A
 job's training progress and latest hang report are volatile (``progress.py``): not kept.
@@ -44,7 +45,7 @@ from protocol.failure_text import describe_failure
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
 from .history import Departure, EventKind, JobEvent
-from .jobs import REASON_LEN, Commit
+from .jobs import REASON_LEN, Commit, HangVerdict
 from .state import (
     FAILURE_PATH_LEN,
     FAILURE_TEXT_LEN,
@@ -144,6 +145,7 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "next_seq": j.next_seq,
         "created_at": j.created_at,
         "gathering_since": j.gathering_since,
+        "running_since": j.running_since,
         "rounds_completed": j.rounds_completed,
         "outcome": j.outcome,
         "excluded": [[nid, why] for nid, why in j.excluded.items()],
@@ -156,7 +158,28 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "fail_code": j.fail_code,
         "hang_round": j.hang_round,
         "commit": None if j.commit is None else _dump_commit(j.commit),
+        "hang_verdict": None if j.hang_verdict is None else _dump_hang_verdict(j.hang_verdict),
     }
+
+
+def _dump_hang_verdict(v: HangVerdict) -> dict[str, Any]:
+    return {
+        "round": v.round,
+        "node": v.node,
+        "failure": asdict(v.failure),
+        "step": v.step,
+        "deadline": v.deadline,
+    }
+
+
+def _load_hang_verdict(d: dict[str, Any]) -> HangVerdict:
+    return HangVerdict(
+        round=_int(d["round"]),
+        node=str(d["node"]),
+        failure=_load_failure(d["failure"]),
+        step=_int(d["step"]),
+        deadline=float(d["deadline"]),
+    )
 
 
 def _dump_commit(c: Commit) -> dict[str, Any]:
@@ -170,7 +193,8 @@ def _dump_commit(c: Commit) -> dict[str, Any]:
         "go": c.go,
         "drains": list(c.drains),
         "armed": sorted(c.armed),
-        "committed": sorted(c.committed),
+        "committed": sorted(c.committed),  # read by servers from before "stopped"
+        "stopped": dict(c.stopped),
     }
 
 
@@ -185,7 +209,10 @@ def _load_commit(d: dict[str, Any]) -> Commit:
         go=bool(d["go"]),
         drains=[str(x) for x in d["drains"]],
         armed={str(x) for x in d["armed"]},
-        committed={str(x) for x in d["committed"]},
+        # An older snapshot names the nodes that stopped, at the step asked for.
+        stopped={str(k): _int(v) for k, v in d["stopped"].items()}
+        if isinstance(d.get("stopped"), dict)
+        else dict.fromkeys((str(x) for x in d["committed"]), _int(d["step"])),
     )
 
 
@@ -330,6 +357,7 @@ def _load_job(d: dict[str, Any]) -> Job:
         next_seq=_int(d["next_seq"]),
         created_at=float(d["created_at"]),
         gathering_since=float(d["gathering_since"]),
+        running_since=float(d.get("running_since", 0.0)),
         rounds_completed=_int(d["rounds_completed"]),
         outcome=str(d["outcome"]),
         resume_slots={_int(rank): str(nid) for rank, nid in d["resume_slots"]},
@@ -339,6 +367,7 @@ def _load_job(d: dict[str, Any]) -> Job:
         fail_code=str(d.get("fail_code", ""))[:MAX_CODE_LEN],
         hang_round=_int(d.get("hang_round", -1)),
         commit=None if d.get("commit") is None else _load_commit(d["commit"]),
+        hang_verdict=None if d.get("hang_verdict") is None else _load_hang_verdict(d["hang_verdict"]),
     )
     failures = [_load_failure(f) for f in d["failures"]]
     for f in failures:

@@ -52,14 +52,22 @@ Bounds. Whatever peers send, a job keeps at most its first failure, the last FAI
 a count, HISTORY_LEN history lines of HISTORY_TEXT_LEN characters, MAX_EXCLUDED exclusions,
 min(max_nodes, MAX_SPARES) spares and ENTRYPOINT_KEPT characters of entrypoint; a server holds
 at most ``max_jobs`` jobs. Every text built from a peer's is clipped to its field, and every
-reply is built before the state it reports changes; should a peer's event still raise,
-``handle`` logs it, refuses that peer and goes on (``_contain``).
+reply is built before the state it reports changes.
+
+Faults (``faults.py``). ``handle`` runs an event as units, each for one job or for the server
+(``_unit``): a member's frame, an authenticated join or resume, a job's share of a tick, a lost
+connection, a drain. Should a rule still raise, the job of its unit fails with
+``internal_error`` (its agents told which rule), the event's other units go on, and the
+containment is a fact of the event, so the log and a replay agree (``_contain``); a fault
+outside any job's unit refuses the peer whose frame it was.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import replace
 from typing import Any
 
@@ -89,6 +97,7 @@ from protocol import (
 from protocol.auth import TokenTable, verify
 from protocol.messages import clip_text
 
+from . import faults
 from . import history as said
 from .events import (
     Close,
@@ -257,31 +266,36 @@ class Rendezvous(Recovery):
         # rounds.RoundRules.facts).
         self.facts: dict[str, list[Any]] | None = None
         self.logged_facts: dict[str, Any] | None = None
+        self._units: list[str | None] = []  # the jobs of the units being run (see _unit)
 
     # -- public API ------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Effect]:
+        """Decide what ``event`` changes; the effects to carry out. Never raises for a fault of
+        a rule: the job whose rule raised fails, every other job goes on (``_unit``)."""
         out: list[Effect] = []
         self.unchanged = False
         self.facts = None
+        # The caller's mistakes, not the machine's: fail loudly.
         if isinstance(event, Received) and event.conn not in self.conns:
             raise LocalError(f"message {type(event.msg).__name__} on unknown connection {event.conn}")
+        if isinstance(event, Connected) and event.conn in self.conns:
+            raise LocalError(f"connection {event.conn} connected twice")
         try:
             if isinstance(event, Received):
                 self._on_received(event.conn, event.msg, now, out)
             elif isinstance(event, Connected):
-                if event.conn in self.conns:
-                    raise LocalError(f"connection {event.conn} connected twice")
                 conn = Conn(id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge)
                 self.conns[event.conn] = conn
                 start = now if event.since is None else min(event.since, now)
                 self._set_deadline(conn, start + self.hello_timeout)
             elif isinstance(event, Disconnected):
-                self._drop(event.conn, Departure.LOST, event.reason, now, out, close=False)
+                self._drop_unit(event.conn, Departure.LOST, event.reason, now, out, close=False)
             elif isinstance(event, Tick):
                 self._on_tick(now, out)
             elif isinstance(event, DrainRequested):
-                self._drain(event, now, out)
+                with self._unit("drain", now, out, event.job_id):
+                    self._drain(event, now, out)
             elif isinstance(event, ShuttingDown):
                 self._going_away(event.reason, now, out)
             elif isinstance(event, Restarted):
@@ -289,40 +303,107 @@ class Rendezvous(Recovery):
             else:
                 raise LocalError(f"unknown event {event!r}")
         except Exception as exc:
-            if not isinstance(event, Received | Disconnected):
-                raise  # our own clock or bookkeeping: a bug to fail on
-            self.unchanged = False
-            self._contain(event, exc, now, out)
+            # Outside every job's unit: the routing, a handshake, the server's bookkeeping.
+            if isinstance(event, Received):
+                self._contain(event.msg.TYPE, exc, now, out, None, event.conn)
+            else:
+                self._contain(type(event).__name__.lower(), exc, now, out, None, None)
         return out
 
-    def _contain(self, event: Received | Disconnected, exc: Exception, now: float, out: list[Effect]) -> None:
-        """A peer's event raised: a bug of ours that a peer can trigger. Every text the machine
-        builds is clipped to its field and every reply is built before the state changes, so
-        this should not happen; if it does, say so once (no traceback), send the peer a clear
-        Error and close it, and go on serving everyone else. The same input replays the same
-        way from the state log, so a restarted server ends up where this one is."""
-        conn = self.conns.get(event.conn)
-        peer = conn.peer if conn is not None else "?"
-        what = event.msg.TYPE if isinstance(event, Received) else "disconnect"
-        out.append(
-            Log(
-                "error",
-                escape(
-                    clip_text(
-                        f"internal error handling {what} from connection {event.conn} ({peer}): "
-                        f"{type(exc).__name__}: {exc}",
-                        LOG_TEXT_LEN,
-                    )
-                ),
-            )
-        )
-        if conn is None or isinstance(event, Disconnected):
+    # -- containing a fault (faults.py) ----------------------------------------------------
+
+    @contextmanager
+    def _unit(
+        self, rule: str, now: float, out: list[Effect], job_id: str | None = None, conn: int | None = None
+    ) -> Iterator[None]:
+        """One unit of an event's work, for job ``job_id`` (None: the server): an exception in
+        it is contained here (``_contain``), and the event's other units go on. A unit inside
+        one for the same job (or inside any, for a server unit) is part of it."""
+        units = self._units
+        if job_id in units or (job_id is None and units):
+            yield
             return
+        units.append(job_id)
         try:
-            self._refuse(conn, "internal_error", f"the server could not handle this {what}", now, out)
+            yield
+        except Exception as exc:
+            self._contain(rule, exc, now, out, job_id, conn)
+        else:
+            if self.logged_facts is not None and job_id is not None and self._logged_fault(job_id, rule):
+                # Replaying a fault this replay did not meet (a rule of volatile state that is
+                # not a ``from_volatile`` one): the job ends as it did live.
+                self._contain(rule, None, now, out, job_id, conn)
+        finally:
+            units.pop()
+
+    def _logged_fault(self, job_id: str, rule: str, *, take: bool = False) -> str | None:
+        """The reason the live server gave for a fault of ``job_id`` in ``rule`` (replaying)."""
+        entries = (self.logged_facts or {}).get("fault", [])
+        hit = next((e for e in entries if [e[0], e[1]] == [job_id, rule]), None)
+        if hit is None or self.logged_facts is None:
+            return None
+        if take:
+            self.logged_facts["fault"] = [e for e in entries if e is not hit]  # used once
+        return str(hit[2])
+
+    def _contain(
+        self,
+        rule: str,
+        exc: Exception | None,
+        now: float,
+        out: list[Effect],
+        job_id: str | None,
+        conn_id: int | None,
+    ) -> None:
+        """A rule raised ``exc`` in a unit of ``job_id`` (None: of the server), or did when
+        the live server handled the event being replayed (``exc`` None). Say so once, with
+        the rule's place and the frames of ours that led to it; fail the job (its agents are
+        told why); refuse the peer whose frame it was, unless it is one of those agents; and
+        keep the decision as a fact of the event, so the state log has the event and a replay
+        its words."""
+        self.unchanged = False
+        logged = self._logged_fault(job_id or "", rule, take=True)
+        if logged is not None:
+            reason = logged
+        elif exc is not None:
+            reason = clip_text(
+                f"internal error in {faults.where(exc)} handling {rule}: {type(exc).__name__}: {exc}",
+                REASON_LEN,
+            )
+        else:
+            reason = f"internal error handling {rule}"
+        self._add_fact("fault", [job_id or "", rule, reason])
+        line = reason if exc is None else f"{reason} [{faults.trail(exc)}]"
+        whose = f"job {job_id}: " if job_id is not None else ""
+        conn = self.conns.get(conn_id) if conn_id is not None else None
+        peer = f" (from connection {conn.id}, {conn.peer})" if conn is not None else ""
+        out.append(Log("error", escape(clip_text(f"{whose}{line}{peer}", LOG_TEXT_LEN))))
+        job = self.jobs.get(job_id) if job_id is not None else None
+        if job is not None:
+            self._end_by_fault(job, reason, now, out)
+        if conn is None or conn.id not in self.conns:
+            return
+        if job is not None and conn.job_id == job.id and conn.phase in MEMBER_PHASES:
+            return  # told with the job's other agents
+        try:
+            self._refuse(conn, faults.INTERNAL_ERROR, f"the server could not handle this {rule}", now, out)
         except Exception:
             self.conns.pop(conn.id, None)
             out.append(Close(conn.id, "internal error"))
+
+    def _end_by_fault(self, job: Job, reason: str, now: float, out: list[Effect]) -> None:
+        """Fail ``job`` for a fault of ours. A job already over stays as it is. Should failing
+        it raise as well, it ends without a word to its agents, and with no deadline left."""
+        if job.phase in (JobPhase.FINISHED, JobPhase.FAILED, JobPhase.ABANDONED):
+            return
+        try:
+            self._fail(job, reason, None, now, out, code=faults.INTERNAL_ERROR)
+        except Exception:
+            job.phase, job.outcome, job.fail_code = JobPhase.FAILED, reason, faults.INTERNAL_ERROR
+            job.commit = job.hang_verdict = job.last_call_deadline = None
+            return
+        with suppress(Exception):  # else it is forgotten when its last node goes
+            self._forget_if_done(job, now, out)
 
     def heartbeat(self, conn_id: int, now: float) -> bool:
         """Received(conn, Heartbeat()) for a connection past its hello, without the event.
@@ -347,6 +428,7 @@ class Rendezvous(Recovery):
         """The earliest time at which a Tick would change something."""
         deadlines = [j.last_call_deadline for j in self.jobs.values() if j.last_call_deadline is not None]
         deadlines.extend(j.commit.deadline for j in self.jobs.values() if j.commit is not None)
+        deadlines.extend(j.hang_verdict.deadline for j in self.jobs.values() if j.hang_verdict is not None)
         if self._next_sweep is not None:
             deadlines.append(self._next_sweep)
         if self.resume_deadline is not None:
@@ -369,7 +451,8 @@ class Rendezvous(Recovery):
             Send(c.id, msg) for c in self.conns.values() if c.phase in (ConnPhase.READY, ConnPhase.JOINED)
         )
         for job in self.jobs.values():
-            said.note(job, said.server_going_away(now, reason), out)
+            with self._unit("going_away", now, out, job.id):
+                said.note(job, said.server_going_away(now, reason), out)
 
     def _drain(self, event: DrainRequested, now: float, out: list[Effect]) -> None:
         """An operator asks a node to leave cleanly (its agent stops its workers, then leaves)."""
@@ -428,10 +511,14 @@ class Rendezvous(Recovery):
                     self._refuse_by_config(conn, "auth_failed", problem, now, out)
                 elif isinstance(msg, Join) and self.refuse_joins and not self._coming_back(msg):
                     self._refuse_by_config(conn, SERVER_BUSY, self.refuse_joins, now, out)
-                elif isinstance(msg, Join):
-                    self._on_join(conn, msg, now, out)
                 else:
-                    self._on_resume(conn, msg, now, out)
+                    # Authenticated: a fault of the job's rules from here on is the job's.
+                    job_id = msg.job_id if isinstance(msg, Join) else msg.join.job_id
+                    with self._unit(msg.TYPE, now, out, job_id, conn.id):
+                        if isinstance(msg, Join):
+                            self._on_join(conn, msg, now, out)
+                        else:
+                            self._on_resume(conn, msg, now, out)
                 if conn.phase in MEMBER_PHASES:  # (mypy narrowed phase to READY above)
                     conn.deadline = None  # a member: the heartbeat sweep watches it from now on
             elif isinstance(msg, Leave):
@@ -441,6 +528,12 @@ class Rendezvous(Recovery):
                 self._refuse(conn, "unexpected_message", f"expected join, got {msg.TYPE}", now, out)
             return
         job, member = self._member_of(conn)
+        with self._unit(msg.TYPE, now, out, job.id, conn.id):
+            self._on_member_message(conn, job, member, msg, now, out)
+
+    def _on_member_message(
+        self, conn: Conn, job: Job, member: Member, msg: Message, now: float, out: list[Effect]
+    ) -> None:
         if isinstance(msg, Join):
             self._on_rejoin(job, member, msg, now, out)
         elif isinstance(msg, WorkersFailed):
@@ -451,6 +544,7 @@ class Rendezvous(Recovery):
             self._on_progress(job, member, msg, now, out)
         elif isinstance(msg, Stacks):
             self._on_stacks(job, member, msg, now, out)
+            self._stacks_in(job, msg.round, now, out)
         elif isinstance(msg, HangDetected):
             self._on_hang(job, member, msg, now, out)
         elif isinstance(msg, Armed):
@@ -524,41 +618,68 @@ class Rendezvous(Recovery):
             else:
                 why = f"no join within {self.auth_timeout:g} s of its hello"
             out.append(Log("warning", escape(clip_text(f"closing {conn.peer}: {why}", LOG_TEXT_LEN))))
-            self._drop(conn_id, Departure.LOST, why, now, out, close=True)
+            self._drop_unit(conn_id, Departure.LOST, why, now, out, close=True)
 
     def _on_tick(self, now: float, out: list[Effect]) -> None:
-        self._close_late(now, out)
+        """Every deadline due by ``now``, each job's in a unit of its own (a fault of one job's
+        rules fails that job; the others' deadlines still go), and each deadline cleared or
+        moved past ``now`` before its work: a Tick at ``now`` leaves none due."""
+        with self._unit("tick", now, out):
+            self._close_late(now, out)  # (no job's: connections that have not joined)
         for job in list(self.jobs.values()):
-            if job.joins_unlogged and now >= job.join_window_end:
-                said.log_unlogged_joins(job, out)
-            if job.commit is not None:
-                self._commit_due(job, now, out)
-            if job.last_call_deadline is not None and now >= job.last_call_deadline:
-                if job.phase is JobPhase.RESUMING:
-                    missing = job.resume_expect[1] - len(job.members) if job.resume_expect else 0
-                    self._abandon_resume(job, f"{missing} node(s) did not come back in time", now, out)
-                elif job.phase is JobPhase.RUNNING:
-                    self._maybe_regather(job, now, out)
-                else:
-                    job.last_call_deadline = None
-                    self._maybe_complete(job, now, out)
-        if self._next_sweep is not None and now >= self._next_sweep:
-            self._sweep(now, out)
+            with self._unit("tick", now, out, job.id):
+                self._job_tick(job, now, out)
         if self.resume_deadline is not None and now >= self.resume_deadline:
             self.resume_deadline = None
             for conn in [c for c in self.conns.values() if c.phase is ConnPhase.AWAY]:
                 why = "did not come back after the server restarted"
-                self._drop(conn.id, Departure.NOT_BACK, why, now, out, close=False)
+                self._drop_unit(conn.id, Departure.NOT_BACK, why, now, out, close=False)
+        # Last: the drops that replay gets from the log after the rest of the tick (a Tick's
+        # closes are logged as disconnections that follow it), so they come last here too.
+        if self._next_sweep is not None and now >= self._next_sweep:
+            with self._unit("tick", now, out):
+                self._sweep(now, out)
+
+    def _job_tick(self, job: Job, now: float, out: list[Effect]) -> None:
+        if job.hang_verdict is not None and now >= job.hang_verdict.deadline:
+            self._settle_hang(job, now, out)  # with the stacks that came in time
+        if job.joins_unlogged and now >= job.join_window_end:
+            said.log_unlogged_joins(job, out)
+        if job.commit is not None:
+            self._commit_due(job, now, out)
+        if job.last_call_deadline is not None and now >= job.last_call_deadline:
+            if job.phase is JobPhase.RESUMING:
+                missing = job.resume_expect[1] - len(job.members) if job.resume_expect else 0
+                self._abandon_resume(job, f"{missing} node(s) did not come back in time", now, out)
+            elif job.phase is JobPhase.RUNNING:
+                self._maybe_regather(job, now, out)
+            else:
+                job.last_call_deadline = None
+                self._maybe_complete(job, now, out)
+
+    def _drop_unit(
+        self, conn_id: int, how: Departure, reason: str, now: float, out: list[Effect], *, close: bool
+    ) -> None:
+        """``_drop``, as a unit of the connection's job: a lost connection, live (a drop, the
+        sweep, a late handshake) or replayed (the log keeps a tick's drops as disconnections)."""
+        conn = self.conns.get(conn_id)
+        job_id = conn.job_id if conn is not None and conn.phase in MEMBER_PHASES else None
+        with self._unit("disconnect", now, out, job_id):
+            self._drop(conn_id, how, reason, now, out, close=close)
 
     def _sweep(self, now: float, out: list[Effect]) -> None:
-        """Drop nodes whose heartbeats stopped: a frozen machine or a pulled cable."""
+        """Drop nodes whose heartbeats stopped: a frozen machine or a pulled cable. The next
+        sweep is set before any drop, so a fault in one leaves the sweep armed."""
         shortest: float | None = None
-        for conn in list(self.conns.values()):
+        silent: list[tuple[int, float]] = []
+        for conn in self.conns.values():
             if conn.phase is not ConnPhase.JOINED or conn.job_id not in self.jobs:
                 continue
             timeout = self.jobs[conn.job_id].settings.heartbeat_timeout
             shortest = timeout if shortest is None else min(shortest, timeout)
             if now - conn.last_seen > timeout:
-                why = f"went silent (no heartbeat for {timeout:g} s)"
-                self._drop(conn.id, Departure.LOST, why, now, out, close=True)
+                silent.append((conn.id, timeout))
         self._next_sweep = None if shortest is None else now + max(shortest / 4, 0.05)
+        for conn_id, timeout in silent:
+            why = f"went silent (no heartbeat for {timeout:g} s)"
+            self._drop_unit(conn_id, Departure.LOST, why, now, out, close=True)

@@ -27,6 +27,8 @@ empty, and the fact it would give shows as ``None``.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable
 from dataclasses import asdict
 from functools import lru_cache
@@ -46,7 +48,7 @@ K = EventKind
 _ROUND_ENDERS = frozenset({K.FAILURE, K.LOST, K.LEFT, K.ADMIT, K.EXCLUDED, K.FINISHED, K.FAILED, K.FORGOTTEN})
 # The kinds that say why a node is gone.
 _DEPARTURES = frozenset({K.LOST, K.LEFT, K.EXCLUDED})
-TERMINAL_PHASES = frozenset({JobPhase.FINISHED, JobPhase.FAILED})
+TERMINAL_PHASES = frozenset({JobPhase.FINISHED, JobPhase.FAILED, JobPhase.ABANDONED})
 
 JOBS_LISTED = 200  # jobs in one GET /v1/jobs (active first); each job's detail is per id
 STRAGGLERS_SHOWN = 64  # flagged ranks listed in a job's detail, slowest first (all are counted)
@@ -70,6 +72,27 @@ AGE_SLACK_S = 2.0
 AGE_LATE_STEPS = 2.0
 AGE_STALLED_STEPS = 5.0
 AGE_STALLED_MIN_S = 60.0
+
+
+def to_json(view: Any) -> str:
+    """A view as JSON text. JSON has no NaN or Infinity: a browser's ``JSON.parse`` refuses the
+    whole body (the dashboard then shows no job at all), so should a non-finite number get
+    past the bounds at its source, it is written as null, never as ``Infinity``."""
+    try:
+        return json.dumps(view, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(view), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float, however deep, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 class Clock:
@@ -254,7 +277,7 @@ def _commit_view(job: Job, clock: Clock) -> dict[str, Any] | None:
         "round": c.round,
         "step": c.step,
         "reason": c.reason,
-        "state": "stopping" if c.go else "arming",
+        "state": "waiting" if c.pending else "stopping" if c.go else "arming",
         "arms": c.arms,
         "nodes": len(job.order),
         "armed": len(c.armed),

@@ -3,7 +3,10 @@
 Texts that came from peers (node and job ids, reasons, failure messages, history) are shown
 with control characters escaped (``shown``): in the tables here and in the server's log
 (``daemon.SafeFormatter``), so a newline or a terminal escape in a peer's text cannot forge a
-line or rewrite the operator's terminal. Pure functions of the status API's JSON.
+line or rewrite the operator's terminal. A failure's message (a worker's error, a hang report)
+is the one text shown on several lines (``shown_lines``): each escaped, every line after its
+first indented under it, so it cannot pass for a line of the table. Pure functions of the
+status API's JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069
 def shown(text: object) -> str:
     """A peer's text, safe to print on one line: control characters become visible escapes."""
     return _CONTROL.sub(lambda m: ascii(m[0])[1:-1], str(text))
+
+
+def shown_lines(text: str, first: str, indent: str) -> list[str]:
+    """A peer's multi-line text (a failure's message with its hang report) as lines, each
+    escaped as ``shown`` does: the first after ``first``, the others after ``indent``."""
+    lines = text.rstrip("\n").split("\n")
+    return [first + shown(lines[0]), *(indent + shown(line) if line else "" for line in lines[1:])]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -185,7 +195,7 @@ def format_job(job: dict[str, Any]) -> str:
         for f in job["failures"]:
             where = "" if f["round"] is None else f"round {f['round']}: "
             text = f["description"] + (f": {f['message']}" if f["message"] else "")
-            lines.append(f"  {where}{shown(text)}")
+            lines += shown_lines(text, f"  {where}", "      ")
     if job["excluded"]:
         lines += ["", "excluded:"] + [
             f"  {shown(x['node_id'])}: {shown(x['reason'])}" for x in job["excluded"]

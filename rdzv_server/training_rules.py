@@ -2,25 +2,30 @@
 
 Under :class:`~rdzv_server.rounds.RoundRules`, which calls into it: a node's ``Progress`` (the
 job's progress view and its straggler flags), ``HangDetected`` (a HANG event, ``CollectStacks``
-to every node of the round, once per round), ``Stacks`` (the job's hang report), leaving
-stragglers out of a round that forms (``exclude_stragglers``), and the crash-loop rule, which
-rests on ``WorkersFailed.step`` only. What is derived from Progress (volatile: the state log
-keeps no Progress) and changes state is written into the record of the event as a fact
-(``facts``), and a replay takes the decision from there (``logged_facts``).
+to every node of the round, once per round), ``Stacks`` (the job's hang report), the verdict
+on a hang's failure (held until every node's stacks are in, then naming the rank they point
+at: issue 30), leaving stragglers out of a round that forms (``exclude_stragglers``), and the
+crash-loop rule, which rests on ``WorkersFailed.step`` only. What is derived from Progress or
+Stacks (volatile: the state log keeps neither) and changes state is written into the record
+of the event as a fact (``facts``), and a replay takes the decision from there
+(``logged_facts``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from protocol import CollectStacks, Failure, HangDetected, Progress, Stacks
-from protocol.messages import clip_text
+from protocol.failure_text import HUNG
+from protocol.messages import MAX_TEXT_LEN, clip_text
 
 from . import history as said
 from .events import Effect, Log, Send
+from .faults import from_volatile
+from .hang_cause import HANG_VERDICT_WAIT_S, all_stacks_in, job_cause
 from .history import HISTORY_TEXT_LEN, LOG_TEXT_LEN, EventKind, escape
-from .jobs import REASON_LEN, Job, JobPhase, Member, MemberState
+from .jobs import FAILURE_TEXT_LEN, REASON_LEN, HangVerdict, Job, JobPhase, Member, MemberState
 from .progress import (
     HANG_RANKS_KEPT,
     STRAGGLER_CHECK_EVERY,
@@ -54,9 +59,14 @@ class TrainingRules:
             now: float,
             out: list[Effect],
             code: str = "",
+            report: str = "",
         ) -> None: ...
 
         def _exclude(self, job: Job, member: Member, why: str, now: float, out: list[Effect]) -> None: ...
+
+        def _verdict(
+            self, job: Job, node_id: str, failure: Failure, step: int, now: float, out: list[Effect]
+        ) -> None: ...
 
     def _in_round(self, job: Job, member: Member, rnd: int) -> bool:
         """Whether ``member`` runs workers of the job's running round ``rnd``."""
@@ -89,6 +99,7 @@ class TrainingRules:
                 offset += m.nproc
         return offsets
 
+    @from_volatile("stragglers")
     def _check_stragglers(self, job: Job, now: float, out: list[Effect]) -> None:
         """Note a STRAGGLER event for each node that has a flagged rank for the first time this
         round. The state log keeps the notes as facts of the Progress that made them."""
@@ -115,6 +126,7 @@ class TrainingRules:
             self._add_fact("stragglers", [job.id, nid, ranks, scores])
             said.note(job, event, out, "warning")
 
+    @from_volatile("left_out")
     def _leave_out_stragglers(self, job: Job, now: float, out: list[Effect]) -> bool:
         """``exclude_stragglers``: a round is about to form; exclude the nodes that had a flagged
         rank in the previous round, as long as the job keeps enough nodes. Decided once per
@@ -171,6 +183,12 @@ class TrainingRules:
         if not self._in_round(job, member, msg.round):
             self.unchanged = True
             return
+        spans = self._rank_spans(job)
+        own = self._own_ranks(job, member, spans.get(member.node_id, range(0)), msg.ranks, "a hang", out)
+        if not own:
+            self.unchanged = True  # a hang must name a rank of the sender's own
+            return
+        msg = replace(msg, ranks=own)
         if job.hang_round == msg.round:
             self._more_hung_ranks(job, msg, out)
             return
@@ -188,6 +206,7 @@ class TrainingRules:
             silent_s=msg.silent_s,
             detected_at=now,
             reason=collect.reason,
+            spans=spans,
         )
         new.add_ranks(msg.ranks)
         event = said.hang(
@@ -199,6 +218,29 @@ class TrainingRules:
             m = job.members.get(nid)
             if m is not None:
                 out.append(Send(m.conn, collect))
+
+    def _rank_spans(self, job: Job) -> dict[str, range]:
+        """Each member's global ranks in the running round (from its place in ``job.order``)."""
+        return {nid: range(at, at + job.members[nid].nproc) for nid, at in self._rank_offsets(job).items()}
+
+    def _own_ranks(
+        self, job: Job, member: Member, span: range, ranks: tuple[int, ...], what: str, out: list[Effect]
+    ) -> tuple[int, ...]:
+        """The ranks of ``ranks`` in ``span``, the ones ``member`` ran: a node reports hangs and
+        stacks of its own ranks only, never another node's, nor ranks the job does not have.
+        The others are dropped, said in one line. Decided from logged state (``job.order``,
+        the members' nproc), so a replay drops the same."""
+        own = tuple(r for r in ranks if r in span)
+        if len(own) < len(ranks):
+            foreign = sorted({r for r in ranks if r not in span})
+            shown = ", ".join(map(str, foreign[:8])) + (" ..." if len(foreign) > 8 else "")
+            mine = f"{span.start}..{span.stop - 1}" if span else "none"
+            text = (
+                f"job {job.id}: node {member.node_id} sent {what} of ranks it does not run "
+                f"(its ranks: {mine}): {shown}; ignored"
+            )
+            out.append(Log("warning", escape(clip_text(text, LOG_TEXT_LEN))))
+        return own
 
     def _more_hung_ranks(self, job: Job, msg: HangDetected, out: list[Effect]) -> None:
         """A later report of the round's hang: its new ranks join the round's HANG event (the
@@ -230,10 +272,32 @@ class TrainingRules:
         if hang is None or hang.round != msg.round or job.members.get(member.node_id) is not member:
             self.unchanged = True
             return
+        span = hang.spans.get(member.node_id, range(0))
+        own = self._own_ranks(job, member, span, msg.ranks, "stacks", out)
+        if len(own) < len(msg.ranks):
+            if not own:
+                self.unchanged = True
+                return
+            keep = [i for i, rank in enumerate(msg.ranks) if rank in span]
+            msg = Stacks(
+                round=msg.round,
+                ranks=tuple(msg.ranks[i] for i in keep),
+                steps=tuple(msg.steps[i] for i in keep),
+                phases=tuple(msg.phases[i] for i in keep),
+                silent_s=tuple(msg.silent_s[i] for i in keep),
+                stacks=tuple(msg.stacks[i] for i in keep),
+            )
         hang.add_stacks(member.node_id, msg)
 
     def _crash_loop(
-        self, job: Job, step: int, cause: str, failure: Failure, now: float, out: list[Effect]
+        self,
+        job: Job,
+        step: int,
+        cause: str,
+        failure: Failure,
+        now: float,
+        out: list[Effect],
+        report: str = "",
     ) -> bool:
         """Count a failed round that made no step progress; True if the job failed for it.
 
@@ -252,5 +316,90 @@ class TrainingRules:
             return False
         said.note(job, said.crash_loop(now, job.round, job.stuck_restarts, job.best_step), out, "error")
         reason = f"{said.crash_loop_reason(job.stuck_restarts, job.best_step)}; the last failure: {cause}"
-        self._fail(job, reason, failure, now, out, code="crash_loop")
+        self._fail(job, reason, failure, now, out, code="crash_loop", report=report)
         return True
+
+    # -- a hang's verdict, once every node's stacks are in ---------------------------------
+    # The node whose ranks hung reports its failure right after its own stacks; the other
+    # nodes' stacks (asked for by CollectStacks) follow within STACKS_TIMEOUT. The verdict on
+    # the failure waits for them (at most HANG_VERDICT_WAIT_S), so the job's root cause can
+    # name the rank every node's stacks point at (hang_cause.py). Whether it waits, when it
+    # goes and whom it names come from the stacks (volatile): facts of their events.
+
+    @from_volatile("hang_wait")
+    def _hang_waits(self, job: Job, member: Member, failure: Failure, step: int, now: float) -> bool:
+        """Whether the verdict on ``member``'s hang ``failure`` waits for the other nodes'
+        stacks (kept as ``job.hang_verdict``). It waits while a node of the round has not sent
+        them, and only if the reporter's own came: stacks reach this machine (not through
+        etcd, not from an older agent)."""
+        if self.logged_facts is not None:
+            waits = any(e[0] == job.id for e in self.logged_facts.get("hang_wait", ()))
+        else:
+            hang = job.hang
+            waits = (
+                failure.signal == HUNG
+                and hang is not None
+                and hang.round == job.round
+                and member.node_id in hang.stacks
+                and not all_stacks_in(hang, self._round_nodes(job))
+            )
+            if waits:
+                self._add_fact("hang_wait", [job.id])
+        if waits:
+            job.hang_verdict = HangVerdict(
+                round=job.round,
+                node=member.node_id,
+                failure=failure,
+                step=step,
+                deadline=now + HANG_VERDICT_WAIT_S,
+            )
+        return waits
+
+    def _round_nodes(self, job: Job) -> int:
+        return sum(1 for nid in job.order if nid in job.members)
+
+    @from_volatile("hang_settled")
+    def _stacks_in(self, job: Job, rnd: int, now: float, out: list[Effect]) -> None:
+        """A node's stacks of round ``rnd`` came: a verdict waiting for them goes once every
+        node of the round has sent its own."""
+        v, hang = job.hang_verdict, job.hang
+        if self.logged_facts is not None:
+            due = any(e[0] == job.id for e in self.logged_facts.get("hang_settled", ()))
+        else:
+            due = (
+                v is not None
+                and v.round == rnd
+                and hang is not None
+                and hang.round == rnd
+                and all_stacks_in(hang, self._round_nodes(job))
+            )
+            if due:
+                self._add_fact("hang_settled", [job.id])
+        if due:
+            self._settle_hang(job, now, out)
+
+    def _settle_hang(self, job: Job, now: float, out: list[Effect]) -> None:
+        """The waiting verdict goes (every node's stacks are in, or its deadline passed)."""
+        v, job.hang_verdict = job.hang_verdict, None
+        if v is not None and job.phase is JobPhase.RUNNING and job.round == v.round:
+            self._verdict(job, v.node, v.failure, v.step, now, out)
+
+    @from_volatile("hang_cause")
+    def _hang_cause(self, job: Job, failure: Failure) -> tuple[Failure, str]:
+        """``failure`` as the job's hang report tells it (hang_cause.job_cause), and the
+        report's text for the agents ("" when replaying: nothing is sent then)."""
+        if self.logged_facts is not None:
+            for e in self.logged_facts.get("hang_cause", ()):
+                if e[0] == job.id:
+                    return Failure(**e[1]), ""
+            return failure, ""
+        hang = job.hang
+        if failure.signal != HUNG or hang is None or hang.round != job.round:
+            return failure, ""  # not a hang, or no stacks of this round's
+        addrs = {nid: m.addr for nid, m in job.members.items()}
+        found = job_cause(hang, failure, self._rank_spans(job), addrs, FAILURE_TEXT_LEN)
+        if found is None:
+            return failure, ""
+        named, text = found
+        self._add_fact("hang_cause", [job.id, asdict(named)])
+        return named, clip_text(text, MAX_TEXT_LEN)

@@ -4,12 +4,18 @@ one an agent hosts: ``hosting.py``): connect, say hello, exchange frames.
 Connecting retries with capped exponential backoff and jitter until a deadline, printing what
 it waits for once per distinct problem (not once per attempt). After the TCP connect the
 server has ``handshake_timeout`` to answer our hello with its magic and a welcome; a listener
-that answers anything else (or nothing) is named as not being a rendezvous server.
+that answers anything else, or nothing, is named as not being a rendezvous server.
+
+A listener that closes the connection without a word is either a rendezvous server at its
+connection cap (whose "busy" replies were crowded out: it closes the excess at once) or one
+that speaks the other of plain TCP and TLS (TLS on one side only shows up as that close). A
+second connection tells them apart: it speaks the other protocol to the listener (a TLS
+ClientHello, or our plain hello), and an answer in it names the flag that is missing, at once;
+no answer either is taken as a full server, tried again like a busy one until the deadline.
 
 With a TLS context the handshake follows the TCP connect (so refused connections are still
 retried, but a certificate that does not verify fails at once) and the server's certificate
-must name the endpoint host we dialled. TLS on one side only shows up as the peer closing the
-connection without a word; the messages then say which flag is probably missing.
+must name the endpoint host we dialled.
 """
 
 from __future__ import annotations
@@ -213,26 +219,67 @@ async def connect(
 
     With ``tls``, the handshake verifies the server's certificate against ``host``. With
     ``need_token`` (the agent holds one), a server whose welcome asks for no token is refused.
-    A server that answers the hello with a non-fatal error (at its connection limit: busy) is
-    tried again, with the same backoff as an unreachable one, until the deadline.
+    A server that answers the hello with a non-fatal error (at its connection limit: busy), or
+    closes it without a word while speaking our protocol (full: its busy replies crowded out),
+    is tried again, with the same backoff as an unreachable one, until the deadline.
     """
     once = functools.partial(
         _connect_once, host, port, deadline=deadline, handshake_timeout=handshake_timeout,
         log=log, clock=clock, tls=tls, need_token=need_token,
     )  # fmt: skip
+
+    async def attempt() -> Connection:
+        try:
+            return await once()
+        except _RoomForOthers:
+            return await once()  # a second such close is the answer (raised as it is)
+
+    last: list[BaseException] = []
+
+    def describe(exc: BaseException) -> str:
+        last[:] = [exc]
+        return str(exc)
+
+    def give_up(problem: str) -> Exception:
+        why = f"{problem}; gave up when the time to connect ran out"
+        if last and isinstance(last[0], _Full):
+            why += (
+                " (it closed every connection without answering: a rendezvous server at its "
+                "connection cap, or a listener that is not a rendezvous server)"
+            )
+        return RendezvousRefused(why)
+
     return await retry_until(
-        once,
+        attempt,
         retry_on=(_Busy,),
-        describe=str,
+        describe=describe,
         deadline=deadline,
         clock=clock,
         waiting=lambda problem: log(f"{problem}; retrying"),
-        give_up=RendezvousRefused,
+        give_up=give_up,
     )
 
 
 class _Busy(Exception):
     """The server answered the hello with a non-fatal error: try again later."""
+
+
+class _Full(_Busy):
+    """The server closed the connection without a word, and answers neither protocol on a
+    second one: at its connection cap (it closes the excess without the busy reply once too
+    many wait for one). Try again later."""
+
+
+class _RoomForOthers(NotARendezvousServer):
+    """Our TLS connection was closed without a word while one without a certificate was
+    answered: our certificate was not accepted, unless a place freed meanwhile (try once more)."""
+
+
+def _full(host: str, port: int) -> _Full:
+    return _Full(
+        f"the rendezvous server at {host}:{port} is full (connection cap): it closed the connection "
+        "without answering"
+    )
 
 
 async def _connect_once(
@@ -293,18 +340,30 @@ async def _connect_once(
         raise NotARendezvousServer(
             f"{host}:{port} does not speak the rendezvous protocol (it answered {exc.sample!r})"
         ) from None
-    except (ConnectionError, ssl.SSLError):
+    except (ConnectionError, ssl.SSLError) as exc:
         await conn.close()
         if tls is None:
-            # A TLS server cannot answer a plain hello in TLS: all we see is the close.
-            raise NotARendezvousServer(
-                f"{host}:{port} closed the connection during the hello: it is not a rendezvous server, "
-                "or one that uses TLS (then give --tls-ca FILE, the CA of its certificate)"
-            ) from None
-        raise NotARendezvousServer(
+            # A TLS server cannot answer a plain hello in TLS: all we see is the close, as from
+            # a full server. A TLS ClientHello on a second connection tells them apart.
+            if await _speaks_tls(host, port, timeout=min(PROBE_AFTER, handshake_timeout)):
+                raise NotARendezvousServer(
+                    f"{host}:{port} closed the connection during the hello, and answers TLS: it is a "
+                    "rendezvous server that uses TLS; give --tls-ca FILE (the CA of its certificate)"
+                ) from None
+            raise _full(host, port) from None
+        refused = (
             f"{host}:{port} closed the TLS connection during the hello: it is not a rendezvous "
             "server, or it did not accept our client certificate (--tls-cert)"
-        ) from None
+        )
+        if isinstance(exc, ssl.SSLError):
+            raise NotARendezvousServer(refused) from None
+        # Past the handshake a full server closes without a word, and so does one that did not
+        # accept our certificate (asyncio's server drops the alert). A hello without a
+        # certificate on a second connection tells: answered, the server has room (so try
+        # once more at once, and a second such close is the answer); not, it is full.
+        if await _speaks_rdzv(host, port, timeout=min(PROBE_AFTER, handshake_timeout), tls=True):
+            raise _RoomForOthers(refused) from None
+        raise _full(host, port) from None
     if isinstance(first, Error):
         await conn.close()
         if not first.fatal:
@@ -339,11 +398,15 @@ async def _start_tls(
             f"--tls-ca; the server's certificate must be signed by it and name {host!r})"
         )
     except (ConnectionError, ssl.SSLEOFError, ssl.SSLZeroReturnError):
-        # What a plain server does with a ClientHello: it closes the connection.
-        problem = NotARendezvousServer(
-            f"{host}:{port} closed the connection during the TLS handshake: it does not speak TLS "
-            "(a rdzv-server without --tls-cert? then drop --tls-ca)"
-        )
+        # What a plain server does with a ClientHello, and a full one with any connection: it
+        # closes it. Our plain hello on a second connection tells them apart.
+        writer.transport.abort()
+        if await _speaks_rdzv(host, port, timeout=min(PROBE_AFTER, timeout)):
+            raise NotARendezvousServer(
+                f"{host}:{port} closed the connection during the TLS handshake: it does not speak TLS "
+                "(a rdzv-server without --tls-cert? then drop --tls-ca)"
+            ) from None
+        raise _full(host, port) from None
     except ssl.SSLError as exc:
         problem = TLSFailed(f"the TLS handshake with {host}:{port} failed: {exc.reason or exc}")
     except asyncio.TimeoutError:
@@ -400,6 +463,52 @@ async def _is_tcpstore(host: str, port: int, *, timeout: float) -> bool:
         return False
     finally:
         writer.transport.abort()
+
+
+async def _first_bytes(
+    host: str, port: int, payload: bytes, n: int, *, timeout: float, tls: bool = False
+) -> bytes:
+    """The first ``n`` bytes a listener answers ``payload`` with on a new connection (over TLS
+    that verifies nothing, with ``tls``); b"" for none (refused, closed, reset or silent within
+    ``timeout``)."""
+    ctx = _unverified() if tls else None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx), timeout)
+    except (OSError, asyncio.TimeoutError):  # ssl.SSLError is an OSError
+        return b""
+    try:
+        writer.write(payload)
+        return await asyncio.wait_for(reader.readexactly(n), timeout)
+    except (OSError, RuntimeError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+        return b""  # RuntimeError: uvloop's write on a transport the peer already reset
+    finally:
+        writer.transport.abort()
+
+
+def _unverified() -> ssl.SSLContext:
+    """A TLS client context for the probes: no certificate, nothing verified."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+async def _speaks_tls(host: str, port: int, *, timeout: float) -> bool:
+    """Whether the listener answers a TLS ClientHello with a TLS record (a handshake or an
+    alert). Nothing is verified: only what it speaks is asked."""
+    out = ssl.MemoryBIO()
+    with contextlib.suppress(ssl.SSLWantReadError):
+        _unverified().wrap_bio(ssl.MemoryBIO(), out).do_handshake()
+    head = await _first_bytes(host, port, out.read(), 2, timeout=timeout)
+    return head in (b"\x16\x03", _TLS_ALERT)
+
+
+async def _speaks_rdzv(host: str, port: int, *, timeout: float, tls: bool = False) -> bool:
+    """Whether the listener answers our hello in our protocol (a welcome or a refusal), over
+    plain TCP or, with ``tls``, over TLS without a certificate on either side (nothing is
+    verified: only whether it answers is asked)."""
+    hello = MAGIC + encode(Hello(versions=SUPPORTED_VERSIONS, software=SOFTWARE))
+    return await _first_bytes(host, port, hello, len(MAGIC), timeout=timeout, tls=tls) == MAGIC
 
 
 class _Garbage(Exception):

@@ -40,8 +40,9 @@ backward, optimizer step: the work whose speed straggler scores compare) is adde
 page's ``compute_ns`` when the outermost "compute" phase is left. A page has 15 name slots:
 slot 1 is "compute" (named on attaching), the next 13 distinct names get one each, and every
 later name, like "other" itself, is reported as "other" (slot 15). Names are cut to 31 bytes of
-UTF-8 at a character boundary (two names equal once cut share a slot). Phases are per
-process: use them from the training thread.
+UTF-8 at a character boundary, and a character that is not printable (a tab, a newline, any
+control character) is written as "?" (two names equal once so cleaned share a slot). Phases are
+per process: use them from the training thread.
 
 ``should_stop()`` lets a planned change of the job (a node joins, drains or is replaced) cost
 no work: instead of being killed wherever it is, every rank stops at the same step S, saves a
@@ -220,7 +221,9 @@ def should_stop() -> bool:
     no system call. True on every rank of the job at the same step S, the one the server chose
     for a commit; it stays True after that. A rank that reaches S before every rank has
     acknowledged S waits here (a few ms, rarely more than the agents' round trip) until the
-    stop is confirmed (True) or called off (False).
+    stop is confirmed (True) or called off (False). Called only every few steps, it is True at
+    the first call at or past S: call it at the same steps on every rank, so that all stop at
+    one step (the README's "commit points" has the rule).
     """
     if _on:
         if _unpack_stop_step(_buf, _ST) == _fast:
@@ -329,9 +332,9 @@ class _PhaseStack:
 
 
 def page_name(name: str) -> str:
-    """``name`` as a page stores it: at most 31 bytes of UTF-8, cut at a character boundary."""
-    raw = name.encode("utf-8", "surrogatepass")[: _layout.NAME_SIZE - 1]
-    return raw.decode("utf-8", "ignore")
+    """``name`` as a page stores it (:func:`.layout.clean_name`): a character that is not
+    printable as "?", at most 31 bytes of UTF-8, cut at a character boundary."""
+    return _layout.clean_name(name)
 
 
 def _intern(p: _Phase) -> int:

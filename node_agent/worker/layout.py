@@ -93,6 +93,20 @@ def check(a: int, b: int, c: int) -> int:
     return (a * _K1 + b * _K2 + c * _K3 + _K4) & _MASK
 
 
+def clean_name(name: str) -> str:
+    """A phase name as a page carries it: each character that is not printable (a control
+    character such as a tab, a line or paragraph separator, a format character, a lone
+    surrogate) as ``?``, then at most 31 bytes of UTF-8, cut at a character boundary.
+
+    The one rule for names, applied where they enter: by the worker before it writes a name
+    and by the agent after it reads one (a page may be written by any program), so no name
+    reaches a message, a log line or a table with a control character in it.
+    """
+    if not name.isprintable():
+        name = "".join(c if c.isprintable() else "?" for c in name)
+    return name.encode("utf-8")[: NAME_SIZE - 1].decode("utf-8", "ignore")
+
+
 def name_offset(slot: int) -> int:
     """Where phase-name slot ``slot`` (1..15) starts in the page."""
     if not 1 <= slot < NAME_SLOTS:

@@ -362,6 +362,65 @@ def test_caps_fit_the_fd_limit_and_an_agent_over_them_is_told_busy(tmp_path: Pat
         live.assert_intact()
 
 
+async def _crowd_out(port: int, stop: asyncio.Event, n: int) -> None:
+    """``n`` peers that keep the server's busy replies taken: each connects and says nothing
+    (the server holds it to tell it "busy" once it speaks, until its busy timeout), and
+    connects again as soon as it is closed."""
+
+    async def one() -> None:
+        while not stop.is_set():
+            try:
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            closed = asyncio.ensure_future(r.read())
+            stopped = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if closed not in done:
+                closed.cancel()
+            stopped.cancel()
+            w.transport.abort()
+
+    await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_an_agent_at_a_full_server_with_no_busy_reply_left_waits_and_joins(tmp_path: Path) -> None:
+    # Before (issue 31, finding 5): with the busy replies crowded out, the server closes the
+    # excess at once, and the agent said "it is not a rendezvous server, or one that uses TLS"
+    # and exited 1. Limit 128: about 88 connections, 44 per address, 20 held to be told busy.
+    with ShortHeartbeatJob(tmp_path, "--hello-timeout", "30", fd_limit=128) as live:
+
+        async def attack() -> None:
+            held = await _hold_idle(live.port, 60)  # past the per-address cap, idle
+            stop = asyncio.Event()
+            crowd = asyncio.ensure_future(_crowd_out(live.port, stop, 40))
+            try:
+                await asyncio.sleep(0.5)  # the busy places are taken
+                endpoint = f"127.0.0.1:{live.port}"
+                agent = Proc(
+                    agent_cmd("--nnodes", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "full",
+                              "--rdzv-conf", "join_timeout=60", str(WORKERS / "dump_env.py")),
+                    env={"DUMP_DIR": str(tmp_path)},
+                )  # fmt: skip
+                # The agent says the server is full and tries again...
+                await asyncio.to_thread(
+                    agent.wait_for_line, r"is full \(connection cap\).*; retrying", timeout=30
+                )
+                assert agent.p.poll() is None
+            finally:
+                stop.set()
+                await crowd
+                for w in held:
+                    w.transport.abort()
+            # ... and joins once the places come back.
+            assert await asyncio.to_thread(agent.wait, 60) == 0, agent.stderr[-2000:]
+            assert "not a rendezvous server" not in agent.stderr
+
+        asyncio.run(attack())
+        live.assert_intact()
+
+
 async def _welcomed(port: int) -> bool:
     peer = await Peer.open(port)
     try:

@@ -159,7 +159,8 @@ def test_item5_texts_the_server_builds_from_hostile_ones_fit_their_fields(tmp_pa
 
         run(attack())
         status, job = asyncio.run(http(live.port, "GET", "/v1/jobs/texts"))
-        assert status == 200 and job["phase"] == "gathering", job
+        # Gathering again, or abandoned once the server has seen every member's connection close.
+        assert status == 200 and job["phase"] in ("gathering", "abandoned"), job
         assert "internal error" not in live.srv.stderr
         live.assert_intact()
 

@@ -37,6 +37,7 @@ JOIN_AT = 60  # node B starts once A has done this step
 # While A is alone its steps after SLOW_FROM take SLOW_SECONDS: B joins well before step 100
 # however slow the machine, and the step time A reports is the slow one by then.
 SLOW_FROM, SLOW_SECONDS = 30, 0.2
+SPARSE = 10  # a script that calls should_stop() only every 10 steps
 FIRST_STEPS_BOUND = 90.0  # agent start, import torch, gloo init on 2 busy cores
 JOB_BOUND = 120.0
 
@@ -44,10 +45,11 @@ JOB_BOUND = 120.0
 class Job:
     """A server and the 1:2 job's agents (A, then B), each node's workers tagged in the logs."""
 
-    def __init__(self, tmp: Path, name: str, *, commit: bool, slow: bool) -> None:
+    def __init__(self, tmp: Path, name: str, *, commit: bool, slow: bool, check_every: int = 1) -> None:
         self.tmp, self.name = tmp, name
         self.logs = tmp / "steps"
         self.commit = commit
+        self.check_every = check_every
         self.slow = slow
         self.server, self.port = start_server()
         self.agents: dict[str, Proc] = {}
@@ -58,7 +60,7 @@ class Job:
         if self.slow:
             script += ["--slow-from", str(SLOW_FROM), "--slow-seconds", str(SLOW_SECONDS)]
         if self.commit:
-            script.append("--commit")
+            script += ["--commit", "--check-every", str(self.check_every)]
         argv = agent_cmd(
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
             "--rdzv-id", self.name, "--rdzv-conf", f"last_call_timeout={last_call:g}", "--max-restarts", "0",
@@ -110,8 +112,8 @@ class Job:
 def make_job(tmp_path: Path) -> Iterator[Any]:
     jobs: list[Job] = []
 
-    def make(name: str, *, commit: bool, slow: bool = False) -> Job:
-        jobs.append(Job(tmp_path, name, commit=commit, slow=slow))
+    def make(name: str, *, commit: bool, slow: bool = False, check_every: int = 1) -> Job:
+        jobs.append(Job(tmp_path, name, commit=commit, slow=slow, check_every=check_every))
         return jobs[-1]
 
     try:
@@ -141,8 +143,11 @@ def assert_round_lines_say_restart_0(job: Job) -> None:
         assert all(line.endswith("restart 0") for line in rounds), rounds
 
 
-def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any) -> None:
-    job = make_job("commit-up", commit=True, slow=True)
+@pytest.mark.parametrize("check_every", [1, SPARSE])
+def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any, check_every: int) -> None:
+    """Also for a script that calls should_stop() only every SPARSE steps: it stops at its first
+    check past S, the job goes on from there, and no step is lost or run twice."""
+    job = make_job(f"commit-up-{check_every}", commit=True, slow=True, check_every=check_every)
     job.start("A")
     job.wait_step("A", JOIN_AT)
     job.start("B")
@@ -158,6 +163,7 @@ def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any) -> 
     S = alone.stopped
     assert S is not None, f"A never stopped at a commit step\n{job.stderr()}"
     assert EVERY < S < STEPS and alone.steps == list(range(1, S + 1)), (S, alone.steps)
+    assert S % check_every == 0, S  # a step the script checks at
     saved, _why = alone.saves[S]
     assert saved == alone.sums[S]
     for a in pair:
@@ -202,9 +208,12 @@ def test_scale_up_without_the_check_loses_the_steps_since_the_last_checkpoint(ma
     assert not any("committed" in t for t in job.history()), job.history()
 
 
-@pytest.mark.parametrize("how", ["rdzv-server drain", "SIGTERM"])
-def test_a_drain_with_the_check_resumes_from_the_commit_step(make_job: Any, how: str) -> None:
-    job = make_job("commit-drain-" + how.split()[0].lower(), commit=True)
+@pytest.mark.parametrize(("how", "check_every"), [("rdzv-server drain", 1), ("SIGTERM", 1), ("SIGTERM", 10)])
+def test_a_drain_with_the_check_resumes_from_the_commit_step(
+    make_job: Any, how: str, check_every: int
+) -> None:
+    name = f"commit-drain-{how.split()[0].lower()}-{check_every}"
+    job = make_job(name, commit=True, check_every=check_every)
     # With 1:2 the round forms at once when both are in; a long last call keeps them together.
     job.start("A", last_call=30)
     job.start("B", last_call=30)
@@ -228,7 +237,7 @@ def test_a_drain_with_the_check_resumes_from_the_commit_step(make_job: Any, how:
     a_alone = the([a for a in runs if a.node == "A" and a.world == 1], "A's attempt after the drain")
     S = b.stopped
     assert S is not None and S == a_pair.stopped, (b, a_pair)
-    assert JOIN_AT < S < STEPS, S
+    assert JOIN_AT < S < STEPS and S % check_every == 0, S
     assert b.steps == a_pair.steps == list(range(1, S + 1))
     saved = a_pair.saves[S][0]
     assert saved == b.saves[S][0] == a_pair.sums[S]

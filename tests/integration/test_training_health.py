@@ -7,20 +7,24 @@ node_agent.worker, under real agents and a real rdzv-server.
   all_reduce; the job restarts once and finishes;
 - a rank that spends longer than the step budget in a "checkpoint" phase (within that phase's
   own budget) is no hang;
-- a rank twice as slow in compute is flagged as a straggler, and a balanced job flags nobody.
+- a rank twice as slow in compute is flagged as a straggler, and a balanced job flags nobody;
+- the hang of a rank on the other node (issue 30): the job's root cause, both consoles' failure
+  banners and both report files name it with its frame, and ``rdzv-server status`` prints the
+  report as lines.
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .live_job import get
-from .procs import WORKERS, Proc, agent_cmd, start_server
+from .procs import WORKERS, Proc, agent_cmd, server_cmd, start_server
 
 SCRIPT = str(WORKERS / "train_progress.py")
 
@@ -156,3 +160,41 @@ def test_restarts_that_make_no_step_progress_end_the_job_with_exit_code_3(tmp_pa
     assert "crash loop" in agent.stderr
     attempts = {line.split()[1] for line in agent.stderr.splitlines() if line.startswith("attempt ")}
     assert attempts == {"0", "1", "2", "3"}, agent.stderr  # and no fifth
+
+
+def test_the_hang_of_a_rank_on_the_other_node_is_named_by_the_root_cause_both_consoles_and_the_reports(
+    tmp_path: Path, server: int
+) -> None:
+    # Rank 3 (the second node's local rank 1) stops outside any collective; ranks 0-2 wait in
+    # all_reduce. Each node sees only its own ranks pass their budget, and the first node's are
+    # both in all_reduce: only the server, with every node's stacks, sees rank 3 as the odd one out.
+    env = {"HANG_MODE": "sleep", "HANG_RANK": "3", "HANG_STEP": "20", "STEPS": "40"}
+    agents = run_job(tmp_path, server, "hang-elsewhere", env, "--max-restarts", "0", "--hang-timeout", "6")
+    assert [a.p.returncode for a in agents] == [1, 1], "\n".join(a.stderr for a in agents)
+    for a in agents:
+        # The failure banner's root cause, on both consoles: rank 3 and the frame it is stuck in.
+        root = a.stderr[a.stderr.index("Root Cause") :]
+        assert "rank      : 3 (local_rank: 1)" in root, a.stderr
+        assert "stuck_outside_any_collective" in root.split("=" * 20)[0], a.stderr
+        # When, in wall-clock time (not the agent's monotonic clock: "1970-01-01").
+        assert "time      : 1970" not in root and f"time      : {time.strftime('%Y')}" in root, root
+        # The final line: the job's root cause is rank 3's hang, not the first ranks past their budget.
+        last = [line for line in a.err if "job failed:" in line][-1]
+        assert "rank 3 (local rank 1)" in last and "failed with a hang" in last, last
+    # Each node's report file has the job-wide merge, whose odd one out is rank 3 in its frame.
+    reports = sorted(tmp_path.glob("node*/*/attempt_0/hang_report.txt"))
+    assert len(reports) == 2, reports
+    for path in reports:
+        text = path.read_text()
+        assert "job-wide hang report" in text, text
+        job_wide = text[text.index("job-wide hang report") :]
+        assert "hang: suspect rank 3" in job_wide and "stuck_outside_any_collective" in job_wide, text
+        assert "all_reduce" in job_wide, text
+    # The operator's view: the root cause names rank 3, its report printed as lines, not "\n".
+    status = Proc(server_cmd("status", "--endpoint", f"127.0.0.1:{server}", "--job", "hang-elsewhere"))
+    assert status.wait(timeout=30) == 0, status.stderr
+    out = status.stdout
+    failures = out[out.index("failures (the root cause") :]
+    assert "rank 3 (local rank 1)" in failures.splitlines()[1], out
+    assert "\\n" not in out, out
+    assert any(line.strip().startswith("stuck_outside_any_collective") for line in failures.splitlines()), out

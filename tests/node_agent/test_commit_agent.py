@@ -21,6 +21,7 @@ from node_agent.watch import HangPolicy
 from node_agent.watching import RoundPages, poll
 from node_agent.worker import layout as L
 from protocol import (
+    COMMIT_EARLY_S,
     Armed,
     Assignment,
     Drain,
@@ -207,15 +208,63 @@ def test_workers_that_stopped_at_the_step_report_a_commit_then_rejoin_on_restart
     assert kinds(eff) == [st.SendJoin] and m.phase is st.Phase.JOINING
 
 
-def test_workers_that_finished_without_stopping_at_the_step_succeed_as_before() -> None:
+def test_workers_that_finished_on_their_own_during_a_commit_succeed_as_before() -> None:
     m = machine()
     checking(m)
     m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
     read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
     m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
-    # Rank 3 stopped at 20; rank 2's script returned on its own (never said stopped).
-    read(m, 3.5, sample(20, seen=20, seen_at=15), sample(20, pid=12, seen=20, seen_at=15, stopped=20))
+    # Neither rank stopped for the commit: the training ended by itself (its last step).
+    read(m, 3.5, sample(19, seen=20, seen_at=15), sample(19, pid=12, seen=20, seen_at=15))
     assert sent(m.handle(st.WorkersExited(None), 3.5)) == [WorkersSucceeded(round=ROUND)]
+
+
+def test_a_rank_that_ended_at_the_step_the_others_stopped_at_is_a_commit_there() -> None:
+    m = machine()
+    checking(m)
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
+    read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    # Rank 3 stopped at 20; rank 2's script returned on its own at 20 (its last step).
+    read(m, 3.5, sample(20, seen=20, seen_at=15), sample(20, pid=12, seen=20, seen_at=15, stopped=20))
+    assert sent(m.handle(st.WorkersExited(None), 3.5)) == [WorkersCommitted(round=ROUND, step=20)]
+
+
+def test_ranks_that_check_every_few_steps_commit_at_their_first_check_past_s() -> None:
+    """The script calls should_stop() every 10 steps: S = 20 is acknowledged at 19 (in time),
+    and every rank stops at 29, its next call. That is a commit at 29, never a success."""
+    m = machine()
+    checking(m)
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
+    read(m, 3.02, sample(19, seen=20, seen_at=19), sample(19, pid=12, seen=20, seen_at=19))
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    read(
+        m,
+        3.5,
+        sample(29, seen=20, seen_at=19, stopped=29),
+        sample(29, pid=12, seen=20, seen_at=19, stopped=29),
+    )
+    eff = m.handle(st.WorkersExited(None), 3.5)
+    assert sent(eff) == [WorkersCommitted(round=ROUND, step=29)]
+    assert m.phase is st.Phase.BARRIER
+
+
+def test_ranks_that_stopped_at_different_steps_are_a_failure_never_a_success() -> None:
+    m = machine()
+    checking(m)
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
+    read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    read(
+        m,
+        3.5,
+        sample(20, seen=20, seen_at=15, stopped=20),
+        sample(29, pid=12, seen=20, seen_at=15, stopped=29),
+    )
+    (failed,) = sent(m.handle(st.WorkersExited(None), 3.5))
+    assert isinstance(failed, WorkersFailed)
+    assert "did not all stop at one step" in failed.failure.message
+    assert "local rank 0 stopped at step 20, local rank 1 stopped at step 29" in failed.failure.message
 
 
 def test_no_next_round_after_a_commit_ends_the_agent_with_a_rendezvous_error() -> None:
@@ -294,8 +343,11 @@ def test_sigterm_asks_for_a_commit_and_leaves_once_the_server_drains_us() -> Non
 
 def test_sigterm_without_should_stop_drains_at_once_as_before() -> None:
     for m in (machine(), machine(commit_timeout=0.0)):
-        read(m, 2.0, sample(10), sample(10, pid=12, checks=m.settings.commit_timeout == 0))
-        eff = m.handle(st.SignalReceived(signal.SIGTERM), 2.5)
+        checks = m.settings.commit_timeout == 0
+        read(m, 2.0, sample(10), sample(10, pid=12, checks=checks))
+        late = COMMIT_EARLY_S  # the ranks have reported for a while (see the early test below)
+        read(m, 2.0 + late, sample(11), sample(11, pid=12, checks=checks))
+        eff = m.handle(st.SignalReceived(signal.SIGTERM), 2.5 + late)
         assert kinds(eff) == [st.StopWorkers, st.Send]
         assert sent(eff) == [Leave(reason="drain: received SIGTERM", workers_stopping=True)]
         assert m.phase is st.Phase.STOPPING
@@ -519,3 +571,32 @@ def test_a_drain_waits_as_long_as_the_servers_commit_deadline() -> None:
     eff = m.handle(st.Tick(), 23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
     assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING
     assert "no drain from the rendezvous server within 111.5 s" in logs(eff)  # from the SIGTERM
+
+
+def test_a_drain_waits_exactly_the_deadline_the_server_says() -> None:
+    """StopAt carries the seconds left to the commit's one deadline: the draining agent waits
+    that long (and a second for the message), re-asks included, never less, never its own."""
+    m = machine()
+    checking(m)
+    m.handle(st.SignalReceived(signal.SIGTERM), 2.5)
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=30, state="arm", deadline_s=200.0)), 3.0)
+    assert m.next_deadline() == 3.0 + 200.0 + 1.0
+    # A re-ask for a later step: the same deadline, less time left.
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=40, state="arm", deadline_s=190.0)), 13.0)
+    assert m.next_deadline() == 3.0 + 200.0 + 1.0
+    assert m.handle(st.Tick(), 203.9) == []
+    eff = m.handle(st.Tick(), 204.0)
+    assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING
+
+
+def test_an_early_sigterm_asks_for_a_commit_before_its_ranks_said_they_check() -> None:
+    """In the round's first seconds a rank may not have called should_stop() yet: the agent
+    asks the server for a commit anyway (the server waits for every node's summary, or drains
+    us at once if the job cannot commit)."""
+    m = machine()
+    read(m, 2.0, sample(0, checks=False), sample(0, pid=12, checks=False))
+    eff = m.handle(st.SignalReceived(signal.SIGTERM), 2.5)
+    assert [type(x) for x in sent(eff)] == [LeaveAfterCommit]
+    assert m.phase is st.Phase.RUNNING
+    eff = m.handle(st.ServerSent(Drain(reason="no commit point")), 3.0)
+    assert kinds(eff)[0] is st.StopWorkers

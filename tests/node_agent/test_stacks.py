@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from node_agent.pages import create_page, read_page
-from node_agent.stacks import NO_STACKS, Target, collect, poke_flight_recorder, write_report
+from node_agent.stacks import NO_STACKS, Target, append_report, collect, poke_flight_recorder, write_report
+from node_agent.training import JOB_REPORT_TITLE
+from node_agent.watching import add_job_report
 from protocol.hang_report import Entry, merge, parse_stacks, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,3 +255,20 @@ def test_write_report(tmp_path: Path) -> None:
     assert write_report(str(path), "second\n") and path.read_text() == "second\n"
     assert not write_report(str(tmp_path / "missing" / "r.txt"), "x")
     assert os.listdir(tmp_path) == ["hang_report.txt"]  # no temporary file left behind
+
+
+def test_the_jobs_hang_report_is_added_after_the_nodes_own(tmp_path: Path) -> None:
+    path = tmp_path / "hang_report.txt"
+    assert write_report(str(path), "node n1's hang report\n")
+    assert add_job_report(str(path), "hang: suspect rank 3 on n2")
+    text = path.read_text()
+    assert text.startswith("node n1's hang report\n")
+    assert text.endswith(f"\n\n{JOB_REPORT_TITLE}:\n\nhang: suspect rank 3 on n2\n")
+    # No report of its own (it wrote none): the job's alone.
+    alone = tmp_path / "other.txt"
+    assert add_job_report(str(alone), "x") and JOB_REPORT_TITLE in alone.read_text()
+    # Never through a symlink, never into a missing folder.
+    (tmp_path / "link.txt").symlink_to(tmp_path / "elsewhere.txt")
+    assert not append_report(str(tmp_path / "link.txt"), "x")
+    assert not (tmp_path / "elsewhere.txt").exists()
+    assert not append_report(str(tmp_path / "missing" / "r.txt"), "x")

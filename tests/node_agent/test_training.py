@@ -5,10 +5,18 @@ step a failure reports, and a crash loop's exit code. Fake clock, fake pages: sa
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 from node_agent import state as st
 from node_agent.pages import RankSample
-from node_agent.training import DumpStacks, ProgressRead, StacksDumped, Training
+from node_agent.training import (
+    JOB_REPORT_TITLE,
+    DumpStacks,
+    JobHangReport,
+    ProgressRead,
+    StacksDumped,
+    Training,
+)
 from node_agent.watch import HangPolicy
 from protocol import (
     Assignment,
@@ -203,3 +211,33 @@ def test_our_hang_found_while_collecting_for_another_node_is_collected_again_the
     eff = m.handle(StacksDumped(stacks=stacks, report="marked", path=""), now + 7)
     assert [msg for msg in sent(eff) if isinstance(msg, WorkersFailed)]
     assert m.phase is st.Phase.STOPPING
+
+
+JOB_REPORT = "hang: suspect rank 7 on n2 (last step 19, no progress for 8 s)\n\x1b[2Jranks 7 <- odd one out\n"
+
+
+def test_the_jobs_hang_report_with_a_restart_is_said_and_filed() -> None:
+    m = machine()
+    restart = Restart(round=4, reason="worker failure: rank 7 (local rank 1) on node n2 ...", restart_count=1)
+    eff = m.handle(st.ServerSent(replace(restart, report=JOB_REPORT)), 3.0)
+    (filed,) = [e for e in eff if isinstance(e, JobHangReport)]
+    assert filed.text.startswith("hang: suspect rank 7 on n2") and "\x1b" not in filed.text
+    logged = "\n".join(e.text for e in eff if isinstance(e, st.Log))
+    assert f"{JOB_REPORT_TITLE}:\nhang: suspect rank 7 on n2" in logged
+    assert "\\x1b[2Jranks 7 <- odd one out" in logged  # a line of its own, its escape shown
+    assert any(isinstance(e, st.StopWorkers) for e in eff)  # and the restart as ever
+    # An older server sends no report: nothing more than before.
+    old = machine()
+    assert not [e for e in old.handle(st.ServerSent(restart), 3.0) if isinstance(e, JobHangReport)]
+
+
+def test_the_jobs_hang_report_with_a_failed_job_is_filed_and_the_banner_tells_the_cause() -> None:
+    m = machine()
+    eff = m.handle(st.ServerSent(JobFailed(reason="rank 7 ... failed with a hang", report=JOB_REPORT)), 3.0)
+    (filed,) = [e for e in eff if isinstance(e, JobHangReport)]
+    assert "odd one out" in filed.text
+    # Not printed again: the banner's root cause (the failure's message) shows it.
+    assert not [e for e in eff if isinstance(e, st.Log) and JOB_REPORT_TITLE in e.text]
+    old = machine()
+    eff = old.handle(st.ServerSent(JobFailed(reason="rank 2 ... failed with a hang")), 3.0)
+    assert not [e for e in eff if isinstance(e, JobHangReport)]

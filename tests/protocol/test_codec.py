@@ -308,7 +308,8 @@ def test_largest_possible_messages_fit_the_default_frame_size():
             addr=wide * MAX_ADDR_LEN,
             entrypoint=wide * MAX_TEXT_LEN,
         ),
-        JobFailed(reason=wide * MAX_TEXT_LEN, failure=failure),
+        JobFailed(reason=wide * MAX_TEXT_LEN, failure=failure, report=wide * MAX_TEXT_LEN),
+        Restart(round=2**63 - 1, reason=wide * MAX_TEXT_LEN, restart_count=0, report=wide * MAX_TEXT_LEN),
         WorkersFailed(round=2**63 - 1, failure=failure),
         Error(code=wide * MAX_CODE_LEN, message=wide * MAX_TEXT_LEN, field=wide * MAX_ID_LEN),
         Hello(versions=(2**63 - 1,) * 16, software=wide * MAX_ID_LEN),
@@ -515,6 +516,22 @@ def test_required_failure_cannot_be_nil_but_optional_can():
     assert decode_payload(packed({"t": "job_failed", "reason": "r", "failure": None})) == JobFailed(
         reason="r"
     )
+
+
+def test_the_jobs_hang_report_travels_and_older_peers_frames_have_none():
+    report = "hang: suspect rank 3 on n2\n    stuck_in_data_loader (train.py:26)\n"
+    for msg in (
+        Restart(round=1, reason="worker failure", restart_count=1, report=report),
+        JobFailed(reason="r", failure=FAILURE, report=report),
+    ):
+        assert FrameDecoder().feed(encode(msg)) == [msg]
+    # An older server's frames: no report.
+    assert (
+        decode_payload(packed({"t": "restart", "round": 1, "reason": "r", "restart_count": 1})).report == ""
+    )
+    assert decode_payload(packed({"t": "job_failed", "reason": "r"})).report == ""
+    with pytest.raises(InvalidField, match=r"^restart\.report: "):
+        Restart(round=1, reason="r", restart_count=1, report="x" * (MAX_TEXT_LEN + 1))
 
 
 WIRE_TYPOS = [

@@ -23,7 +23,7 @@ from protocol import (
     WorkersFailed,
 )
 from rdzv_server import snapshot
-from rdzv_server.commits import COMMIT_LEAD, MAX_ARMS
+from rdzv_server.commits import COMMIT_LEAD, MAX_ARMS, PENDING_WAIT_S
 from rdzv_server.events import DrainRequested
 from rdzv_server.history import EventKind
 from rdzv_server.state import JobPhase
@@ -154,7 +154,11 @@ def test_a_rank_past_the_step_makes_the_server_ask_for_a_later_one() -> None:
     assert h.machine.unchanged and stops(h, [a, b]) == []
     h.send(a, Armed(round=0, step=later.step, late=False, checked=s + 1))
     h.send(b, Armed(round=0, step=later.step, late=False, checked=s + 2))
-    assert asked(h, [a, b]) == StopAt(round=0, step=later.step, state="go")
+    go = asked(h, [a, b])
+    assert (go.round, go.step, go.state) == (0, later.step, "go")
+    # One bound for the whole commit: the re-ask kept the first deadline, and says what is left.
+    job = h.machine.jobs["job"]
+    assert job.commit is not None and go.deadline_s == later.deadline_s == job.commit.deadline - h.now
 
 
 def test_ranks_that_keep_racing_past_end_the_commit_with_a_hard_restart() -> None:
@@ -243,7 +247,8 @@ def test_the_joining_node_drained_during_a_commit_calls_it_off() -> None:
     assert h.last(new, Drain) is not None  # not in the round: drained at once
     h.send(new, Leave(reason="drain: asked to drain"))
     assert h.last(new, Left) is not None
-    assert asked(h, [a, b]) == StopAt(round=0, step=s, state="cancel")
+    cancel = asked(h, [a, b])
+    assert (cancel.step, cancel.state) == (s, "cancel")
     job = h.machine.jobs["job"]
     assert job.commit is None and job.phase is JobPhase.RUNNING and job.round == 0
     assert h.last(a, Restart) is None and h.last(b, Restart) is None  # they train on
@@ -329,6 +334,8 @@ def test_jobs_whose_ranks_do_not_check_or_that_turned_commits_off_restart_at_onc
     for checks, kw in ((False, {}), (True, {"commit_timeout": 0.0})):
         h = Harness()
         a, b = running(h, **kw)
+        report(h, [a, b], 50, checks=checks)
+        h.advance(PENDING_WAIT_S)  # they have said so for a while (see the early-round tests)
         new = h.join(**{**KW, **kw})
         h.advance(1.5)
         report(h, [a, b], 60, checks=checks)
@@ -339,14 +346,95 @@ def test_jobs_whose_ranks_do_not_check_or_that_turned_commits_off_restart_at_onc
         assert h.machine.jobs["job"].commit is None and h.last(new, Assignment) is None
 
 
-def test_a_node_with_no_progress_yet_means_no_commit() -> None:
+def test_a_node_with_no_progress_means_no_commit_once_the_wait_for_it_is_over() -> None:
     h = Harness()
     a, b = running(h)
     h.join(**KW)
     h.advance(1.5)
     report(h, [a], 60)  # b reported nothing
     h.advance(0.5)
+    assert stops(h, [a, b]) == [] and h.last(a, Restart) is None
+    h.advance(PENDING_WAIT_S)
     assert stops(h, [a, b]) == [] and h.last(a, Restart) is not None
+
+
+def test_a_job_that_never_reports_progress_restarts_at_once_as_before() -> None:
+    h = Harness()
+    a, _b = running(h)
+    h.join(**KW)
+    h.advance(2.0)
+    r = h.last(a, Restart)
+    assert r is not None and r.reason == "node(s) joined: node3" and h.machine.jobs["job"].commit is None
+
+
+def test_a_change_early_in_a_round_waits_for_every_nodes_progress_then_commits() -> None:
+    """A join in the round's first seconds, before every node said its ranks check: the server
+    waits for their summaries (no step time yet either) instead of restarting at once."""
+    h = Harness()
+    a, b = running(h)
+    new = h.join(**KW)
+    h.send(a, Progress(round=0, min_step=0, max_step=0, checks=True))  # one step, no step time
+    h.advance(2.0)  # the newcomer's settle window closes; b has not reported yet
+    assert stops(h, [a, b]) == [] and h.last(a, Restart) is None
+    commit = h.machine.jobs["job"].commit
+    assert commit is not None and commit.pending
+    h.send(b, Progress(round=0, min_step=1, max_step=1, checks=True))
+    arm = asked(h, [a, b])
+    assert arm.state == "arm" and arm.step >= 1 + 2 and arm.deadline_s > 0
+    for c in (a, b):
+        h.send(c, Armed(round=0, step=arm.step, late=False, checked=1))
+    assert asked(h, [a, b]).state == "go"
+    for c in (a, b):
+        h.send(c, WorkersCommitted(round=0, step=arm.step))
+    assert f"committed at step {arm.step} for: node(s) joined: node3" in commit_events(h)[-1]
+    assert h.last(a, Restart) is not None and h.last(new, Assignment) is None
+
+
+def test_an_early_change_that_gets_no_progress_in_time_restarts_as_before() -> None:
+    h = Harness()
+    a, b = running(h)
+    h.join(**KW)
+    report(h, [a], 0, checks=False)  # a's ranks have not called should_stop() yet
+    h.advance(2.0)
+    assert h.machine.jobs["job"].commit is not None and h.last(a, Restart) is None
+    h.advance(PENDING_WAIT_S)
+    r = h.last(a, Restart)
+    assert r is not None and "no commit point could be chosen in time" in r.reason
+    assert stops(h, [a, b]) == []
+
+
+def test_ranks_that_check_every_few_steps_commit_at_their_common_check_past_s() -> None:
+    """should_stop() called every 10 steps: every rank stops at its first check past S, the
+    same step on every node; the job goes on from there (no success, no failure)."""
+    h = Harness()
+    a, b = running(h)
+    new = join_and_settle(h, [a, b])
+    s = asked(h, [a, b]).step
+    for c in (a, b):
+        h.send(c, Armed(round=0, step=s, late=False, checked=59))
+    asked(h, [a, b])
+    t = (s // 10) * 10 + 9  # the first check at or past S
+    for c in (a, b):
+        h.send(c, WorkersCommitted(round=0, step=t))
+    job = h.machine.jobs["job"]
+    assert job.phase is JobPhase.GATHERING and job.restart_count == 0
+    assert f"committed at step {t} for: node(s) joined: node3" in commit_events(h)[-1]
+    assert h.last(a, Restart) is not None and h.last(new, Assignment) is None
+
+
+def test_ranks_that_stopped_at_different_steps_end_the_commit_with_a_hard_restart() -> None:
+    h = Harness()
+    a, b = running(h)
+    join_and_settle(h, [a, b])
+    s = asked(h, [a, b]).step
+    for c in (a, b):
+        h.send(c, Armed(round=0, step=s, late=False, checked=59))
+    asked(h, [a, b])
+    h.send(a, WorkersCommitted(round=0, step=s))
+    h.send(b, WorkersCommitted(round=0, step=s + 3))
+    r = h.last(a, Restart)
+    assert r is not None and "stopped at different steps" in r.reason
+    assert h.machine.jobs["job"].phase is not JobPhase.FINISHED
 
 
 def test_workers_committed_at_a_step_nobody_asked_for_regathers_the_round() -> None:
@@ -374,3 +462,26 @@ def test_a_commit_replays_from_the_state_log_and_survives_a_snapshot() -> None:
     for c in (a, b):
         h.send(c, WorkersCommitted(round=0, step=s))
     assert state(replayed(m.records)) == state(m)
+
+
+def test_an_early_commit_chosen_on_a_progress_replays_and_survives_a_snapshot() -> None:
+    """S chosen while a Progress (volatile, not logged) comes in: that Progress is logged with
+    S as its fact, and replay arms the same step at the same point."""
+    h = Harness(machine=Recording())
+    a, b = running(h)
+    h.join(**KW)
+    h.send(a, Progress(round=0, min_step=0, max_step=0, checks=True))
+    h.advance(2.0)
+    m = h.machine
+    assert m.jobs["job"].commit is not None and m.jobs["job"].commit.pending
+    assert state(replayed(m.records)) == state(m)
+    assert state(snapshot.load(snapshot.dump(m))) == state(m)
+    h.send(b, Progress(round=0, min_step=1, max_step=1, checks=True))
+    s = asked(h, [a, b]).step
+    assert state(replayed(m.records)) == state(m)
+    for c in (a, b):
+        h.send(c, Armed(round=0, step=s, late=False, checked=1))
+    for c in (a, b):
+        h.send(c, WorkersCommitted(round=0, step=s + 5))
+    assert state(replayed(m.records)) == state(m)
+    assert state(snapshot.load(snapshot.dump(m))) == state(m)

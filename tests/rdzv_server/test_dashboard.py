@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import shutil
 import socket
@@ -473,3 +474,34 @@ async def hang_and_check(
     assert still_open
     png = await browser.screenshot()
     (tmp_path / "dashboard-training.png").write_bytes(png)
+
+
+async def test_one_jobs_odd_numbers_never_blank_the_dashboard_for_the_others(
+    browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rdzv_server import progress
+
+    from .test_untrusted_values import two_jobs
+
+    clock = FakeClock()
+    svc = RendezvousService(http=True, clock=clock)
+    port = await svc.start("127.0.0.1", 0)
+    agents: list[FakeAgent] = []
+    try:
+        # Job "odd": ranks computing in 5e-324 ms beside ranks taking 1e10 ms (both valid).
+        agents = await two_jobs(svc, port, clock)
+        await browser.goto(f"http://127.0.0.1:{port}/")
+        for job, node in (("odd", "a"), ("fine", "c")):
+            assert await browser.until(ROW_STATE, job, node) == "running"
+        # Past every bound at the source (lifted here), the page still draws the other job.
+        monkeypatch.setattr(progress, "SCORE_MAX", math.inf)
+        note = await browser.until(
+            "return document.querySelector('section.job[data-job-id=\"odd\"] .note')?.innerText"
+        )
+        assert note.startswith("Details cannot be shown"), note
+        assert await browser.js(ROW_STATE, "fine", "c") == "running"
+        assert await browser.js("return document.getElementById('live').className") == "ok"
+    finally:
+        for a in agents:
+            await a.kill()
+        await svc.close()

@@ -12,14 +12,26 @@ from .harness import Harness, failure
 from .test_journal import Recording, replayed, state
 
 
-def running(h: Harness, n: int = 3) -> list[int]:
-    kw = dict(min_nodes=n, max_nodes=n, max_restarts=5)
+def running(h: Harness, n: int = 3, nproc: int = 2) -> list[int]:
+    kw = dict(min_nodes=n, max_nodes=n, max_restarts=5, nproc=nproc)
     conns = [h.join(**kw) for _ in range(n)]
     h.advance(0.1)
     assert all(h.last(c, Assignment) for c in conns)
     for c in conns:
         h.take(c)
     return conns
+
+
+def first_rank(h: Harness, conn: int) -> int:
+    """The first global rank of the node on ``conn`` in the running round."""
+    job = h.machine.jobs["job"]
+    rank = 0
+    for nid in job.order:
+        m = job.members[nid]
+        if m.conn == conn:
+            return rank
+        rank += m.nproc
+    raise AssertionError(f"no member on connection {conn}")
 
 
 def hang(rnd: int = 0, ranks: tuple[int, ...] = (3,), step: int = 20) -> HangDetected:
@@ -119,11 +131,12 @@ def test_a_new_rounds_hang_replaces_the_report() -> None:
 
 def test_stacks_from_100_nodes_keep_at_most_the_cap() -> None:
     h = Harness()
-    conns = running(h, n=100)
-    h.send(conns[0], hang(ranks=(0,)))
+    conns = running(h, n=100, nproc=32)
+    h.send(conns[0], hang(ranks=(first_rank(h, conns[0]),)))
     big = "x" * 2048
     for c in conns:
-        h.send(c, stacks(0, tuple(range(32)), big))
+        at = first_rank(h, c)
+        h.send(c, stacks(0, tuple(range(at, at + 32)), big))
     report = h.machine.jobs["job"].hang
     assert report is not None
     assert len(report.stacks) <= HANG_NODES_KEPT
@@ -133,15 +146,16 @@ def test_stacks_from_100_nodes_keep_at_most_the_cap() -> None:
     kept = next(iter(report.stacks))
     before = report.text_kept
     node = h.machine.jobs["job"].members[kept]
-    h.send(node.conn, stacks(0, (1,), "short"))
+    h.send(node.conn, stacks(0, (first_rank(h, node.conn),), "short"))
     assert report.text_kept < before and len(report.stacks[kept].ranks) == 1
 
 
 def test_hung_ranks_named_are_bounded() -> None:
     h = Harness()
-    conns = running(h, n=10)
-    for i, c in enumerate(conns):
-        h.send(c, hang(ranks=tuple(range(i * 64, i * 64 + 64))))
+    conns = running(h, n=10, nproc=64)
+    for c in conns:
+        at = first_rank(h, c)
+        h.send(c, hang(ranks=tuple(range(at, at + 64))))
     report = h.machine.jobs["job"].hang
     assert report is not None and len(report.ranks) == HANG_RANKS_KEPT
     e = next(e for e in h.machine.jobs["job"].history if e.kind is EventKind.HANG)

@@ -189,6 +189,35 @@ def test_snapshot_round_trips_and_rejects_what_it_does_not_know() -> None:
         snapshot.load({**d, "jobs": [{"id": "x"}]})
 
 
+def test_progress_refused_before_a_join_is_logged_and_replays() -> None:
+    """Progress and Stacks are volatile and not logged, but one from a connection that has not
+    joined is refused: the dropped connection is state, and the log keeps it (found by the
+    model test, test_model.py)."""
+    h = Harness(machine=Recording())
+    a, b = h.connect(), h.connect()
+    h.send(a, Progress(round=0, min_step=0, max_step=0))
+    h.send(b, Stacks(round=0, ranks=(0,), steps=(0,), phases=("",), silent_s=(0.0,), stacks=("f",)))
+    assert a in h.closed and b in h.closed and not h.machine.conns
+    assert state(replayed(h.machine.records)) == state(h.machine)
+
+
+def test_a_tick_that_ends_the_resume_window_and_drops_a_silent_spare_replays() -> None:
+    """One tick: a member not back after a restart is lost, and a spare that went silent is
+    swept. The log keeps the sweep's drop as a disconnection after the tick, so the live tick
+    must sweep last too, or the spare takes the lost member's place in one and not the other
+    (found by the model test, test_model.py)."""
+    h = Harness(machine=Recording())
+    kw = dict(min_nodes=1, max_nodes=1, heartbeat_timeout=30.0)
+    h.join(node="n0", **kw)  # a round at once (the job is full)
+    h._apply(h.machine.handle(Restarted(), h.now))  # n0 is away, for 60 s
+    spare = h.join(node="n1", **kw)
+    h.advance(29.0)
+    h.machine.heartbeat(spare, h.now)  # its last word: silent for over 30 s at t=60
+    h.advance(31.0)
+    assert spare in h.closed and "job" not in h.machine.jobs
+    assert state(replayed(h.machine.records)) == state(h.machine)
+
+
 def test_ignored_messages_are_not_logged_and_replay_stays_exact() -> None:
     h = Harness(machine=Recording())
     busy_history(h)

@@ -370,14 +370,16 @@ def test_a_hang_report_stays_bounded_whatever_the_nodes_send() -> None:
     h = Harness()
     conns = running(h, n=100, nproc=32)
     h.now = 1.0
-    h.send(conns[0], HangDetected(round=0, ranks=(0,), step=1, phase="", silent_s=9.0))
+    j = h.machine.jobs["job"]
+    first = {j.members[nid].conn: i * 32 for i, nid in enumerate(j.order)}  # each node's ranks
+    h.send(conns[0], HangDetected(round=0, ranks=(first[conns[0]],), step=1, phase="", silent_s=9.0))
     for i, c in enumerate(conns):
         # every rank a different 2 KiB stack: nothing merges
         texts = tuple(
             f'Current thread 0x1 (most recent call first):\n  File "f{i}_{r}.py", line 1 in x\n' + "#" * 1900
             for r in range(32)
         )
-        h.send(c, stacks(0, tuple(range(i * 32, i * 32 + 32)), texts))
+        h.send(c, stacks(0, tuple(range(first[c], first[c] + 32)), texts))
     hang = job(h)["hang"]
     assert hang["nodes_reported"] + hang["nodes_dropped"] == 100 and hang["nodes_reported"] <= 64
     r = hang["report"]

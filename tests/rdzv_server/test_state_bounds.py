@@ -15,6 +15,7 @@ from protocol import (
     Assignment,
     Drain,
     Error,
+    JobFailed,
     Join,
     Leave,
     Left,
@@ -226,24 +227,45 @@ def test_peer_texts_are_escaped_in_the_servers_log() -> None:
     assert "bye\\n2024" in leaving[0] and "\\x1b[2J" in leaving[0]
 
 
-def test_an_exception_in_a_transition_is_contained_logged_and_answered() -> None:
+def test_an_exception_in_a_transition_fails_that_job_only_and_is_said() -> None:
     h = Harness()
     a, b = running(h, max_restarts=3)
+    other = h.join(job="other", min_nodes=1, max_nodes=1)
+    h.advance(0.1)
 
     def broken(*args: object) -> None:
         raise ValueError("a bug")
 
     h.machine._on_failed = broken  # type: ignore[method-assign]
-    before = dump(h.machine)
     h.send(a, WorkersFailed(round=0, failure=failure(node=f"node{a}")))
-    err = h.last(a, Error)
-    assert err is not None and err.code == "internal_error" and a in h.closed
-    assert any(line.startswith("internal error handling workers_failed") for line in h.logs)
-    # The sender is gone, as if its connection had dropped; everything else is as it was.
-    assert a not in h.machine.conns and b in h.machine.conns
-    assert before["jobs"][0]["round"] == 0
     job = h.machine.jobs["job"]
-    assert job.phase is JobPhase.GATHERING and set(job.members) == {f"node{b}"}
+    assert job.phase is JobPhase.FAILED and job.fail_code == "internal_error"
+    for x in (a, b):  # every agent of the job is told, and why: the rule that raised
+        told = h.last(x, JobFailed)
+        assert told is not None and told.code == "internal_error"
+        # The rule: the innermost function of the server's own code (``broken`` is the test's).
+        assert told.reason.startswith("internal error in _on_member_message (state.py line ")
+        assert told.reason.endswith("handling workers_failed: ValueError: a bug")
+    assert not h.closed  # its agents are told, not cut off
+    assert any(line.startswith("job job: internal error in _on_member_message") for line in h.logs)
+    assert h.machine.jobs["other"].phase is JobPhase.RUNNING and h.last(other, JobFailed) is None
+
+
+def test_an_exception_before_a_peer_joined_refuses_that_peer() -> None:
+    h = Harness()
+    running(h)
+
+    def broken(*args: object) -> None:
+        raise ValueError("a bug")
+
+    h.machine._authenticate = broken  # type: ignore[method-assign,assignment]
+    c = h.connect()
+    h.join(c, job="job")
+    err = h.last(c, Error)
+    assert err is not None and err.code == "internal_error" and c in h.closed
+    said = [line for line in h.logs if line.startswith("internal error in _on_received")]
+    assert said and "handling join" in said[0]
+    assert h.machine.jobs["job"].phase is JobPhase.RUNNING  # no job is failed for a stranger
 
 
 def test_the_snapshot_keeps_the_bounds_and_an_older_unbounded_one_still_loads() -> None:

@@ -222,10 +222,27 @@ def test_job_every_node_left_is_forgotten_with_outcome() -> None:
     a = h.join()
     h.drop(a)
     (listed,) = view(h)["jobs"]
-    assert listed["forgotten"] and listed["finished"] and listed["phase"] == "gathering"
+    assert listed["forgotten"] and listed["finished"] and listed["phase"] == "abandoned"
     old = job(h)
-    assert old["outcome"] == "every node left"
+    assert old["outcome"] == "every node left" and old["phase"] == "abandoned"
     assert member(old, "node1")["state"] == "lost"
+
+
+def test_a_running_job_every_node_left_no_longer_says_running() -> None:
+    """Issue 31, finding 4: a job forgotten while its round ran kept "phase": "running" (and
+    an open last round) in /v1/jobs/{id} and the list."""
+    h = Harness()
+    a = h.join(min_nodes=1, max_nodes=2)
+    h.advance(6.0)  # past the last call: the round runs with one node
+    assert job(h)["phase"] == "running"
+    h.send(a, Leave())
+    assert h.machine.jobs == {}
+    old = job(h)
+    assert old["forgotten"] and old["finished"] and old["phase"] == "abandoned"
+    assert old["outcome"] == "every node left" and old["master"] is None
+    assert old["rounds"][-1]["ended_by"] is not None  # the round is over too
+    (listed,) = view(h)["jobs"]
+    assert listed["phase"] == "abandoned" and listed["world_size"] is None
 
 
 def test_the_list_is_a_bounded_summary_naming_no_node() -> None:

@@ -1,7 +1,7 @@
 """A deterministic gloo training loop with torch.distributed.checkpoint, for commit-point restarts.
 
     train_commit.py --ckpt-dir DIR --log-dir DIR [--steps 150] [--every 50] [--step-seconds 0.05]
-                    [--slow-from N --slow-seconds 0.2] [--commit]
+                    [--slow-from N --slow-seconds 0.2] [--commit [--check-every K]]
 
 A tiny model (``nn.Linear``) and Adam, seeded; the batch of step ``n`` is drawn from a
 generator seeded with ``n`` and is the same on every rank, and the gradients are averaged over
@@ -13,8 +13,10 @@ complete checkpoint (``DIR/step-NNNNNN``, complete once ``DONE`` is in it) is lo
 ``torch.distributed.checkpoint`` (model, optimizer, step) and training goes on from the step
 after it. Each step: compute (a sleep of ``--step-seconds`` in the "compute" phase, then the
 step), ``worker.progress(step)``, a periodic checkpoint every ``--every`` steps, and with
-``--commit``: ``if worker.should_stop():`` checkpoint at this step and return (exit 0). The
-three lines a script adds are marked "the commit check" below.
+``--commit``: ``if worker.should_stop():`` checkpoint at this step and return (exit 0), called
+every step or, with ``--check-every K``, only at steps divisible by K (the common
+``if step % log_every == 0 and worker.should_stop()``). The lines a script adds are marked
+"the commit check" below.
 
 With ``--slow-from N``, steps after N take ``--slow-seconds`` while the world has one rank: a
 node started when a lone rank reaches step N then joins well before the next periodic
@@ -69,6 +71,12 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--slow-seconds", type=float, default=0.2)
     p.add_argument("--commit", action="store_true", help="stop at the commit step the agent gives")
+    p.add_argument(
+        "--check-every",
+        type=int,
+        default=1,
+        help="call should_stop() only at steps divisible by this (a script that checks every few steps)",
+    )
     args = p.parse_args()
     if not args.ckpt_dir or not args.log_dir:
         p.error("--ckpt-dir and --log-dir are required (or COMMIT_CKPT_DIR / COMMIT_LOG_DIR)")
@@ -167,7 +175,8 @@ def main() -> None:
             save(model, opt, step, ckpt_dir)
             log("save", step=step, sum=checksum(model, opt), why="periodic")
             saved = True
-        if args.commit and worker.should_stop():  # the commit check: at the step the job stops at,
+        checked = step % args.check_every == 0
+        if args.commit and checked and worker.should_stop():  # the commit check: where the job stops,
             log("stop", step=step)
             if not saved:
                 save(model, opt, step, ckpt_dir)  # save (the script's own checkpoint)
