@@ -25,32 +25,9 @@ from __future__ import annotations
 
 import os
 
-from .runtime_dir import RuntimeDir
+from .runtime_dir import RuntimeDir, make_temp_dir, temp_root
 
 __all__ = ["Attempt", "RunLogs", "make_temp_dir"]
-
-# Our own mkdtemp: importing ``tempfile`` imports ``shutil`` and with it zlib, bz2 and lzma,
-# about 10 ms of every launch.
-
-
-def _temp_root() -> str:
-    for name in ("TMPDIR", "TEMP", "TMP"):
-        folder = os.environ.get(name)
-        if folder and os.path.isdir(folder):
-            return folder
-    return "/tmp"
-
-
-def make_temp_dir(prefix: str, parent: str) -> str:
-    """A new directory ``parent/<prefix><random>``, private to us (0700), as mkdtemp makes."""
-    for _ in range(100):
-        path = os.path.join(parent, prefix + os.urandom(6).hex())
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            continue
-        return os.path.abspath(path)
-    raise FileExistsError(f"no free temporary directory name under {parent!r}")
 
 
 class Attempt:
@@ -118,7 +95,7 @@ class RunLogs:
         self.runtime = runtime
         if log_dir is None:
             # torchrun's default: a fresh temporary base, so concurrent runs never collide.
-            base = make_temp_dir("torchelastic_", _temp_root())
+            base = make_temp_dir("torchelastic_", temp_root())
         else:
             if os.path.isfile(log_dir):
                 raise NotADirectoryError(f"log_dir {log_dir!r} is a file")

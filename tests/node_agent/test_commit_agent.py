@@ -110,6 +110,18 @@ def checking(m: st.AgentMachine, now: float = 2.0, step: int = 10) -> None:
     assert m.training is not None and m.training.checks()
 
 
+def gone_for_20(seen_at: int) -> st.AgentMachine:
+    """A machine whose ranks acknowledged step 20 at ``seen_at`` (in time) and heard go."""
+    m = machine()
+    checking(m)
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
+    read(
+        m, 3.02, sample(seen_at, seen=20, seen_at=seen_at), sample(seen_at, pid=12, seen=20, seen_at=seen_at)
+    )
+    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    return m
+
+
 def committed(m: st.AgentMachine, step: int = 20, now: float = 3.0) -> list[st.Effect]:
     """Arm step ``step``, both ranks acknowledge in time, go, both stop there and exit 0."""
     m.handle(st.ServerSent(StopAt(round=ROUND, step=step, state="arm")), now)
@@ -209,22 +221,14 @@ def test_workers_that_stopped_at_the_step_report_a_commit_then_rejoin_on_restart
 
 
 def test_workers_that_finished_on_their_own_during_a_commit_succeed_as_before() -> None:
-    m = machine()
-    checking(m)
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
-    read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    m = gone_for_20(seen_at=15)
     # Neither rank stopped for the commit: the training ended by itself (its last step).
     read(m, 3.5, sample(19, seen=20, seen_at=15), sample(19, pid=12, seen=20, seen_at=15))
     assert sent(m.handle(st.WorkersExited(None), 3.5)) == [WorkersSucceeded(round=ROUND)]
 
 
 def test_a_rank_that_ended_at_the_step_the_others_stopped_at_is_a_commit_there() -> None:
-    m = machine()
-    checking(m)
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
-    read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    m = gone_for_20(seen_at=15)
     # Rank 3 stopped at 20; rank 2's script returned on its own at 20 (its last step).
     read(m, 3.5, sample(20, seen=20, seen_at=15), sample(20, pid=12, seen=20, seen_at=15, stopped=20))
     assert sent(m.handle(st.WorkersExited(None), 3.5)) == [WorkersCommitted(round=ROUND, step=20)]
@@ -233,11 +237,7 @@ def test_a_rank_that_ended_at_the_step_the_others_stopped_at_is_a_commit_there()
 def test_ranks_that_check_every_few_steps_commit_at_their_first_check_past_s() -> None:
     """The script calls should_stop() every 10 steps: S = 20 is acknowledged at 19 (in time),
     and every rank stops at 29, its next call. That is a commit at 29, never a success."""
-    m = machine()
-    checking(m)
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
-    read(m, 3.02, sample(19, seen=20, seen_at=19), sample(19, pid=12, seen=20, seen_at=19))
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    m = gone_for_20(seen_at=19)
     read(
         m,
         3.5,
@@ -250,11 +250,7 @@ def test_ranks_that_check_every_few_steps_commit_at_their_first_check_past_s() -
 
 
 def test_ranks_that_stopped_at_different_steps_are_a_failure_never_a_success() -> None:
-    m = machine()
-    checking(m)
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="arm")), 3.0)
-    read(m, 3.02, sample(15, seen=20, seen_at=15), sample(15, pid=12, seen=20, seen_at=15))
-    m.handle(st.ServerSent(StopAt(round=ROUND, step=20, state="go")), 3.1)
+    m = gone_for_20(seen_at=15)
     read(
         m,
         3.5,

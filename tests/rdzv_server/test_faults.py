@@ -11,17 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import pytest
 
 from protocol import MAX_TIMEOUT, Assignment, Heartbeat, JobFailed, Progress, Restart, StopAt
-from rdzv_server import snapshot
 from rdzv_server.commits import CommitRules
-from rdzv_server.journal import apply_record
 from rdzv_server.state import JobPhase, Rendezvous, Tick
 
 from .harness import Harness
-from .test_journal import Recording, replayed, state
+from .test_journal import Recording, replayed, replays_from_every_cut, state
 
 MAX_COUNT = 2**63 - 1
 # A job whose nodes can stop at a commit point, so a newcomer's settle window picks a step.
@@ -137,15 +134,7 @@ def test_a_fault_of_a_rule_of_volatile_state_replays_to_the_same_state(
         h.advance(0.5)
         h.send(good[0], Heartbeat())
     check_contained(h, good, bad, newcomer, "_stop_choice")
-    records = h.machine.records
-    for cut in range(len(records) + 1):  # from every snapshot point
-        restored = snapshot.load(
-            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
-            Rendezvous(None, expire_silent=False),
-        )
-        for rec in records[cut:]:
-            apply_record(restored, rec)
-        assert state(restored) == state(h.machine), f"replay from record {cut} differs"
+    replays_from_every_cut(h.machine.records, h.machine)
 
 
 def test_a_settle_window_whose_newcomers_left_does_not_stay_due() -> None:

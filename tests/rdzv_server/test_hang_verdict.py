@@ -9,9 +9,6 @@ and the job's root cause, the restart's reason and the report the agents get the
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
-
-import msgpack
 
 from protocol import (
     Assignment,
@@ -23,13 +20,12 @@ from protocol import (
     WorkersFailed,
 )
 from protocol.failure_text import HUNG
-from rdzv_server import snapshot, tables
+from rdzv_server import tables
 from rdzv_server.hang_cause import HANG_VERDICT_WAIT_S
-from rdzv_server.journal import apply_record
-from rdzv_server.state import JobPhase, Rendezvous
+from rdzv_server.state import JobPhase
 
 from .harness import Harness
-from .test_journal import Recording, replayed, state
+from .test_journal import Recording, replays_from_every_cut
 from .test_progress_surfaces import job
 
 WAITING = """Current thread 0x00007f0000000001 (most recent call first):
@@ -166,17 +162,6 @@ def test_a_node_lost_while_the_verdict_waits_ends_the_round_and_the_hang_still_c
     assert job.failures_total == 1
 
 
-def _replays_from_every_cut(records: list[dict[str, Any]], live: Rendezvous) -> None:
-    for cut in range(len(records) + 1):
-        restored = snapshot.load(
-            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
-            Rendezvous(None, expire_silent=False),
-        )
-        for rec in records[cut:]:
-            apply_record(restored, rec)
-        assert state(restored) == state(live), f"replay from record {cut} differs"
-
-
 def test_a_named_cause_replays_from_every_cut_though_stacks_are_not_logged() -> None:
     h = Harness(machine=Recording())
     a, b = running(h, max_restarts=3)
@@ -184,18 +169,18 @@ def test_a_named_cause_replays_from_every_cut_though_stacks_are_not_logged() -> 
     h.send(b, stacks((2, 3), (WAITING, STUCK)))
     job = h.machine.jobs["job"]
     assert job.failures[-1].rank == 3 and job.phase is JobPhase.GATHERING
-    _replays_from_every_cut(h.machine.records, h.machine)
+    replays_from_every_cut(h.machine.records, h.machine)
 
 
 def test_a_verdict_at_its_deadline_and_one_waiting_replay_from_every_cut() -> None:
     h = Harness(machine=Recording())
     a, _ = running(h, max_restarts=3)
     node1_hangs(h, a)
-    _replays_from_every_cut(h.machine.records, h.machine)  # waiting: kept in snapshots
+    replays_from_every_cut(h.machine.records, h.machine)  # waiting: kept in snapshots
     assert h.machine.jobs["job"].hang_verdict is not None
     h.advance(HANG_VERDICT_WAIT_S + 0.1)
     assert h.machine.jobs["job"].restart_count == 1
-    _replays_from_every_cut(h.machine.records, h.machine)
+    replays_from_every_cut(h.machine.records, h.machine)
 
 
 def test_status_prints_the_named_cause_and_its_report_as_lines() -> None:

@@ -82,6 +82,19 @@ def state(m: Rendezvous) -> dict[str, Any]:
     return d
 
 
+def replays_from_every_cut(records: list[dict[str, Any]], live: Rendezvous) -> None:
+    """A snapshot taken after any record (through msgpack, as on disk), then the records after
+    it replayed, gives the live machine's state."""
+    for cut in range(len(records) + 1):
+        restored = snapshot.load(
+            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
+            Rendezvous(None, expire_silent=False),
+        )
+        for rec in records[cut:]:
+            apply_record(restored, rec)
+        assert state(restored) == state(live), f"replay from record {cut} differs"
+
+
 def busy_history(h: Harness) -> None:
     """Joins, a round, a failure and restart, an exclusion, a silent node, a leave, a drain."""
     kw = dict(min_nodes=1, max_nodes=3, max_restarts=5, exclude_after=2, last_call_timeout=1.0)
@@ -167,15 +180,7 @@ def test_training_health_replays_from_any_snapshot_point() -> None:
     kinds = {e.kind.value for e in job.history}
     assert {"hang", "straggler", "excluded", "crash_loop", "failed"} <= kinds, kinds
     assert job.fail_code == "crash_loop" and "node3" in job.excluded
-    records = h.machine.records
-    for cut in range(len(records) + 1):
-        restored = snapshot.load(
-            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
-            Rendezvous(None, expire_silent=False),
-        )
-        for rec in records[cut:]:
-            apply_record(restored, rec)
-        assert state(restored) == state(h.machine), f"replay from record {cut} differs"
+    replays_from_every_cut(h.machine.records, h.machine)
 
 
 def test_snapshot_round_trips_and_rejects_what_it_does_not_know() -> None:
