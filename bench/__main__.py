@@ -34,6 +34,8 @@ from . import launch_cases as lc
 from . import ready_cases as rc
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
 from .report import (
+    LOAD_HANG,
+    LOAD_SUMMARIES,
     Row,
     Target,
     at_most,
@@ -42,6 +44,7 @@ from .report import (
     plot_scale,
     ratio,
     rows_from_json,
+    scale_load_table,
     scale_series,
     write_json,
 )
@@ -360,6 +363,42 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
                         at_most(20, "< 20 % of a core") if big else None,
                     ),
                     Metric("hb_per_s", "heartbeats per second received during that window", "msg/s"),
+                    Metric(
+                        "sum_cpu_pct",
+                        f"{LOAD_SUMMARIES}: server CPU, every node heartbeating and sending one 8-rank "
+                        "Progress a second, a straggler among them (5 s window)",
+                        "%",
+                        at_most(20, "< 20 % of a core") if big else None,
+                    ),
+                    Metric(
+                        "rss_sum",
+                        f"{LOAD_SUMMARIES}: server RSS",
+                        "MB",
+                        at_most(150, "< 150 MB") if big else None,
+                    ),
+                    Metric("sum_per_s", "summaries per second received during that window", "msg/s"),
+                    Metric("sum_bytes", "bytes per summary frame", "B"),
+                    Metric(
+                        "hang_verdict",
+                        f"{LOAD_HANG}: every rank stops; first HangDetected → every node has the verdict "
+                        "(Restart with the job's hang report)",
+                    ),
+                    Metric("hang_rejoined", "hang: first HangDetected → every node holds the next round"),
+                    Metric(
+                        "hang_cpu",
+                        "hang: server CPU time from the hang to the next round (HangDetected, Stacks and "
+                        "failures of every node, the verdict, M Joins)",
+                        "s CPU",
+                    ),
+                    Metric("hang_stacks", "hang: Stacks messages the nodes sent", "msgs"),
+                    Metric("hang_stacks_mb", "hang: their size in all", "MB"),
+                    Metric("rss_hang_peak", "hang: server peak RSS (VmHWM) once it is over", "MB"),
+                    Metric(
+                        "hang_culprit_named",
+                        "hang: the job-wide report names the culprit rank (1 yes, 0 no: it keeps the "
+                        "first 64 nodes' stacks to arrive)",
+                        "yes=1",
+                    ),
                 ],
                 launchers=("ours",),
                 smoke=m == min(scale_ms),
@@ -557,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plot", type=Path, help="the scale plot (default docs/rendezvous_scale.png; smoke: none)"
     )
+    p.add_argument("--no-plot", action="store_true", help="draw no scale plot (needs no matplotlib)")
     p.add_argument("--keep", action="store_true", help="keep the trials' folders (logs, events)")
     p.add_argument("--render", type=Path, metavar="JSON", help="only rewrite the report from a --json file")
     args = p.parse_args(argv)
@@ -584,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     trials = root / "trials"
     out_md = args.out or (root / "benchmarks.md" if args.smoke else ROOT / "docs" / "benchmarks.md")
     plot = args.plot if args.plot else (None if args.smoke else ROOT / "docs" / "rendezvous_scale.png")
+    if args.no_plot:
+        plot = None
     if plot is not None and "scale" in cases:
         try:
             import matplotlib  # noqa: F401
@@ -744,6 +786,9 @@ def render(
         markdown_table(rows),
         "",
     ]
+    load = scale_load_table(rows)
+    if load:
+        lines += [load, ""]
     if "scaleup_default" in raw:
         lines += [
             "torchrun scale-up with its defaults (`--nnodes 1:2 --rdzv-conf last_call_timeout=1`, TCPStore "
@@ -813,11 +858,26 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
 6. `L --standalone --nproc-per-node 2 idle.py`; 2 s after both workers run, the agent's RSS, PSS
    and USS (`/proc/PID/status`, `smaps_rollup`) and its CPU time over 10 s (`/proc/PID/stat`).
 7. Ours alone: one `rdzv-server --port 0` process and `python -m bench.simagents` processes (1
-   for M=100, 2 for 1,000, 4 for 10,000): light asyncio clients on real loopback sockets, each
-   MAGIC + Hello, Join on Welcome, then a heartbeat per second (spread over 50 slots). The cold
+   for M=100, 2 for 1,000, 4 for 10,000, each connecting from an address of its own, 127.0.0.N:
+   the server takes at most half its connections from one address, 9,359 at 20,000 open files):
+   light asyncio clients on real loopback sockets, each an 8-rank node: MAGIC + Hello, Join on
+   Welcome, then a heartbeat per second (spread over 50 slots). The cold
    storm is a job `min=max=M`; the driver stamps the time and tells every client process to go;
    timed to the last Assignment. Server CPU and RSS come from `/proc` of the server's pid. Then
-   5 s of heartbeats (server CPU / wall time); then everyone disconnects and joins an elastic job
+   5 s of heartbeats (server CPU / wall time). Then what real agents of a training job add
+   (`node_agent/training.py`, `watch.py`): each node also sends one `Progress` a second (its
+   page poll's period; about 207 bytes: steps advancing every 0.5 s, step-time p50/p90, the
+   least recent rank's phase and age, 8 per-rank compute times; node M/2's rank 5 computes 1.6
+   times as long, a straggler the server must flag, checked in its log); after 2 s, 5 s of
+   server CPU. Then one hang: every rank stops (node M/3's rank 3 in its data loader, the others
+   in a collective); each node finds its ranks hung 2 s later plus its poll's phase, sends
+   `HangDetected`, collects its stacks (0.3-1.2 s, as py-spy on 8 ranks) and sends `Stacks`
+   (py-spy dumps compacted to 2,048 characters a rank: about 16.6 KB a node), then its failure
+   (`WorkersFailed`, signal HUNG, with its node report); the server's `CollectStacks` starts a
+   node's collection at once, and a node that finds its own hang meanwhile collects again, as
+   a real agent does. Timed from the first HangDetected to the last verdict (`Restart`, with the
+   job's hang report) and to every node holding the next round; the server's CPU time over the
+   phase and its peak RSS after it. Then everyone disconnects and joins an elastic job
    (`min=1, max=M, last_call_timeout=30`, so the first round forms when all M are in: with a
    zero last call the first joiner would form a round alone); then the agents numbered 99 mod 100
    close their sockets, the survivors get Restart, join again, and the time to the last

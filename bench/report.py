@@ -174,17 +174,68 @@ SCALE_SERIES = {
 }
 
 
+def _scale_m(case: str) -> int | None:
+    """M of a case-7 row's case title ("7. scale: 1,000 simulated agents ..."); None: another case."""
+    if not case.startswith("7. scale:"):
+        return None
+    return int("".join(ch for ch in case.split("scale:")[1].split("simulated")[0] if ch.isdigit()))
+
+
 def scale_series(rows: list[Row]) -> dict[str, dict[int, list[float]]]:
     """The plot's data, from the case-7 rows (the case title carries M)."""
     series: dict[str, dict[int, list[float]]] = {name: {} for name in SCALE_SERIES.values()}
     for r in rows:
-        if not r.case.startswith("7. scale:"):
+        m = _scale_m(r.case)
+        if m is None:
             continue
-        m = int("".join(ch for ch in r.case.split("scale:")[1].split("simulated")[0] if ch.isdigit()))
         for prefix, name in SCALE_SERIES.items():
             if r.label.startswith(prefix):
                 series[name][m] = r.ours
     return series
+
+
+# Case 7's load phases: the labels of their rows begin with these (bench/__main__.py).
+LOAD_SUMMARIES = "heartbeats + summaries"
+LOAD_HANG = "one hang"
+# The side-by-side table: (column, the label its rows begin with, unit).
+SCALE_LOAD_COLUMNS = (
+    ("heartbeats only: server CPU", "server CPU, all M heartbeating", "%"),
+    ("with summaries: server CPU", f"{LOAD_SUMMARIES}: server CPU", "%"),
+    ("heartbeats only: RSS", "server RSS with M agents joined", "MB"),
+    ("with summaries: RSS", f"{LOAD_SUMMARIES}: server RSS", "MB"),
+    ("hang → verdict at every node", f"{LOAD_HANG}:", "s"),
+    ("hang: server CPU", "hang: server CPU time", "s CPU"),
+    ("hang: peak RSS", "hang: server peak RSS", "MB"),
+)
+
+
+def scale_load_table(rows: list[Row]) -> str:
+    """Case 7's server load by M, medians side by side: heartbeats alone, with the training
+    summaries real agents add, and one hang ("" without such rows)."""
+    by_m: dict[int, dict[str, float]] = {}
+    for r in rows:
+        m = _scale_m(r.case)
+        med = r.med("ours")
+        if m is None or med is None:
+            continue
+        for column, prefix, _ in SCALE_LOAD_COLUMNS:
+            if r.label.startswith(prefix):
+                by_m.setdefault(m, {})[column] = med
+    by_m = {m: cols for m, cols in by_m.items() if "with summaries: server CPU" in cols}
+    if not by_m:
+        return ""
+    head = " | ".join(f"{column} ({unit})" for column, _, unit in SCALE_LOAD_COLUMNS)
+    out = [
+        "Case 7, the server's load side by side (medians): heartbeats alone, with what the agents "
+        "of a training job add (one Progress per 8-rank node a second), and one hang.",
+        "",
+        f"| M | {head} |",
+        "|---" * (len(SCALE_LOAD_COLUMNS) + 1) + "|",
+    ]
+    for m in sorted(by_m):
+        cells = [_num(by_m[m][c], unit) if c in by_m[m] else NA for c, _, unit in SCALE_LOAD_COLUMNS]
+        out.append(f"| {m:,} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def write_json(path: Path, meta: dict[str, Any], rows: list[Row], extra: dict[str, Any]) -> None:

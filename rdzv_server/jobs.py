@@ -1,16 +1,20 @@
 """The rendezvous machine's state: connections, jobs, members and the bounds on them.
 
 Plain records and the few functions that keep their invariants (``put_member``,
-``pop_member`` and ``set_state`` keep ``Job.not_ready`` exact; ``rank_holder`` and
-``node_rank_problem`` keep node ranks unique). No rule of the rendezvous is here: those are in
-``rounds.py`` (and ``recovery.py``), which change this state; ``snapshot.py`` writes it down.
+``pop_member`` and ``set_state`` keep ``Job.not_ready`` exact, and the first two
+``Job.members_version``, from which ``rank_spans`` knows when to derive the round's ranks
+again; ``rank_holder`` and ``node_rank_problem`` keep node ranks unique). No rule of the
+rendezvous is here: those are in ``rounds.py`` (and ``recovery.py``), which change this state;
+``snapshot.py`` writes it down.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import field, replace
+from types import MappingProxyType
 from typing import ClassVar
 
 from protocol import Failure, Join
@@ -322,6 +326,10 @@ class Job:
     commit: Commit | None = None
     # A hang's failure waiting for the other nodes' stacks (kept in snapshots); None: none.
     hang_verdict: HangVerdict | None = None
+    # Volatile (not in snapshots): bumped by put_member and pop_member; and each member's
+    # ranks in the round, as ``rank_spans`` last derived them from ``order`` and the members.
+    members_version: int = 0
+    spans_cache: RankSpans | None = None
 
     def __post_init__(self) -> None:
         self.not_ready = {nid for nid, m in self.members.items() if m.state is not MemberState.READY}
@@ -361,8 +369,40 @@ class Job:
         return self.settings.min_nodes < self.settings.max_nodes
 
 
+@record(frozen=True, slots=True)
+class RankSpans:
+    """Each member's global ranks in the job's round (see :func:`rank_spans`)."""
+
+    order: list[str]  # the job's ``order`` they come from (that very list)
+    version: int  # its ``members_version`` then
+    spans: Mapping[str, range]  # node -> its global ranks (read-only)
+    nodes: int  # nodes of ``order`` still members
+
+
+def rank_spans(job: Job) -> RankSpans:
+    """Each member's global ranks in the running round, by its place in ``job.order`` (the
+    members of ``order`` in turn, each ``nproc`` ranks), and how many of ``order`` are still
+    members. Derived again only when ``order`` (a list the machine replaces, never changes in
+    place) or the members (``put_member``, ``pop_member``) changed since; else O(1), so a
+    hang's reports and stacks from every node of a large job cost O(1) each, not O(nodes)."""
+    c = job.spans_cache
+    if c is not None and c.order is job.order and c.version == job.members_version:
+        return c
+    spans: dict[str, range] = {}
+    at = nodes = 0
+    for nid in job.order:
+        m = job.members.get(nid)
+        if m is not None:
+            spans[nid] = range(at, at + m.nproc)
+            at += m.nproc
+            nodes += 1
+    c = job.spans_cache = RankSpans(job.order, job.members_version, MappingProxyType(spans), nodes)
+    return c
+
+
 def put_member(job: Job, m: Member) -> None:
     job.members[m.node_id] = m
+    job.members_version += 1
     if m.state is MemberState.READY:
         job.not_ready.discard(m.node_id)
     else:
@@ -371,6 +411,7 @@ def put_member(job: Job, m: Member) -> None:
 
 def pop_member(job: Job, node_id: str) -> Member | None:
     job.not_ready.discard(node_id)
+    job.members_version += 1
     return job.members.pop(node_id, None)
 
 

@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from protocol.records import record
 
-from .progress import straggler_scores
+from .progress import flagged_scores
 from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
 # Upper bounds for the heartbeat-age distribution: agents beat every second or so by default.
@@ -158,7 +158,7 @@ def _running(m: Rendezvous, now: float) -> list[_JobNow]:
         p = j.progress
         current = p.round == j.round
         oldest = p.oldest(now) if current else None
-        scores = straggler_scores(p, j.settings.straggler_threshold) if current else []
+        scores = flagged_scores(p, j.settings.straggler_threshold) if current else []
         out.append(
             _JobNow(
                 id=j.id,

@@ -13,6 +13,7 @@ of the event as a fact (``facts``), and a replay takes the decision from there
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
@@ -25,13 +26,13 @@ from .events import Effect, Log, Send
 from .faults import from_volatile
 from .hang_cause import HANG_VERDICT_WAIT_S, all_stacks_in, job_cause
 from .history import HISTORY_TEXT_LEN, LOG_TEXT_LEN, EventKind, escape
-from .jobs import FAILURE_TEXT_LEN, REASON_LEN, HangVerdict, Job, JobPhase, Member, MemberState
+from .jobs import FAILURE_TEXT_LEN, REASON_LEN, HangVerdict, Job, JobPhase, Member, MemberState, rank_spans
 from .progress import (
     HANG_RANKS_KEPT,
     STRAGGLER_CHECK_EVERY,
     HangState,
     flagged_by_node,
-    straggler_scores,
+    flagged_scores,
 )
 
 STRAGGLER_RANKS_NOTED = 64  # flagged ranks one STRAGGLER event names
@@ -91,13 +92,7 @@ class TrainingRules:
 
     def _rank_offsets(self, job: Job) -> dict[str, int]:
         """Each node's first global rank in the running round (its order, as assigned)."""
-        offsets, offset = {}, 0
-        for nid in job.order:
-            m = job.members.get(nid)
-            if m is not None:
-                offsets[nid] = offset
-                offset += m.nproc
-        return offsets
+        return {nid: span.start for nid, span in rank_spans(job).spans.items()}
 
     @from_volatile("stragglers")
     def _check_stragglers(self, job: Job, now: float, out: list[Effect]) -> None:
@@ -115,7 +110,7 @@ class TrainingRules:
         if now - p.checked_at < STRAGGLER_CHECK_EVERY:
             return
         p.checked_at = now
-        for nid, flagged in flagged_by_node(straggler_scores(p, threshold)).items():
+        for nid, flagged in flagged_by_node(flagged_scores(p, threshold)).items():
             m = job.members.get(nid)
             if nid in p.flagged or m is None:
                 continue
@@ -142,7 +137,7 @@ class TrainingRules:
                 return False
             p.decided_round = job.round
             threshold = job.settings.straggler_threshold
-            by_node = flagged_by_node(straggler_scores(p, threshold))
+            by_node = flagged_by_node(flagged_scores(p, threshold))
             room = len(job.members) + len(job.spares) - job.settings.min_nodes
             picks = []
             for nid, flagged in sorted(by_node.items(), key=lambda kv: min(s.score for s in kv[1])):
@@ -219,9 +214,10 @@ class TrainingRules:
             if m is not None:
                 out.append(Send(m.conn, collect))
 
-    def _rank_spans(self, job: Job) -> dict[str, range]:
-        """Each member's global ranks in the running round (from its place in ``job.order``)."""
-        return {nid: range(at, at + job.members[nid].nproc) for nid, at in self._rank_offsets(job).items()}
+    def _rank_spans(self, job: Job) -> Mapping[str, range]:
+        """Each member's global ranks in the running round (from its place in ``job.order``);
+        O(1) while the round's members stay (``jobs.rank_spans``)."""
+        return rank_spans(job).spans
 
     def _own_ranks(
         self, job: Job, member: Member, span: range, ranks: tuple[int, ...], what: str, out: list[Effect]
@@ -356,7 +352,7 @@ class TrainingRules:
         return waits
 
     def _round_nodes(self, job: Job) -> int:
-        return sum(1 for nid in job.order if nid in job.members)
+        return rank_spans(job).nodes
 
     @from_volatile("hang_settled")
     def _stacks_in(self, job: Job, rnd: int, now: float, out: list[Effect]) -> None:

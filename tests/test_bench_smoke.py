@@ -21,6 +21,11 @@ EXPECTED = [
     ("7. scale: 100 simulated agents (ours only)", "server RSS"),
     ("7. scale: 100 simulated agents (ours only)", "heartbeats per second"),
     ("7. scale: 100 simulated agents (ours only)", "floor: plain socket.send"),
+    ("7. scale: 100 simulated agents (ours only)", "heartbeats + summaries: server RSS"),
+    ("7. scale: 100 simulated agents (ours only)", "summaries per second"),
+    ("7. scale: 100 simulated agents (ours only)", "one hang: every rank stops"),
+    ("7. scale: 100 simulated agents (ours only)", "every node holds the next round"),
+    ("7. scale: 100 simulated agents (ours only)", "hang: Stacks messages"),
     ("8. watching the training (ours only)", "worker.progress(step), attached"),
 ]
 
@@ -49,5 +54,10 @@ def test_smoke_run_reports_every_case_with_positive_numbers(tmp_path: Path) -> N
     assert storm["median_ours"] < 10.0  # 100 agents on loopback: well under a second normally
     hb = next(r for r in rows if "heartbeats per second" in r["label"])
     assert 50 <= hb["median_ours"] <= 150  # 100 agents at 1 Hz
+    summaries = next(r for r in rows if "summaries per second" in r["label"])
+    assert 50 <= summaries["median_ours"] <= 150  # one Progress per node a second
+    stacks = next(r for r in rows if "hang: Stacks messages" in r["label"])
+    assert stacks["median_ours"] >= 100  # every node's stacks (some collect twice)
+    assert "with summaries: server CPU" in md.read_text()  # the side-by-side table
     text = md.read_text()
     assert "| 1. standalone launch |" in text and "cold join storm" in text

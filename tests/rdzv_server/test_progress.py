@@ -7,10 +7,20 @@ import sys
 import tracemalloc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol import Assignment, Error, Progress, Restart, Waiting, WorkersFailed
 from rdzv_server.history import EventKind
-from rdzv_server.progress import JobProgress, NodeProgress, flagged_by_node, straggler_scores
+from rdzv_server.jobs import Job, JobSettings, Member, pop_member, put_member, rank_spans
+from rdzv_server.progress import (
+    SCORE_MAX,
+    JobProgress,
+    NodeProgress,
+    flagged_by_node,
+    flagged_scores,
+    straggler_scores,
+)
 from rdzv_server.state import JobPhase
 
 from .harness import Harness, failure
@@ -66,6 +76,100 @@ def test_unknown_compute_times_are_not_scored_and_one_known_rank_scores_nobody()
     assert scores == []
     scores = straggler_scores(view(("a", 0, (0.0, 100.0)), ("b", 2, (300.0, 0.0))), 0.75)
     assert [(s.rank, s.flagged) for s in scores] == [(1, False), (2, True)]
+
+
+# Compute times as Progress lets them through (finite, >= 0, at most 1e10 ms), with the
+# extremes, exact ties and unknown ranks (0.0) a job of many nodes has.
+_MS = st.one_of(
+    st.sampled_from([0.0, 0.0, 5e-324, 1e-3, 100.0, 100.0, 150.0, 200.0, 1e10]),
+    st.floats(min_value=0.0, max_value=1e10, allow_nan=False, allow_infinity=False),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.lists(
+        st.tuples(st.integers(0, 64), st.lists(_MS, max_size=9).map(tuple)),  # (offset, compute)
+        max_size=12,
+    ),
+    threshold=st.one_of(
+        st.sampled_from([0.0, 0.5, 0.75, 1.0, SCORE_MAX, 2 * SCORE_MAX]),
+        st.floats(min_value=-1.0, max_value=3 * SCORE_MAX, allow_nan=False),
+    ),
+)
+def test_the_straggler_check_flags_exactly_the_ranks_that_scoring_every_rank_flags(
+    nodes: list[tuple[int, tuple[float, ...]]], threshold: float
+) -> None:
+    """flagged_scores (a float sort and a bisection) against straggler_scores (every rank
+    scored), whatever the times: the same records in the same order, ties and overlapping
+    rank offsets included."""
+    p = view(*((f"n{i}", offset, compute) for i, (offset, compute) in enumerate(nodes)))
+    assert flagged_scores(p, threshold) == [s for s in straggler_scores(p, threshold) if s.flagged]
+
+
+def test_the_straggler_check_follows_every_update_of_the_round() -> None:
+    """As the nodes' summaries replace each other (and nodes are forgotten), the cheap check
+    keeps agreeing with scoring every rank from scratch."""
+    import random
+
+    rng = random.Random(7)
+    p = JobProgress()
+    p.start_round(0, {f"n{i}": 8 * i for i in range(40)})
+    for turn in range(400):
+        nid = f"n{rng.randrange(40)}"
+        if turn % 37 == 36:
+            p.forget(nid)
+        else:
+            compute = [round(300 * (1 + 0.02 * (rng.random() - 0.5)), 3) for _ in range(8)]
+            if nid == "n13":
+                compute[5] *= 1.6
+            if rng.random() < 0.1:
+                compute[rng.randrange(8)] = 0.0
+            msg = progress(step=turn, compute=tuple(compute))
+            p.update(nid, msg, 8, float(turn))
+        for threshold in (0.75, 0.99):
+            assert flagged_scores(p, threshold) == [s for s in straggler_scores(p, threshold) if s.flagged]
+    assert {s.node for s in flagged_scores(p, 0.75)} <= {"n13"}
+
+
+def _spans_from_scratch(job: Job) -> tuple[dict[str, range], int]:
+    spans, at, nodes = {}, 0, 0
+    for nid in job.order:
+        m = job.members.get(nid)
+        if m is not None:
+            spans[nid] = range(at, at + m.nproc)
+            at += m.nproc
+            nodes += 1
+    return spans, nodes
+
+
+def test_rank_spans_are_derived_again_exactly_when_the_order_or_the_members_change() -> None:
+    """jobs.rank_spans (kept between changes) equals the spans computed from scratch after
+    each change of the members or the order, and costs nothing while they stay."""
+    job = Job("job", JobSettings(1, 8, "train.py", 0, 0.0, 5.0))
+
+    def member(nid: str, nproc: int) -> Member:
+        return Member(node_id=nid, conn=0, addr="10.0.0.1", nproc=nproc, master_port=1, seq=0)
+
+    def check() -> None:
+        got = rank_spans(job)
+        assert (dict(got.spans), got.nodes) == _spans_from_scratch(job)
+        assert rank_spans(job) is got  # nothing changed: the same, not derived again
+
+    check()
+    for nid, nproc in (("a", 2), ("b", 4), ("c", 1)):
+        put_member(job, member(nid, nproc))
+        check()
+    job.order = ["b", "a", "c"]
+    check()
+    pop_member(job, "a")  # a member of the round left: the later ones' ranks move down
+    check()
+    put_member(job, member("a", 8))  # back, with another nproc
+    check()
+    job.order = ["c", "a", "x", "b"]  # a node of the order that is not a member counts no ranks
+    check()
+    with pytest.raises(TypeError):
+        rank_spans(job).spans["c"] = range(0)  # type: ignore[index]
 
 
 # --- routing ------------------------------------------------------------------------------
