@@ -24,6 +24,15 @@ The watchdog runs this file with ``python -I -S``, so the module imports only ``
 at the top: ``signal`` alone would add 5 ms (enum) to every watchdog start.  ``ctypes`` (5 ms) is
 imported on the first worker start, not at agent start-up.  The watchdog is in its own session,
 so terminal and process-group signals meant for the agent do not reach it.
+
+Signals sent to every process.  Slurm (proctrack/cgroup and linuxproc: ``scancel``,
+``--signal=USR1@N``) and systemd (``KillMode=control-group``) signal every process of a job
+step, not only the agent.  The agent's helpers (this watchdog, the store process, warm
+interpreters while they wait) must outlive such a signal and end only by the agent's word or
+its pipe closing: they ignore :data:`STEP_SIGNALS`.  The watchdog also *witnesses* them: it
+sits where the workers sit (a session of its own, the agent's child), so a signal that reaches
+it reached the workers too, from the same sender.  It writes each one's number on a second
+pipe, and the agent does not forward a signal its workers already have (``signal_witness``).
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable
 
 __all__ = [
+    "STEP_SIGNALS",
     "WATCHDOG_QUIT",
     "encode_forget",
     "encode_guard",
     "group_exists",
+    "ignore_step_signals",
     "killpg",
     "live_group_members",
     "pdeathsig_preexec",
@@ -51,6 +62,9 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SIGKILL = 9  # fixed on Linux; spelled out so that the watchdog need not import signal
+# SIGHUP, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2, SIGTERM: what schedulers and terminals send. The
+# same numbers on every Linux architecture we run on (x86-64, arm64, ppc64le).
+STEP_SIGNALS = (1, 2, 3, 10, 12, 15)
 
 
 def signal_name(exitcode: int) -> str:
@@ -186,6 +200,26 @@ def pdeathsig_preexec(sig: int = _SIGKILL) -> Callable[[], None]:
     return preexec
 
 
+def ignore_step_signals(then: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A helper's ``preexec_fn``: :data:`STEP_SIGNALS` ignored from its first instruction on
+    (an ignored disposition survives exec), then ``then``. For the agent's helpers, never for
+    a worker (see the header); a warm interpreter restores them when it becomes one.
+
+    Under uvloop (the agent's loop where installed) libuv resets every disposition after the
+    preexec_fn, before exec: the store process and warm interpreters therefore ignore them
+    again as their first act, which leaves their interpreter's start-up (some 20 ms, once per
+    agent) as the only window in which a step-wide signal can end them."""
+    import signal
+
+    def preexec() -> None:
+        for signum in STEP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if then is not None:
+            then()
+
+    return preexec
+
+
 # --- watchdog -------------------------------------------------------------------------------------
 #
 # Wire format on the pipe, one ASCII line per message:
@@ -193,15 +227,17 @@ def pdeathsig_preexec(sig: int = _SIGKILL) -> Callable[[], None]:
 #   -<pgid>   forget it (its leader was reaped and no live member is left)
 #   q         the group was stopped cleanly: exit without killing
 # EOF without "q" means the agent is gone: SIGKILL every guarded group, then exit.
+# The other way, on the report pipe (when there is one): "<signum>" for each signal received.
 
 WATCHDOG_QUIT = b"q\n"
 
 
-def watchdog_argv(read_fd: int, remove_on_death: str = "") -> list[str]:
+def watchdog_argv(read_fd: int, remove_on_death: str = "", report_fd: int = -1) -> list[str]:
     """Command line that runs the watchdog on an inherited pipe read end; ``remove_on_death``:
-    the agent's private folder (runtime_dir.py), removed if the agent dies."""
-    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--watchdog", str(read_fd)]
-    return [*argv, remove_on_death] if remove_on_death else argv
+    the agent's private folder (runtime_dir.py), removed if the agent dies; ``report_fd``: an
+    inherited pipe write end for the signals it witnesses (-1: none)."""
+    here = os.path.abspath(__file__)
+    return [sys.executable, "-I", "-S", here, "--watchdog", str(read_fd), str(report_fd), remove_on_death]
 
 
 def encode_guard(pgid: int) -> bytes:
@@ -230,9 +266,11 @@ def _apply(groups: set[int], lines: Iterable[bytes]) -> bool:
     return False
 
 
-def watchdog_main(read_fd: int, remove_on_death: str = "") -> None:
+def watchdog_main(read_fd: int, remove_on_death: str = "", report_fd: int = -1) -> None:
     """Guard process groups until the agent quits us (no kill) or dies (SIGKILL them all, then
-    remove the agent's private folder ``remove_on_death``)."""
+    remove the agent's private folder ``remove_on_death``). Outlive :data:`STEP_SIGNALS`,
+    reporting each on ``report_fd``."""
+    _witness(report_fd)
     groups: set[int] = set()
     pending = b""
     while True:
@@ -252,6 +290,21 @@ def watchdog_main(read_fd: int, remove_on_death: str = "") -> None:
         _remove_private(remove_on_death)
 
 
+def _witness(report_fd: int) -> None:
+    import _signal  # type: ignore[import-not-found]  # the C module: no enum, no 5 ms (see the header)
+
+    def report(signum: int, _frame: object) -> None:
+        if report_fd < 0:
+            return
+        try:
+            os.write(report_fd, b"%d\n" % signum)
+        except OSError:  # the agent is gone or not listening: the pipe's EOF tells us the rest
+            pass
+
+    for signum in STEP_SIGNALS:
+        _signal.signal(signum, report)
+
+
 def _remove_private(path: str) -> None:
     """runtime_dir.remove_tree, for a process started with -I -S and this file alone (the
     package is not importable here): the agent's private folder, symlinks never followed."""
@@ -263,5 +316,5 @@ def _remove_private(path: str) -> None:
     remove_tree(path)
 
 
-if __name__ == "__main__" and len(sys.argv) in (3, 4) and sys.argv[1] == "--watchdog":
-    watchdog_main(int(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else "")
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--watchdog":
+    watchdog_main(int(sys.argv[2]), sys.argv[4], int(sys.argv[3]))

@@ -174,6 +174,7 @@ class Agent:
         self._wait_task: asyncio.Task[None] | None = None
         self._exit: st.Exit | None = None
         self._bg: set[asyncio.Task[None]] = set()
+        self._signal_tasks: set[asyncio.Task[None]] = set()  # signals being classified
         self.events_log = EventLog(
             config.event_log_handler,
             run_id=config.rdzv_id,
@@ -343,7 +344,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         watched = {signal.Signals[s] for s in cfg.signals_to_handle} | {signal.SIGUSR1, signal.SIGUSR2}
         for sig in watched:
-            loop.add_signal_handler(sig, self.events.put_nowait, st.SignalReceived(int(sig)))
+            loop.add_signal_handler(sig, self._on_signal, int(sig))
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
@@ -393,6 +394,18 @@ class Agent:
         )
         self._exit = st.Exit(st.EXIT_FAILED, f"internal error: {exc!r}")
         await self.group.stop(grace=self.config.shutdown_timeout, sig=signal.SIGTERM)
+
+    def _on_signal(self, signum: int) -> None:
+        """A signal for the machine, once we know whether the workers have it already from its
+        sender (signal_witness.py); with no watchdog to ask, at once."""
+
+        async def classify() -> None:
+            delivered = await self.group.delivered(signum)
+            self.events.put_nowait(st.SignalReceived(signum, delivered=delivered))
+
+        task = asyncio.get_running_loop().create_task(classify())
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A background task owned by the run's task group, cancelled when the run ends."""

@@ -155,6 +155,8 @@ def machine_settings(cfg: AgentConfig, *, node_id: str, addr: str, reconnects: b
         # A drain asks for a commit point first only in an elastic job (SIGTERM leaves it).
         commit_timeout=cfg.rdzv_conf.commit_timeout if cfg.elastic else 0.0,
         handled_signals=frozenset(signal.Signals[s] for s in cfg.signals_to_handle),
+        # A task of a Slurm job: its signals (scancel, pre-emption, --signal) reach every node.
+        signals_end_job="SLURM_JOB_ID" in os.environ,
         nproc=cfg.nproc_per_node,
         job_id=cfg.rdzv_id,
         max_restarts=cfg.max_restarts,

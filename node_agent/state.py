@@ -213,6 +213,9 @@ class ConnectionLost:
 @record(frozen=True, slots=True)
 class SignalReceived:
     signum: int
+    # The workers have it already, from its sender (a scheduler that signals every process of
+    # the job step: Slurm, systemd): never sent to them again (signal_witness.py).
+    delivered: bool = False
 
 
 @record(frozen=True, slots=True)
@@ -298,6 +301,9 @@ class StartWorkers:
 
 @record(frozen=True, slots=True)
 class StopWorkers:
+    """Send ``signum`` (0: none, the workers have the signal already from its sender), wait up to
+    ``grace`` for them to exit, then SIGKILL what is left."""
+
     signum: int
     grace: float
 
@@ -352,8 +358,13 @@ class AgentSettings:
     shutdown_timeout: float  # grace between SIGTERM and SIGKILL for workers
     elastic: bool = False  # SIGTERM in an elastic job is a clean leave (drain), not a failure
     reconnect_timeout: float = 0.0  # keep workers running this long while reconnecting
+    # A signal of handled_signals stops the job (torchrun's --signals-to-handle, which wins
+    # where a signal is in both); one of forward_signals that is not is passed on to the workers.
     forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
     handled_signals: frozenset[int] = TERMINATING_SIGNALS
+    # Slurm cancels, pre-empts and times out a job as a whole: a drain on a signal never
+    # exits 0 there, even when the rendezvous says the job goes on (the others are going too).
+    signals_end_job: bool = False
     nproc: int = 1  # this node's workers, for the round line's rank range
     # What this node was started with, checked against every assignment: a server's word
     # never runs this node for another job, past its --max-restarts, or outside its --nnodes.
@@ -393,6 +404,10 @@ class AgentMachine:
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
     _last_waiting: tuple[int, int, str, bool] | None = None  # joined, round, reason, spare
     _signalled: int | None = None
+    _delivered: bool = False  # the workers got _signalled from its sender: stops send no signal
+    # Signals passed on to (or delivered with) this attempt's workers: a worker they kill is
+    # no failure to restart for, but a stop, as if the agent had been sent a handled signal.
+    _passed_on: frozenset[int] = frozenset()
     _leaving: bool = False  # on our way out of the job by a Leave (a drain, or SIGTERM/SIGINT)
     _leave: Leave | None = None  # the Leave to send once the workers are down (again after a reconnect)
     _awaiting_left: bool = False  # a drain's exit code waits for the server's Left
@@ -457,7 +472,7 @@ class AgentMachine:
         if isinstance(event, ReconnectFailed):
             return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
-            return self._on_signal(event.signum, now)
+            return self._on_signal(event.signum, now, event.delivered)
         if isinstance(event, HealthCheckDone):
             return self._on_health_check_done(event)
         if isinstance(event, Tick):
@@ -594,6 +609,7 @@ class AgentMachine:
         self.phase = Phase.STARTING
         self.deadline = None
         self._last_waiting = None
+        self._passed_on = frozenset()  # a new attempt's workers have received nothing yet
         if self.training is not None:
             self.training.start(msg)
         return [
@@ -763,6 +779,21 @@ class AgentMachine:
             if self._commit_leave is not None:
                 effects += self._drain(self._commit_leave, now)  # finished before any commit point
             return effects
+        signum = self._killed_by_a_signal_we_got(event.failure)
+        if signum:
+            name = signal.Signals(signum).name
+            if self._commit_leave is not None:  # our drain's commit point is moot now
+                return self._drain(self._commit_leave, now)
+            self._signalled, self._delivered = signum, True
+            who = f"local rank {event.failure.local_rank}"
+            return [
+                Log(
+                    "warning",
+                    f"{who} was killed by {name}, a signal sent to this node's workers: the job "
+                    "stops as for a signal this agent handles, without a restart",
+                ),
+                *self._stop_on_signal(f"{who} was killed by {name}", signum),
+            ]
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
 
     def _commit_failure(self, why: str, now: float) -> Failure:
@@ -1051,10 +1082,10 @@ class AgentMachine:
 
     # -- signals and leaving ---------------------------------------------------------------
 
-    def _on_signal(self, signum: int, now: float) -> list[Effect]:
-        if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
-            return [ForwardSignal(signum)]
+    def _on_signal(self, signum: int, now: float, delivered: bool = False) -> list[Effect]:
         if signum not in self.settings.handled_signals:
+            if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
+                return self._pass_on(signum, delivered)
             return []
         name = signal.Signals(signum).name
         if self._commit_leave is not None:
@@ -1069,22 +1100,48 @@ class AgentMachine:
             if self.phase is Phase.LEAVING:
                 return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
             return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
-        self._signalled = signum
+        self._signalled, self._delivered = signum, delivered
         if self._leaving or self._exit is not None:
             # Already on our way out (a drain the server asked for, the job's end): a second
             # signal insists.
             return [Log("info", f"received {name}; already stopping")]
         if self.settings.elastic and signum == signal.SIGTERM:
             return self._drain_after_commit(f"received {name}", now)
-        exit_ = Exit(EXIT_FAILED, f"received {name}: workers stopped", None, self.local_failures)
+        return self._stop_on_signal(f"received {name}", signum)
+
+    def _pass_on(self, signum: int, delivered: bool) -> list[Effect]:
+        self._passed_on |= {signum}
+        if delivered:
+            name = signal.Signals(signum).name
+            return [
+                Log(
+                    "info",
+                    f"received {name}; the workers have it too, from its sender (it signals every "
+                    "process of the job step), so it is not forwarded again",
+                )
+            ]
+        return [ForwardSignal(signum)]
+
+    def _stop_on_signal(self, why: str, signum: int) -> list[Effect]:
+        """Stop as torchrun does on a signal it handles: workers stopped, no restart, exit 1."""
+        exit_ = Exit(EXIT_FAILED, f"{why}: workers stopped", None, self.local_failures)
         self._leaving = True
-        self._leave = Leave(reason=f"agent received {name}")
+        self._leave = Leave(reason=_fit(f"agent {why}"))
         self._report = None
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             # Workers first; the server hears now that we go, and that we are gone once they are.
-            return [*self._stop_then_exit(exit_, signum), *self._send(self._notice(self._leave))]
+            sig = 0 if self._delivered and self._signalled == signum else signum
+            return [*self._stop_then_exit(exit_, sig), *self._send(self._notice(self._leave))]
         leave = self._send(self._leave)
         return [*leave, *self._exit_now(exit_)]
+
+    def _killed_by_a_signal_we_got(self, failure: Failure) -> int:
+        """The signal (0: none) behind a worker's death when it is one this agent received for
+        its workers: passed on, or delivered with its own (a scheduler signals every process)."""
+        signum = -failure.exitcode
+        if signum <= 0:
+            return 0
+        return signum if signum in self._passed_on or signum == self._signalled else 0
 
     @staticmethod
     def _notice(leave: Leave) -> Leave:
@@ -1096,6 +1153,9 @@ class AgentMachine:
         a, t = self.assignment, self.training
         if (
             self.settings.commit_timeout <= 0
+            # The workers have the SIGTERM from its sender (Slurm signals every process of the
+            # step): they are stopping already, and Slurm's KillWait is no time to wait in.
+            or self._delivered
             or t is None
             # Early in the training its ranks may not have called should_stop() yet: the
             # server knows (it waits for every node's summary) and drains us at once if not.
@@ -1149,7 +1209,9 @@ class AgentMachine:
             stop: list[Effect] = []
             if self.phase is not Phase.STOPPING:
                 self.phase = Phase.STOPPING
-                stop = [StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+                # SIGTERM delivered to the workers by its sender is not sent again (0).
+                sig = 0 if self._delivered and self._signalled == signal.SIGTERM else signal.SIGTERM
+                stop = [StopWorkers(sig, self.settings.shutdown_timeout)]
             self._after_stop = AfterStop.LEAVE
             return [note, *stop, *self._send(self._notice(self._leave))]
         return [note, *self._send_leave(now)]  # no workers: JOINING, VERDICT, BARRIER
@@ -1173,7 +1235,13 @@ class AgentMachine:
         self._awaiting_left = False
         self._leave = None
         why = self._drain_why
-        if msg.job_continues:
+        if msg.job_continues and self._signalled is not None and self.settings.signals_end_job:
+            exit_ = Exit(
+                EXIT_FAILED,
+                f"drained: {why}; left the job ({shown(msg.reason)}), but under Slurm a signal "
+                "ends the whole job (scancel, pre-emption, time limit): exit 1, as torchrun",
+            )
+        elif msg.job_continues:
             exit_ = Exit(
                 EXIT_OK,
                 f"drained: {why}; left the job, which goes on without this node ({shown(msg.reason)})",

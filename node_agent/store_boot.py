@@ -52,7 +52,18 @@ def _version_tuple(text: str) -> "tuple[int, ...]":
     return tuple(parts)
 
 
+# The signals a scheduler sends to every process of a job step (procutil.STEP_SIGNALS): this
+# process outlives them and ends by the agent's word or its stdin closing. The agent's
+# preexec_fn ignored them already, but libuv (uvloop, the agent's loop) resets every
+# disposition after it: so again here, first thing.
+STEP_SIGNALS = (1, 2, 3, 10, 12, 15)
+
+
 def main(argv: "list[str]") -> int:
+    import signal
+
+    for signum in STEP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     fd, port = int(argv[1]), int(argv[2])
     # `-c` put the working directory first on sys.path: a file there must not shadow torch.
     if sys.path and sys.path[0] == "":

@@ -195,7 +195,8 @@ class StoreHost:
                 env=self.env,
                 pass_fds=(fd,),
                 # Killed with the agent, however the agent dies (stdin's EOF is the clean way).
-                preexec_fn=procutil.pdeathsig_preexec(),
+                # Outlives a signal sent to every process of the step (procutil.STEP_SIGNALS).
+                preexec_fn=procutil.ignore_step_signals(procutil.pdeathsig_preexec()),
                 start_new_session=True,
                 limit=_MAX_LINE,
             )  # fmt: skip

@@ -54,6 +54,7 @@ from typing import IO, Any, BinaryIO, Literal, TextIO, cast
 from node_agent import procutil
 from node_agent.config import Std
 from node_agent.console import Console, ConsoleFramer, LineFilter, open_pty
+from node_agent.signal_witness import SignalWitness
 from node_agent.warm import WarmHandoffError, WarmInterpreter, WarmPool
 from protocol.records import record
 
@@ -481,10 +482,41 @@ class _Watchdog:
     (3 ms, measured): it has no pipes for asyncio to carry, and its exit is awaited via a pidfd.
     """
 
-    def __init__(self, fd: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, fd: int, proc: subprocess.Popen[bytes], report_fd: int, witness: SignalWitness | None
+    ) -> None:
         self._fd: int | None = fd
         self.proc = proc
         self.guarded: set[int] = set()  # process groups it would kill if we died now
+        # The signals it receives (signal_witness.py), read in the loop until its EOF.
+        self._report_fd: int | None = report_fd
+        self._witness = witness
+        os.set_blocking(report_fd, False)
+        asyncio.get_running_loop().add_reader(report_fd, self._on_report)
+
+    @property
+    def witnessing(self) -> bool:
+        """Its reports of signals can be had (it runs and its report pipe is open)."""
+        return self._report_fd is not None and self.proc.poll() is None
+
+    def _on_report(self) -> None:
+        assert self._report_fd is not None
+        try:
+            data = os.read(self._report_fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_report()
+        elif self._witness is not None:
+            self._witness.feed(data)
+
+    def _close_report(self) -> None:
+        if self._report_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._report_fd)
+            os.close(self._report_fd)
+            self._report_fd = None
 
     @property
     def usable(self) -> bool:
@@ -496,25 +528,31 @@ class _Watchdog:
         return self.proc.pid
 
     @classmethod
-    def start(cls, log: Callable[[str], None], remove_on_death: str = "") -> _Watchdog | None:
+    def start(
+        cls, log: Callable[[str], None], remove_on_death: str = "", witness: SignalWitness | None = None
+    ) -> _Watchdog | None:
         read_fd, write_fd = os.pipe()  # both close-on-exec: no worker inherits the write end
+        report_read, report_write = os.pipe()
         try:
             proc = subprocess.Popen(
-                procutil.watchdog_argv(read_fd, remove_on_death),
+                procutil.watchdog_argv(read_fd, remove_on_death, report_write),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                pass_fds=(read_fd,),
-                # Its own session: a Ctrl-C or a kill of the agent's process group spares it.
+                pass_fds=(read_fd, report_write),
+                # Its own session, as every worker's: a Ctrl-C or a kill of the agent's process
+                # group spares it, and a signal that reaches it reached the workers too.
                 start_new_session=True,
             )
         except OSError as e:
             os.close(write_fd)
+            os.close(report_read)
             log(f"cannot start the orphan watchdog ({e}); only PDEATHSIG protects against agent death")
             return None
         finally:
             os.close(read_fd)
-        return cls(write_fd, proc)
+            os.close(report_write)
+        return cls(write_fd, proc, report_read, witness)
 
     def _send(self, message: bytes, log: Callable[[str], None]) -> None:
         if self._fd is None:
@@ -555,6 +593,7 @@ class _Watchdog:
             await _wait_pids_dead([self.proc.pid], timeout)
         if self.proc.poll() is None:
             log(f"orphan watchdog (pid {self.proc.pid}) could not be reaped")
+        self._close_report()
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -643,6 +682,7 @@ class WorkerGroup:
         self._remove_on_death = remove_on_death  # the watchdog removes it if the agent dies
         self._workers: list[_Worker] = []
         self._watchdog: _Watchdog | None = None
+        self._witness = SignalWitness()  # the watchdog's reports of the signals it received
         self._started = False  # start() was called at least once
         self._stop_lock = asyncio.Lock()
         self._stopped: GroupResult | None = None
@@ -676,7 +716,7 @@ class WorkerGroup:
                 if self._watchdog is None or not self._watchdog.usable:
                     if self._watchdog is not None:
                         await self._watchdog.wait_closed(REAP_TIMEOUT, self._log)
-                    self._watchdog = _Watchdog.start(self._log, self._remove_on_death)
+                    self._watchdog = _Watchdog.start(self._log, self._remove_on_death, self._witness)
                 preexec = procutil.pdeathsig_preexec()
             for spec in specs:
                 worker = await self._warm_worker(spec, loop, preexec)
@@ -749,6 +789,13 @@ class WorkerGroup:
         self._stderr.break_line()
         if self._stdout.same_file(self._stderr):
             self._stdout.break_line()
+
+    async def delivered(self, sig: int) -> bool:
+        """Whether the workers have ``sig`` already from its sender, as the watchdog saw it too
+        (signal_witness.py); False at once when there is no watchdog to ask."""
+        if self._watchdog is None or not self._watchdog.witnessing:
+            return False
+        return await self._witness.delivered(sig)
 
     def send_signal(self, sig: int) -> None:
         """Forward a signal to the process group of every worker still running."""
@@ -971,8 +1018,9 @@ class WorkerGroup:
         workers = self._workers
         live = [w for w in workers if not w.exited.done()]
         if live:
+            how = f"with {procutil.signal_name(-sig)}" if sig else "(they have the signal already)"
             self._log(
-                f"stopping {len(live)} worker(s) with {procutil.signal_name(-sig)}, grace {grace:g}s: "
+                f"stopping {len(live)} worker(s) {how}, grace {grace:g}s: "
                 f"local ranks {[w.spec.local_rank for w in live]}"
             )
         # The groups of workers that already exited may still hold their children: signal those too.

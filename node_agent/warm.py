@@ -199,7 +199,12 @@ class WarmInterpreter:
         try:
             for fd in (1, 2):
                 self._prelude[fd] = os.memfd_create(f"warm-{self.local_rank}-{fd}", os.MFD_CLOEXEC)
-            config = {"fd": theirs.fileno(), "preload": list(preload), "argv": list(self.argv)}
+            config = {
+                "fd": theirs.fileno(),
+                "preload": list(preload),
+                "argv": list(self.argv),
+                "ignored": list(procutil.STEP_SIGNALS),  # until it becomes the worker
+            }
             argv = [self.argv[0], *python_flags, os.path.abspath(warm_boot.__file__), json.dumps(config)]
             keep = (theirs.fileno(),)  # its control socket; stray descriptors go, as a cold worker's
             transport, _ = await loop.subprocess_exec(
@@ -211,7 +216,11 @@ class WarmInterpreter:
                 env=self.env,
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=procutil.worker_preexec(cpus, procutil.pdeathsig_preexec(), keep=keep),
+                # It outlives a signal sent to every process of the step while it waits (the
+                # job's workers have theirs); warm_boot restores the defaults as it becomes one.
+                preexec_fn=procutil.worker_preexec(
+                    cpus, procutil.ignore_step_signals(procutil.pdeathsig_preexec()), keep=keep
+                ),
                 pass_fds=keep,
             )
         except BaseException:

@@ -296,8 +296,34 @@ def _uncaught(exc: BaseException) -> None:
     raise SystemExit(1)
 
 
+def _restore_signals(ignored: "list[int]") -> None:
+    """A cold worker's dispositions. The agent started this interpreter with the signals a
+    scheduler sends to every process of a job step ignored (``ignored``), so that it outlives
+    them while it waits; a cold worker has them at their defaults (Python's own SIGINT handler
+    included). One a preloaded module set to something else stays as it set it."""
+    if not ignored:
+        return
+    import signal
+
+    for signum in ignored:
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, default)
+
+
+def _ignore_signals(ignored: "list[int]") -> None:
+    """Ignore the step's signals as this process's first act: the agent's preexec_fn ignored
+    them already, but libuv (uvloop, the agent's loop) resets every disposition after it."""
+    if ignored:
+        import signal
+
+        for signum in ignored:
+            signal.signal(signum, signal.SIG_IGN)
+
+
 def main() -> None:
     config = json.loads(sys.argv[1])
+    _ignore_signals(config.get("ignored", []))
     sock = socket.socket(fileno=int(config["fd"]))
     kind, target, _args = split_main(config["argv"])
     error = None
@@ -328,6 +354,7 @@ def main() -> None:
     _send(sock, {"ok": True})
     sock.close()
     _close_other_fds()
+    _restore_signals(config.get("ignored", []))
     if hasattr(sys, "orig_argv"):
         sys.orig_argv = list(argv)
     _set_path0(kind, target)

@@ -2,11 +2,16 @@
 # The project's test command (README, .ci/run): installs what the tests need, then runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# System parts the tests start for real: Chromium + ChromeDriver (the dashboard test), etcd.
+# System parts the tests start for real: Chromium + ChromeDriver (the dashboard test), etcd,
+# Slurm and munge (test_slurm.py: a controller and two nodes in network namespaces).
 need=()
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
 command -v etcd >/dev/null || need+=(etcd-server)
+PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null || need+=(slurmctld)
+PATH="$PATH:/usr/sbin:/sbin" command -v slurmd >/dev/null || need+=(slurmd)
+command -v sbatch >/dev/null || need+=(slurm-client)
+PATH="$PATH:/usr/sbin:/sbin" command -v munged >/dev/null || need+=(munge)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "installing ${need[*]} (Debian packages)" >&2
   apt-get update -qq >/dev/null

@@ -1081,3 +1081,58 @@ def test_every_server_message_has_an_outcome_in_every_phase(msg: object) -> None
             m.phase in (st.Phase.EXITED, st.Phase.RUNNING, st.Phase.STARTING, st.Phase.STOPPING)
             or m.next_deadline() is not None
         ), (name, msg, m.phase)
+
+
+# -- signals a scheduler sends to every process of the step (signal_witness.py) ---------------
+
+
+def test_a_notice_the_workers_have_already_is_not_forwarded_again() -> None:
+    m = running()
+    (note,) = m.handle(st.SignalReceived(signal.SIGUSR1, delivered=True), 2.0)
+    assert isinstance(note, st.Log) and "not forwarded again" in note.text
+
+
+def test_a_worker_killed_by_a_forwarded_notice_stops_the_job_without_a_restart() -> None:
+    m = running()
+    assert m.handle(st.SignalReceived(signal.SIGUSR1), 2.0) == [st.ForwardSignal(signal.SIGUSR1)]
+    killed = dataclasses.replace(failure(), exitcode=-signal.SIGUSR1)
+    eff = m.handle(st.WorkersExited(killed, (killed,)), 2.1)
+    assert st.StopWorkers in kinds(eff) and not any(
+        isinstance(e, st.Send) and isinstance(e.msg, WorkersFailed) for e in eff
+    )
+    assert any(isinstance(e, st.Log) and "was killed by SIGUSR1" in e.text for e in eff)
+    (ex,) = [e for e in m.handle(st.WorkersStopped(), 2.5) if isinstance(e, st.Exit)]
+    assert ex.code == st.EXIT_FAILED and "killed by SIGUSR1" in ex.reason
+
+
+def test_a_worker_killed_by_a_signal_nobody_passed_on_is_a_failure() -> None:
+    m = running()
+    killed = dataclasses.replace(failure(), exitcode=-signal.SIGUSR1)
+    eff = m.handle(st.WorkersExited(killed, (killed,)), 2.1)
+    assert any(isinstance(e, st.Send) and isinstance(e.msg, WorkersFailed) for e in eff)
+
+
+def test_a_listed_signal_stops_even_when_it_is_one_to_forward() -> None:
+    m = running(st.AgentMachine(settings(handled_signals=frozenset({signal.SIGTERM, signal.SIGUSR1}))))
+    eff = m.handle(st.SignalReceived(signal.SIGUSR1), 2.0)
+    (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
+    assert stop.signum == signal.SIGUSR1
+    (ex,) = [e for e in m.handle(st.WorkersStopped(), 2.5) if isinstance(e, st.Exit)]
+    assert ex.code == st.EXIT_FAILED and "SIGUSR1" in ex.reason
+
+
+def test_a_delivered_sigterm_is_not_sent_again() -> None:
+    m = running()
+    eff = m.handle(st.SignalReceived(signal.SIGTERM, delivered=True), 2.0)
+    (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
+    assert stop.signum == 0 and stop.grace == 5.0  # wait for them, SIGKILL after the grace
+
+
+def test_under_slurm_a_signal_drain_exits_one_even_when_the_job_goes_on() -> None:
+    m = running(st.AgentMachine(settings(elastic=True, signals_end_job=True)))
+    eff = m.handle(st.SignalReceived(signal.SIGTERM, delivered=True), 3.0)
+    (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
+    assert stop.signum == 0
+    m.handle(st.WorkersStopped(), 3.5)
+    (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.55)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "Slurm" in ex.reason
