@@ -12,9 +12,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .api import LaunchConfig, LaunchError, launch, launch_async
+    from .api import LaunchConfig, LaunchError, ProcessFailure, elastic_launch, launch, launch_async
 
-__all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]
+__all__ = ["LaunchConfig", "LaunchError", "ProcessFailure", "elastic_launch", "launch", "launch_async"]
 
 
 def __getattr__(name: str) -> Any:

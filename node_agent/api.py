@@ -35,6 +35,7 @@ This module stays cheap to import: every worker of a callable imports it first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import os
@@ -61,7 +62,15 @@ if TYPE_CHECKING:
     from .config import AgentConfig
     from .runner import AgentOutcome
 
-__all__ = ["LaunchConfig", "LaunchError", "launch", "launch_async"]
+__all__ = [
+    "LaunchConfig",
+    "LaunchError",
+    "ProcessFailure",
+    "elastic_launch",
+    "from_torch",
+    "launch",
+    "launch_async",
+]
 
 # The module every worker of a callable runs (``python -u -m node_agent.api PAYLOAD RESULTS``).
 # A module name rather than a path, so the entrypoint every node reports to the rendezvous is
@@ -77,17 +86,26 @@ StdSetting = int | str | Mapping[int, int]
 class LaunchConfig:
     """What to launch, in torch's ``LaunchConfig`` terms; each field is a node-agent flag.
 
-    Differences from torch's ``LaunchConfig``, on purpose:
+    Every field of torch's ``LaunchConfig`` is here, with torch's default where a worker can
+    see it (``role="default_role"`` is the workers' ``ROLE_NAME``; ``max_restarts=3``), and a
+    torch ``LaunchConfig`` object is accepted wherever this one is (converted field by field,
+    :func:`from_torch`). Differences, on purpose:
 
-    * ``rdzv_backend`` defaults to ``"c10d"`` (node-agent's rendezvous server), and
+    * ``rdzv_backend`` defaults to ``"c10d"`` (node-agent's rendezvous server; torch: etcd), and
       ``rdzv_endpoint=""`` means a standalone single-node run (a private rendezvous on a free
       port); a multi-node job needs the server's ``HOST:PORT``.
-    * ``max_restarts`` defaults to 0, as for the ``node-agent`` and ``torchrun`` commands
-      (torch's ``LaunchConfig`` says 3).
     * ``run_id`` is ignored by a standalone run, which takes a fresh id (as ``--standalone``).
     * ``nproc_per_node`` may also be ``"auto"``, ``"cpu"`` or ``"gpu"``, as on the command line.
-    * Output goes where ``log_dir``, ``redirects`` and ``tee`` say, as for the command; torch's
-      ``logs_specs`` and ``metrics_cfg`` are not supported.
+    * Output goes where ``log_dir``, ``redirects``, ``tee`` and ``local_ranks_filter`` say (our
+      own fields, torchrun's flags). ``logs_specs`` may be torch's ``DefaultLogsSpecs``, whose
+      settings are used where those fields are not given; another ``LogsSpecs`` class (a plugin
+      that decides file paths inside torch's agent) is refused.
+    * ``metrics_cfg`` is accepted and unused: open-source torch's ``initialize_metrics`` does
+      nothing with it either; node-agent's metrics are the rendezvous server's ``/metrics``.
+    * ``start_method`` is accepted; workers are always fresh interpreters, so a callable
+      entrypoint must be importable even with ``"fork"`` (a closure is refused with a message).
+    * ``agent_args`` (ours): further node-agent flags (``["--hang-timeout=off"]``), after the
+      fields' own.
 
     Values are checked when :func:`launch` builds the agent's configuration, with the messages
     of the command line (``ConfigError: --nproc-per-node='0': ...``).
@@ -98,12 +116,12 @@ class LaunchConfig:
     nproc_per_node: int | str = 1
     _: KW_ONLY
     run_id: str = ""
-    role: str = "default"
+    role: str = "default_role"
     rdzv_endpoint: str = ""
     rdzv_backend: str = "c10d"
     rdzv_configs: Mapping[str, Any] = field(default_factory=dict)  # --rdzv-conf keys
     rdzv_timeout: float = -1  # torch's spelling of rdzv_configs["join_timeout"]; -1: not given
-    max_restarts: int = 0
+    max_restarts: int = 3
     monitor_interval: float = 0.1
     start_method: str = "spawn"
     log_dir: str | os.PathLike[str] | None = None
@@ -119,9 +137,15 @@ class LaunchConfig:
     # AffinityMode, or torch's NumaOptions (its should_fall_back_if_binding_fails is not
     # honoured: a binding that cannot be made is an error, as by default in torch).
     numa_options: Any = None
+    logs_specs: Any = None  # None, or torch's DefaultLogsSpecs
+    metrics_cfg: Mapping[str, str] = field(default_factory=dict)  # accepted, unused (as torch's)
+    duplicate_stdout_filters: Sequence[str] | None = None
+    duplicate_stderr_filters: Sequence[str] | None = None
+    virtual_local_rank: bool = False
     # For a str entrypoint: run it as a module (python -m) or as a command (no python).
     module: bool = False
     no_python: bool = False
+    agent_args: Sequence[str] = ()  # more node-agent flags, after those of the fields
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rdzv_configs", MappingProxyType(dict(self.rdzv_configs)))
@@ -129,19 +153,94 @@ class LaunchConfig:
             object.__setattr__(self, "local_ranks_filter", frozenset(self.local_ranks_filter))
         if not isinstance(self.signals_to_handle, str):
             object.__setattr__(self, "signals_to_handle", tuple(self.signals_to_handle))
+        object.__setattr__(self, "metrics_cfg", MappingProxyType(dict(self.metrics_cfg or {})))
+        for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigError(f"{name}={value!r}: give a list of strings, e.g. [{value!r}]")
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if isinstance(self.agent_args, str):
+            raise ConfigError(f"agent_args={self.agent_args!r}: give a list of flags")
+        object.__setattr__(self, "agent_args", tuple(self.agent_args))
 
     @property
     def standalone(self) -> bool:
         return not self.rdzv_endpoint.strip()
 
 
+_NOT_AVAILABLE = "<N/A>"  # torch's spelling of "no error file" / "no signal"
+
+
+@record(frozen=True)
+class ProcessFailure:
+    """One failed worker, in the shape of torch's ``ProcessFailure`` (``LaunchError.failures``).
+
+    ``message`` is the error file's ``message`` entry (a dict with the traceback, or a str) as
+    torch reads it, else node-agent's description of the failure (exit code, signal, the last
+    lines of stderr); ``error_file`` is ``"<N/A>"`` when the worker wrote none, as in torch.
+    """
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file: str
+    message: Any
+    timestamp: int
+    error_file_data: Mapping[str, Any]
+    rank: int = -1
+    node_id: str = ""
+
+    def signal_name(self) -> str:
+        if self.exitcode < 0:
+            try:
+                return signal.Signals(-self.exitcode).name
+            except ValueError:
+                return _NOT_AVAILABLE
+        return _NOT_AVAILABLE
+
+    def timestamp_isoformat(self) -> str:
+        from datetime import datetime
+
+        return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+    @classmethod
+    def from_failure(cls, failure: Failure) -> ProcessFailure:
+        data: Mapping[str, Any] = {}
+        message: Any = failure.message
+        error_file = failure.error_file or _NOT_AVAILABLE
+        timestamp = int(failure.timestamp)
+        if failure.error_file:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(failure.error_file, encoding="utf-8") as f:
+                    loaded = json.load(f)
+                message = loaded["message"]
+                data = loaded
+        return cls(
+            local_rank=failure.local_rank,
+            pid=failure.pid,
+            exitcode=failure.exitcode,
+            error_file=error_file,
+            message=message,
+            timestamp=timestamp,
+            error_file_data=data,
+            rank=failure.rank,
+            node_id=failure.node_id,
+        )
+
+
 class LaunchError(Exception):
     """The job failed. ``str()`` names the root cause first, then torch's failure summary.
 
-    ``root_cause`` is the job's first failure (which may be on another node), ``failures``
-    this node's failed workers; both are ``protocol.Failure`` records. Without a worker
-    failure (the rendezvous could not be reached, the agent was stopped) both are empty and
-    ``reason`` says what happened.
+    Shaped as torch's ``ChildFailedError``: ``name`` (the entrypoint), ``failures``
+    (``{global rank: ProcessFailure}`` of this node's failed workers, or of the root cause when
+    it failed on another node) and ``get_first_failure()``. Where torch is importable, what
+    :func:`launch` raises is also an instance of torch's ``ChildFailedError`` (a subclass made
+    on first failure), so ``except ChildFailedError`` and torch's ``@record`` see it as theirs.
+
+    ``root_cause`` is the job's first failure (which may be on another node), a
+    ``protocol.Failure``. Without a worker failure (the rendezvous could not be reached, the
+    agent was stopped) ``failures`` is empty and ``reason`` says what happened.
     """
 
     def __init__(
@@ -151,18 +250,69 @@ class LaunchError(Exception):
         exit_code: int,
         reason: str,
         root_cause: Failure | None = None,
-        failures: tuple[Failure, ...] = (),
+        failures: Mapping[int, ProcessFailure] | None = None,
+        name: str = "",
     ) -> None:
-        super().__init__(message)
+        Exception.__init__(self, message)  # not super(): torch's ChildFailedError may follow in the MRO
         self.exit_code = exit_code
         self.reason = reason
         self.root_cause = root_cause
-        self.failures = failures
+        self.failures: dict[int, ProcessFailure] = dict(failures or {})
+        self.name = name
 
     @property
     def rank(self) -> int | None:
         """The global rank of the root cause, when a worker failed."""
         return None if self.root_cause is None else self.root_cause.rank
+
+    def get_first_failure(self) -> tuple[int, ProcessFailure]:
+        """(global rank, failure) of the earliest failure, as torch's ChildFailedError."""
+        if self.root_cause is not None and self.root_cause.rank in self.failures:
+            return self.root_cause.rank, self.failures[self.root_cause.rank]
+        if not self.failures:
+            raise ValueError(f"no worker failed: {self.reason}")
+        rank = min(self.failures, key=lambda r: self.failures[r].timestamp)
+        return rank, self.failures[rank]
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        return str(self)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_error, (str(self), dict(self.__dict__)))
+
+
+def _rebuild_error(message: str, state: dict[str, Any]) -> LaunchError:
+    error = _error_class().__new__(_error_class())
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
+
+_ERROR_CLASS: list[type[LaunchError]] = []
+
+
+def _error_class() -> type[LaunchError]:
+    """LaunchError, or where torch is importable a subclass of it and of torch's ChildFailedError.
+
+    Made on the first failure, not at import: the agent and its workers never import torch.
+    """
+    if not _ERROR_CLASS:
+        cls: type[LaunchError] = LaunchError
+        import importlib.util
+
+        try:
+            if importlib.util.find_spec("torch") is not None:
+                from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+                cls = type(
+                    "ChildFailedError",
+                    (LaunchError, ChildFailedError),
+                    {"__module__": __name__, "__doc__": LaunchError.__doc__},
+                )
+        except Exception:  # a broken torch install: our own error still says it all
+            cls = LaunchError
+        _ERROR_CLASS.append(cls)
+    return _ERROR_CLASS[0]
 
 
 def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int, Any]:
@@ -189,6 +339,7 @@ def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int
             "use `await node_agent.launch_async(...)` there"
         )
     _require_main_thread("launch")
+    config = from_torch(config)
     from edge.loop import run_loop  # uvloop where installed, as the node-agent command
 
     saved = _signal_handlers(config)
@@ -208,6 +359,7 @@ async def launch_async(config: LaunchConfig, entrypoint: Entrypoint, *args: Any)
     ``loop.add_signal_handler`` must be added again.
     """
     _require_main_thread("launch_async")
+    config = from_torch(config)
     from .runner import Agent
 
     with tempfile.TemporaryDirectory(prefix="node-agent-launch-") as tmp:
@@ -224,6 +376,106 @@ async def launch_async(config: LaunchConfig, entrypoint: Entrypoint, *args: Any)
         return {rank: _load_result(results_dir, rank) for rank in ranks}
 
 
+class elastic_launch:  # torch's name (a class), so that a wrapper can switch by import
+    """torch's ``elastic_launch(config, entrypoint)(*args)``: ``{global rank: return value}``.
+
+    ``config`` is our :class:`LaunchConfig` or torch's. ``entrypoint`` is as torch's: a
+    callable, or a command (a str) that ``args`` are given to; the python interpreter as the
+    command (torchrun's ``sys.executable, "-u", [-m], script, ...``) runs the script or module
+    as node-agent runs a Python script. Our argv lists and script paths work as for
+    :func:`launch` (a str that is an existing ``.py`` file is a script, run with this Python).
+    """
+
+    def __init__(self, config: Any, entrypoint: Entrypoint | None, health_check_server: Any = None) -> None:
+        if health_check_server is not None:
+            raise ConfigError(
+                "health_check_server: torch's health-check server object runs inside torch's agent; "
+                "node-agent serves TORCHELASTIC_HEALTH_CHECK_PORT itself, so set that variable instead"
+            )
+        if entrypoint is None:
+            raise ConfigError("elastic_launch: the entrypoint is None; give a callable or a command")
+        self._config = from_torch(config)
+        self._entrypoint = entrypoint
+
+    def __call__(self, *args: Any) -> dict[int, Any]:
+        config, entrypoint, rest = _torch_entry(self._config, self._entrypoint, args)
+        return launch(config, entrypoint, *rest)
+
+
+def _is_python(command: str) -> bool:
+    if command in (sys.executable, os.environ.get("PYTHON_EXEC")):
+        return True
+    base = os.path.basename(command)
+    return base == "python" or (base.startswith("python") and base[6:].replace(".", "").isdigit())
+
+
+def _torch_entry(
+    config: LaunchConfig, entrypoint: Entrypoint, args: tuple[Any, ...]
+) -> tuple[LaunchConfig, Entrypoint, tuple[Any, ...]]:
+    """torch's (entrypoint, args) as :func:`launch` takes them."""
+    if not isinstance(entrypoint, (str, os.PathLike)) or config.module or config.no_python:
+        return config, entrypoint, args
+    command = os.fspath(entrypoint)
+    if command.endswith(".py") and os.path.isfile(command):
+        return config, command, args  # a script path, as launch() takes it
+    rest = [os.fspath(a) if isinstance(a, os.PathLike) else a for a in args]
+    if _is_python(command) and rest and all(isinstance(a, str) for a in rest):
+        i = 0
+        while i < len(rest) and rest[i] == "-u":  # unbuffered: node-agent's workers always are
+            i += 1
+        if i < len(rest) - 1 and rest[i] == "-m":
+            return dataclasses.replace(config, module=True), rest[i + 1], tuple(rest[i + 2 :])
+        if i < len(rest) and not rest[i].startswith("-"):
+            return config, rest[i], tuple(rest[i + 1 :])
+    return config, [command, *_command_args(tuple(rest))], ()
+
+
+def from_torch(config: Any) -> LaunchConfig:
+    """Our LaunchConfig for torch's ``torch.distributed.launcher.api.LaunchConfig`` (field by
+    field; duck-typed, so torch is never imported here); ours is returned as it is."""
+    if isinstance(config, LaunchConfig):
+        return config
+    kind = type(config)
+    if kind.__name__ != "LaunchConfig" or not hasattr(config, "rdzv_configs"):
+        raise TypeError(
+            f"config: expected node_agent.LaunchConfig or torch's LaunchConfig, not {kind.__name__}"
+        )
+    ours = {f for f in LaunchConfig.__dataclass_fields__ if not f.startswith("_")}
+    theirs = {name: getattr(config, name) for name in ours if hasattr(config, name)}
+    unknown = sorted(name for name in vars(config) if name not in ours and not name.startswith("_"))
+    if unknown:
+        raise ConfigError(
+            f"torch's LaunchConfig field(s) {', '.join(unknown)} are new to node-agent, which "
+            "cannot honour them; leave them at their defaults or use node_agent.LaunchConfig"
+        )
+    return LaunchConfig(**theirs)
+
+
+def _logs_specs(config: LaunchConfig) -> dict[str, Any]:
+    """log_dir, redirects, tee and local_ranks_filter from torch's DefaultLogsSpecs, where our
+    own fields leave them unset."""
+    specs = config.logs_specs
+    if specs is None:
+        return {}
+    if type(specs).__name__ != "DefaultLogsSpecs":
+        raise ConfigError(
+            f"logs_specs={type(specs).__name__}: a LogsSpecs class decides log file paths inside "
+            "torch's agent, which node-agent does not run; node-agent writes torchrun's default "
+            "layout: give torch's DefaultLogsSpecs, or log_dir/redirects/tee/local_ranks_filter"
+        )
+    out: dict[str, Any] = {}
+    root = getattr(specs, "_root_log_dir", None)
+    if config.log_dir is None and root and root != os.devnull:
+        out["log_dir"] = root
+    if not _std_setting(config.redirects, "redirects").strip("0"):
+        out["redirects"] = getattr(specs, "_redirects", 0)
+    if not _std_setting(config.tee, "tee").strip("0"):
+        out["tee"] = getattr(specs, "_tee", 0)
+    if config.local_ranks_filter is None and getattr(specs, "_local_ranks_filter", None):
+        out["local_ranks_filter"] = specs._local_ranks_filter
+    return out
+
+
 # --- LaunchConfig -> node-agent's command line ----------------------------------------------
 
 
@@ -233,6 +485,9 @@ def agent_argv(config: LaunchConfig, entry_argv: Sequence[str]) -> list[str]:
     ``entry_argv`` is the entrypoint part: the script or module or command and its arguments,
     preceded by ``--module`` or ``--no-python`` when one applies.
     """
+    from_specs = _logs_specs(config)
+    if from_specs:
+        config = dataclasses.replace(config, **from_specs)
     nodes = f"{config.min_nodes}:{config.max_nodes}"
     argv = [
         f"--nnodes={nodes}",
@@ -269,7 +524,14 @@ def agent_argv(config: LaunchConfig, entry_argv: Sequence[str]) -> list[str]:
     mode = _numa_mode(config.numa_options)
     if mode is not None:
         argv.append(f"--numa-binding={mode}")
-    return [*argv, *entry_argv]
+    for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        filters = getattr(config, name)
+        if filters:
+            escaped = ",".join(str(item).replace(",", ",,") for item in filters)
+            argv.append(f"--{name.replace('_', '-')}={escaped}")
+    if config.virtual_local_rank:
+        argv.append("--virtual-local-rank")
+    return [*argv, *config.agent_args, *entry_argv]
 
 
 def _numa_mode(options: Any) -> str | None:
@@ -346,7 +608,7 @@ def _entry(
         raise ConfigError("module/no_python apply to a script or command entrypoint, not to a callable")
     name = f"{getattr(entrypoint, '__module__', '?')}.{getattr(entrypoint, '__qualname__', entrypoint)}"
     payload = os.path.join(tmp, "payload.pkl")
-    _write_payload(payload, entrypoint, args, name)
+    _write_payload(payload, entrypoint, args, name, config.start_method)
     return name, ["--module", WORKER_MODULE, payload, results_dir], True
 
 
@@ -361,14 +623,23 @@ def _command_args(args: tuple[Any, ...]) -> list[str]:
     return out
 
 
-def _write_payload(path: str, fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> None:
+def _write_payload(
+    path: str, fn: Callable[..., Any], args: tuple[Any, ...], name: str, start_method: str = "spawn"
+) -> None:
     try:
         body = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        fork = (
+            f" start_method={start_method!r} does not change this: node-agent never forks the "
+            "launching process (torch does, which lets a closure run there); every worker is a "
+            "fresh interpreter."
+            if start_method != "spawn"
+            else ""
+        )
         raise TypeError(
             f"cannot send {name} and its arguments to the workers: {exc}. The callable must be "
             "importable (defined at the top level of a module, not a lambda or a nested function) "
-            "and its arguments picklable"
+            f"and its arguments picklable.{fork}"
         ) from exc
     header = {"sys_path": list(sys.path), "main": _main_reference() if _mentions_main(body) else None}
     with open(path, "wb") as f:
@@ -421,18 +692,27 @@ def _launch_error(name: str, outcome: AgentOutcome) -> LaunchError:
     from .agent_log import shown
     from .report import failure_summary
 
+    error_class = _error_class()
     code = outcome.code
     reason = outcome.reason or f"the agent exited with {code}"
     local = outcome.local_failures
     root = outcome.failure or (min(local, key=lambda f: f.timestamp) if local else None)
     if root is None:
-        return LaunchError(f"{name} failed: {reason} (exit code {code})", exit_code=code, reason=reason)
+        return error_class(
+            f"{name} failed: {reason} (exit code {code})", exit_code=code, reason=reason, name=name
+        )
+    failures = {f.rank: ProcessFailure.from_failure(f) for f in (local or (root,))}
     # Worded as everywhere else a failure is shown; its texts may come from another node.
     error = next((line for line in root.message.splitlines() if line.strip()), "no error message")
     headline = f"{name} failed: {shown(describe_failure(root))}: {shown(error)}"
     summary = failure_summary(name, root, local)
-    return LaunchError(
-        f"{headline}\n{summary}", exit_code=code, reason=reason, root_cause=root, failures=local
+    return error_class(
+        f"{headline}\n{summary}",
+        exit_code=code,
+        reason=reason,
+        root_cause=root,
+        failures=failures,
+        name=name,
     )
 
 

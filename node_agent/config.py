@@ -276,7 +276,11 @@ class RdzvConf:
 
         unknown = sorted(k for k in pairs if k not in cls.accepted_keys())
         if unknown:
-            raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)}; {_accepted_keys()}")
+            # torchrun passes every key to its backend, which reads its own and ignores the rest;
+            # Kubeflow's training-operator copies a job's rdzvConf into PET_RDZV_CONF verbatim.
+            _warn_unknown_keys(origin, unknown)
+            for key in unknown:
+                del pairs[key]
 
         kwargs: dict[str, Any] = {}  # checked again by the constructor
         for key in _FLOAT_KEYS:
@@ -367,6 +371,22 @@ _OWN_KEYS = (
     "commit_timeout",
     "commit_steps",
 )
+
+
+_WARNED_UNKNOWN: set[tuple[str, ...]] = set()
+
+
+def _warn_unknown_keys(origin: str, unknown: list[str]) -> None:
+    """Say once per process which ``--rdzv-conf`` keys are ignored, and which ones are read."""
+    if tuple(unknown) in _WARNED_UNKNOWN:
+        return
+    _WARNED_UNKNOWN.add(tuple(unknown))
+    logger.warning(
+        "%s: ignoring unknown key(s) %s (as torchrun, whose backend ignores keys it does not read); %s",
+        origin,
+        ", ".join(unknown),
+        _accepted_keys(),
+    )
 
 
 def _accepted_keys() -> str:

@@ -1,13 +1,25 @@
-"""``--nproc-per-node`` without torch: an integer, ``cpu``, ``gpu`` or ``auto``.
+"""``--nproc-per-node`` without torch: an integer, ``cpu``, ``gpu``, ``xpu`` or ``auto``.
 
-torchrun asks torch (``torch.cuda.device_count()``, ``torch.accelerator``); importing torch
-costs the agent seconds, so we count NVIDIA GPUs from the driver instead (``gpus.py``: the
-entries of ``/proc/driver/nvidia/gpus`` or, where that is absent, ``nvidia-smi``). Like torch
-we then apply ``CUDA_VISIBLE_DEVICES``, so a job restricted to two of eight GPUs starts two
-workers with ``gpu``/``auto``, as torchrun would. A count never depends on the order of the
-devices, so ``CUDA_DEVICE_ORDER`` plays no part here.
+torchrun asks torch (``torch.cuda.device_count()``, ``torch.xpu.device_count()``,
+``torch.accelerator``); importing torch costs the agent seconds, so we count the devices from
+the kernel instead. NVIDIA GPUs (``gpus.py``: the entries of ``/proc/driver/nvidia/gpus`` or,
+where that is absent, ``nvidia-smi``) under ``CUDA_VISIBLE_DEVICES``; AMD GPUs, which a ROCm
+build of torch reports as ``cuda`` devices (``gpus_amd_intel.py``: the KFD topology) under
+``ROCR_VISIBLE_DEVICES`` then ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``; Intel GPUs
+(``gpus_amd_intel.py``: i915/xe DRM cards, a device per tile) under ``ZE_AFFINITY_MASK`` and
+``ZE_FLAT_DEVICE_HIERARCHY``. So a job restricted to two of eight GPUs starts two workers, as
+torchrun would. A count never depends on the order of the devices.
 
-Not covered: AMD (ROCm) and Intel (``xpu``) devices, and torch's privateuse1 backends.
+- ``gpu``: the visible NVIDIA GPUs, else the visible AMD GPUs; an error when there are none
+  (torchrun: ``Cuda is not available.``).
+- ``xpu``: the visible Intel GPUs (integrated ones only when no discrete one is visible, as
+  torch counts them); an error when there are none (torchrun: ``Xpu is not available.``).
+- ``auto``: the ``gpu`` count, else the discrete Intel GPUs, else the CPUs. torchrun's ``auto``
+  asks whichever accelerator its torch build has; we do not know the build, so an integrated
+  Intel GPU (a laptop's) is left out of ``auto`` rather than turn N CPU workers into one:
+  ask for it with ``xpu``.
+
+Not covered: torch's privateuse1 backends (``--nproc-per-node <backend name>``).
 """
 
 from __future__ import annotations
@@ -17,12 +29,24 @@ from collections.abc import Mapping
 
 from .config import ConfigError
 from .gpus import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
+from .gpus_amd_intel import (
+    AmdGpu,
+    IntelGpu,
+    UnknownMask,
+    amd_gpus,
+    intel_gpus,
+    visible_amd_count,
+    visible_xpu_count,
+)
 
 __all__ = [
     "NVIDIA_PROC_DIR",
     "count_visible_gpus",
+    "count_visible_xpus",
     "cpu_count",
+    "physical_amd_gpus",
     "physical_gpu_uuids",
+    "physical_intel_gpus",
     "resolve_nproc",
     "visible_gpu_count",
 ]
@@ -33,11 +57,13 @@ def resolve_nproc(
 ) -> int:
     """Turn a ``--nproc-per-node`` value into a worker count, or raise ConfigError.
 
-    ``environ`` supplies ``CUDA_VISIBLE_DEVICES`` (default: this process's environment).
+    ``environ`` supplies the device variables (``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``,
+    ``ROCR_VISIBLE_DEVICES``, ``ZE_AFFINITY_MASK``, ``ZE_FLAT_DEVICE_HIERARCHY``; default: this
+    process's environment).
     """
     env = os.environ if environ is None else environ
     text = value.strip()
-    accepted = "a positive integer, 'auto', 'cpu' or 'gpu'"
+    accepted = "a positive integer, 'auto', 'cpu', 'gpu' or 'xpu'"
     try:
         count = int(text)
     except ValueError:
@@ -53,19 +79,36 @@ def resolve_nproc(
     if keyword == "gpu":
         gpus = count_visible_gpus(env)
         if gpus == 0:
+            shown = ", ".join(
+                f"{name}={env[name]!r}"
+                for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+                if name in env
+            )
             raise ConfigError(
-                f"{origin}=gpu: no NVIDIA GPU is visible (torchrun: 'Cuda is not available.'); "
-                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}; give a number instead"
+                f"{origin}=gpu: no NVIDIA GPU is visible (torchrun: 'Cuda is not available.'), "
+                f"nor an AMD (ROCm) one{'; ' + shown if shown else ''}; give a number instead"
             )
         return gpus
+    if keyword == "xpu":
+        xpus = _xpus(env, origin, integrated=True)
+        if xpus == 0:
+            shown = ", ".join(
+                f"{name}={env[name]!r}"
+                for name in ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY")
+                if name in env
+            )
+            raise ConfigError(
+                f"{origin}=xpu is not supported on this node: no Intel GPU is visible (torchrun: "
+                f"'Xpu is not available.'){'; ' + shown if shown else ''}; give a number instead"
+            )
+        return xpus
     if keyword == "auto":
         # torchrun: the accelerator's device count when there is one, else the CPU count.
         gpus = count_visible_gpus(env)
-        return gpus if gpus > 0 else cpu_count()
-    if keyword == "xpu":
-        raise ConfigError(
-            f"{origin}=xpu is not supported by node-agent (it counts NVIDIA GPUs only); give a number"
-        )
+        if gpus > 0:
+            return gpus
+        xpus = _xpus(env, origin, integrated=False)
+        return xpus if xpus > 0 else cpu_count()
     raise ConfigError(f"{origin}={value!r} is not valid: use {accepted}")
 
 
@@ -77,8 +120,35 @@ def cpu_count() -> int:
 
 
 def count_visible_gpus(environ: Mapping[str, str]) -> int:
-    """How many NVIDIA GPUs a worker started with ``environ`` sees (their order does not matter)."""
-    return visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
+    """How many GPUs torch.cuda counts in a worker started with ``environ``: its NVIDIA GPUs,
+    or where it has none, its AMD GPUs (a ROCm build's ``cuda`` devices)."""
+    nvidia = visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
+    if nvidia > 0:
+        return nvidia
+    return visible_amd_count(environ, physical_amd_gpus())
+
+
+def count_visible_xpus(environ: Mapping[str, str], *, integrated: bool = True) -> int:
+    """How many devices torch.xpu counts in a worker started with ``environ`` (``integrated``:
+    whether an integrated GPU may count); UnknownMask for a ZE_AFFINITY_MASK we cannot read."""
+    return visible_xpu_count(environ, physical_intel_gpus(), integrated=integrated)
+
+
+def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
+    try:
+        return count_visible_xpus(environ, integrated=integrated)
+    except UnknownMask as e:
+        raise ConfigError(f"{origin}: {e}; give a number instead") from None
+
+
+def physical_amd_gpus() -> list[AmdGpu]:
+    """The AMD GPUs ROCm would use (gpus_amd_intel.amd_gpus; the seam tests replace)."""
+    return amd_gpus()
+
+
+def physical_intel_gpus() -> list[IntelGpu]:
+    """The Intel GPUs Level Zero would use (gpus_amd_intel.intel_gpus; the seam tests replace)."""
+    return intel_gpus()
 
 
 def physical_gpu_uuids(proc_dir: str | os.PathLike[str] = NVIDIA_PROC_DIR) -> list[str]:

@@ -286,7 +286,8 @@ _TIMEOUT = _number()
 _INTERVAL = _number(positive=True)
 _STEP = _integer(-1, MAX_COUNT)  # a training step; -1: none reported yet
 _PHASE = _text(MAX_PHASE_LEN, plain=True)  # a worker's phase name ("": none)
-_MILLIS = _number(hi=MAX_TIMEOUT * 1000)
+_MAX_MILLIS = MAX_TIMEOUT * 1000
+_MILLIS = _number(hi=_MAX_MILLIS)
 
 
 class _Schema:
@@ -490,6 +491,38 @@ class Progress(_Schema):
     # Every local rank calls ``worker.should_stop()`` (its page says so): the job can stop at a
     # commit point. Added within version 1: an older agent sends none (no commits).
     checks: bool = field(default=False, metadata=_flag())
+
+    def __post_init__(self) -> None:
+        # Every node of every job sends one of these each second (10,000 a second at 10,000
+        # nodes): the shape they all have is checked here in a few comparisons, a quarter of
+        # the general rules' cost. Anything else (ints for floats, non-ASCII phase names, a
+        # value out of range) takes the general rules, which say what is wrong.
+        c = self.compute_ms
+        if (
+            type(self.round) is int
+            and 0 <= self.round <= MAX_COUNT
+            and type(self.min_step) is int
+            and type(self.max_step) is int
+            and -1 <= self.min_step <= self.max_step <= MAX_COUNT
+            and type(self.step_p50_ms) is float
+            and 0.0 <= self.step_p50_ms <= _MAX_MILLIS
+            and type(self.step_p90_ms) is float
+            and 0.0 <= self.step_p90_ms <= _MAX_MILLIS
+            and type(self.age_ms) is float
+            and 0.0 <= self.age_ms <= _MAX_MILLIS
+            and type(self.phase) is str
+            and len(self.phase) <= MAX_PHASE_LEN
+            and self.phase.isascii()
+            and (self.phase.isprintable() or not self.phase)
+            and type(self.checks) is bool
+            and type(c) in (tuple, list)
+            and len(c) <= MAX_NPROC
+            and all(type(x) is float and 0.0 <= x <= _MAX_MILLIS for x in c)
+        ):
+            if type(c) is not tuple:
+                object.__setattr__(self, "compute_ms", tuple(c))
+            return
+        _Schema.__post_init__(self)
 
     def _check_relations(self) -> None:
         if self.max_step < self.min_step:

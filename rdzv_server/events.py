@@ -25,6 +25,9 @@ class Connected:
     # When the socket was accepted, on the machine's clock, if before this event (the service
     # reads a connection's first bytes to route it first): the hello deadline counts from it.
     since: float | None = None
+    # The server's own address on this connection (the socket's local address): the address
+    # the peer reached it on; "" when unknown (replicas, old state logs).
+    local: str = ""
 
 
 @record(frozen=True, slots=True)

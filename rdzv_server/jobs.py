@@ -84,6 +84,7 @@ class Conn:
     challenge: str = ""
     job_id: str | None = None
     node_id: str | None = None
+    local: str = ""  # Connected.local: the server's address this peer reached
     # Until it joins: when it must have said hello (phase HELLO) or joined (READY) by, on the
     # machine's clock; None once joined, and when replaying. Not kept in snapshots: a restart
     # keeps no unjoined connection.

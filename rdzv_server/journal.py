@@ -211,8 +211,10 @@ class RecordKind:
 RECORDS: dict[str, RecordKind] = {
     "connected": RecordKind(
         Connected,
-        lambda e, _: {"k": "connected", "conn": e.conn, "peer": e.peer},
-        lambda r: [Connected(int(r["conn"]), str(r["peer"]))],
+        lambda e, _: (
+            {"k": "connected", "conn": e.conn, "peer": e.peer} | ({"local": e.local} if e.local else {})
+        ),
+        lambda r: [Connected(int(r["conn"]), str(r["peer"]), local=str(r.get("local", "")))],
     ),
     "received": RecordKind(
         Received,

@@ -24,6 +24,9 @@ members in their previous order, so group rank 0, and with it MASTER_ADDR, stays
 that node survives; newcomers follow, ordered by (address, node id). Node ``i`` in that order
 gets group rank ``i`` and global ranks starting at the sum of ``nproc`` of the nodes before it.
 Each node is told only its own slice: messages stay O(1) in the size of the job.
+A member that reported a loopback address while others connect from elsewhere is given the
+address they reached the server on first (``addresses.py``), so no round hands its nodes a
+loopback MASTER_ADDR that only one machine can reach.
 
 Node ranks. In a fixed-size job (min_nodes == max_nodes) an agent may give ``--node-rank``
 (``Join.node_rank``). Each one must be below the node count and held by one agent at a time:
@@ -75,6 +78,7 @@ from protocol.failure_text import describe_failure
 from protocol.messages import clip_text
 
 from . import history as said
+from .addresses import Seen, is_loopback, peer_host, plain, reachable_addrs
 from .commits import CommitRules
 from .events import Close, Effect, Log, Send
 from .history import LOG_TEXT_LEN, Departure, EventKind, JobEvent, Stats, escape, summarise
@@ -294,6 +298,7 @@ class RoundRules(CommitRules):
         return not job.not_ready  # kept up to date, so a rejoin storm is not O(N) per join
 
     def _complete(self, job: Job, now: float, out: list[Effect]) -> None:
+        self._reachable(job, out)
         by_node_rank = self._node_rank_order(job, now, out)
         if by_node_rank is not None:
             job.order = by_node_rank
@@ -340,6 +345,32 @@ class RoundRules(CommitRules):
             now, job.round, len(job.order), world_size, master, job.restart_count, by_node_rank is not None
         )
         said.note(job, event, out)
+
+    def _reachable(self, job: Job, out: list[Effect]) -> None:
+        """A member that reported a loopback address takes one the others can reach, when
+        they connect from elsewhere (``addresses.py``): before the order, which follows it."""
+        members, conns = job.members, self.conns
+        if not any(is_loopback(m.addr) for m in members.values()) or all(
+            m.conn not in conns or is_loopback(peer_host(conns[m.conn].peer)) for m in members.values()
+        ):
+            return  # the common cases (no loopback member, or all on one machine): cheap passes
+        seen = {}
+        for nid, m in members.items():
+            c = conns.get(m.conn)
+            seen[nid] = Seen(addr=m.addr, peer=peer_host(c.peer), local=c.local) if c else Seen(addr=m.addr)
+        for nid, addr in reachable_addrs(seen).items():
+            m = members[nid]
+            whence = (
+                "the address it connects from"
+                if addr == plain(seen[nid].peer)
+                else "the address the other nodes reach this server on"
+            )
+            line = (
+                f"job {job.id}: node {nid} reported {m.addr}, a loopback address, while other nodes "
+                f"connect from elsewhere: its address is {addr}, {whence}"
+            )
+            out.append(Log("info", escape(clip_text(line, LOG_TEXT_LEN))))
+            m.addr = addr
 
     def _node_rank_order(self, job: Job, now: float, out: list[Effect]) -> list[str] | None:
         """The round's order by --node-rank, or None when node ranks do not decide it."""

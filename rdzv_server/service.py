@@ -426,6 +426,13 @@ class _Connection(asyncio.Protocol):
             return f"{addr[0]}:{addr[1]}"
         return str(addr)
 
+    @property
+    def local(self) -> str:
+        """Our own address on this connection: the one the peer reached (an I/O fact for the
+        machine's choice of a loopback member's address, ``addresses.py``)."""
+        addr = None if self.transport is None else self.transport.get_extra_info("sockname")
+        return str(addr[0]) if isinstance(addr, tuple) and addr else ""
+
     def write(self, frame: bytes) -> None:
         t = self.transport
         if t is None or t.is_closing():
@@ -741,7 +748,7 @@ class RendezvousService:
         conn._magic_due = True
         conn._cancel_timer()  # the hello deadline is the machine's from now on
         challenge = os.urandom(16).hex() if self.tokens is not None else ""
-        self._dispatch(Connected(conn.conn_id, conn.peer, challenge, since=conn._accepted))
+        self._dispatch(Connected(conn.conn_id, conn.peer, challenge, since=conn._accepted, local=conn.local))
 
     def _agent_disconnected(self, conn: _Connection, reason: str) -> None:
         if self._conns.pop(conn.conn_id, None) is not None:

@@ -109,6 +109,7 @@ def _dump_conn(c: Conn) -> dict[str, Any]:
         "last_seen": c.last_seen,
         "job_id": c.job_id,
         "node_id": c.node_id,
+        "local": c.local,
     }
 
 
@@ -307,6 +308,7 @@ def _load_conn(d: dict[str, Any]) -> Conn:
         last_seen=float(d["last_seen"]),
         job_id=_opt_str(d["job_id"]),
         node_id=_opt_str(d["node_id"]),
+        local=str(d.get("local", "")),  # absent before issue 33
     )
 
 

@@ -285,7 +285,8 @@ class Rendezvous(Recovery):
             if isinstance(event, Received):
                 self._on_received(event.conn, event.msg, now, out)
             elif isinstance(event, Connected):
-                conn = Conn(id=event.conn, peer=event.peer, last_seen=now, challenge=event.challenge)
+                e = event
+                conn = Conn(id=e.conn, peer=e.peer, last_seen=now, challenge=e.challenge, local=e.local)
                 self.conns[event.conn] = conn
                 start = now if event.since is None else min(event.since, now)
                 self._set_deadline(conn, start + self.hello_timeout)

@@ -124,7 +124,7 @@ async def open_backend(
     if backend == "static":
         from .static import StaticBackend
 
-        return StaticBackend(config)
+        return StaticBackend(config, log=log, clock=clock)
     if backend in ("etcd", "etcd-v2"):
         from .etcd import EtcdBackend
 

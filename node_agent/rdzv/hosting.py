@@ -8,6 +8,15 @@ wins hosts, the others connect to it as clients. What it hosts is the daemon's o
 
 An agent that hosts because it guessed it should (not because it was told) keeps serving after
 its own run until its job's other nodes are gone, so its early exit does not strand them.
+
+Where it listens: on every interface, as torchrun's c10d store does (its ``TCPStore`` server
+binds the wildcard address whatever host the endpoint names), even when the endpoint names
+loopback: SkyPilot's recipe gives node 0 ``localhost:29500`` and the other nodes
+``HEAD_IP:29500``, so the others must reach what node 0 hosts on its network address. Only a
+rendezvous nobody else can find stays on the endpoint's own address: ``--standalone`` and a
+port-0 endpoint (one node; the port is picked at random). The address node 0 then reports
+(127.0.0.1) is replaced by the server with the one the others reached it on
+(``rdzv_server/addresses.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +81,9 @@ async def host_if_ours(
     host, port = config.rdzv_host, config.rdzv_port
     if config.hosts_rendezvous:
         service = _service(config)
+        private = config.standalone or port == 0  # nobody else can find it: keep it local
         try:
-            bound = await service.start(host, port)
+            bound = await service.start(host if private else None, port)
         except OSError as exc:
             raise RendezvousError(
                 f"cannot host the rendezvous on {host}:{port}: {exc.strerror or exc}"
@@ -91,12 +101,13 @@ async def _host_if_nobody_does(
     if await _something_listens(host, port):
         return None
     service = _service(config)
-    bind = host if _is_loopback(host) else None  # peers on other machines must reach it
     try:
-        await service.start(bind, port)
+        # Every interface, as torchrun's store, even for a loopback endpoint: peers on other
+        # machines must reach it (node 0 of SkyPilot's recipe names localhost, the others it).
+        await service.start(None, port)
     except OSError:
         return None  # another agent won the race, or the port is taken: connect as a client
-    log(f"no rendezvous server was listening on port {port}: this agent hosts it")
+    log(f"no rendezvous server was listening on port {port}: this agent hosts it, on every interface")
     return HostedServer(service, port, config, node_id, log)
 
 
@@ -124,7 +135,9 @@ def hosted_tokens(token: str | None) -> TokenTable | None:
 
 
 def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    from rdzv_server.addresses import is_loopback
+
+    return is_loopback(host)  # all of 127.0.0.0/8 (a Debian host name's 127.0.1.1) and ::1
 
 
 def is_this_machine(host: str) -> bool:

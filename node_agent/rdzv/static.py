@@ -3,16 +3,33 @@
 This stands in for the server connection and answers the agent's machine locally, so the
 agent runs exactly the same code path as with a server. As in torchrun's static backend:
 group rank = --node-rank, the master is --master-addr:--master-port (worker rank 0 hosts
-torch's TCPStore there), node counts are fixed, every node runs the same --nproc-per-node, and
-a failure restarts only this node's workers, counted by this node. Every node is one fixed
-group rank, so the job never goes on without one: a ``Leave`` is answered ``Left`` with
-``job_continues=False`` (the agent then exits non-zero, as torchrun does on a signal).
+torch's TCPStore there), node counts are fixed, and a failure restarts only this node's
+workers, counted by this node. Every node is one fixed group rank, so the job never goes on
+without one: a ``Leave`` is answered ``Left`` with ``job_continues=False`` (the agent then
+exits non-zero, as torchrun does on a signal).
+
+Nodes may give different ``--nproc-per-node``. Before the first round the nodes tell each other
+their sizes, as torchrun's agents do through its TCPStore (``_assign_worker_ranks``): node rank
+0's agent listens on the master port for a moment (it closes before its workers start, so
+worker rank 0 can then bind the port for torch's store), every other node connects, sends its
+size and gets everyone's back once all are in. Global ranks follow node-rank order
+(:func:`static_ranks`). The sizes cannot change in a static job, so restarts reuse them. A node
+that has not got every size by the rendezvous timeout (``--rdzv-conf timeout=S``, else
+``join_timeout``) exits non-zero naming what it waited for; a node whose line disagrees with
+node rank 0's (``--nnodes``, ``--rdzv-id``, a node rank already taken) is refused with both
+values named. ``TORCH_ELASTIC_WORKER_IDENTICAL=1`` skips the exchange, as in torchrun: every
+node is then assumed to run this node's ``--nproc-per-node``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import socket
+import time
+from collections.abc import Callable, Sequence
 
 from protocol import (
     Assignment,
@@ -27,7 +44,33 @@ from protocol import (
     WorkersSucceeded,
 )
 
+from ..agent_log import shown
 from ..config import AgentConfig
+from . import RendezvousError
+
+__all__ = ["StaticBackend", "StaticConnection", "static_ranks"]
+
+# What node rank 0's agent says first on every connection to its exchange: a client that reads
+# anything else has reached something other than a node-agent (a TCPStore, another service).
+GREETING = b"node-agent static sizes 1\n"
+_MAX_LINE = 4096  # one JSON line each way; the sizes of MAX_NODES nodes fit easily
+_HELLO_TIMEOUT = 10.0  # a connection to node rank 0 must say who it is within this
+_GREETING_TIMEOUT = 5.0  # how long a node waits for node rank 0's greeting on one connection
+_RETRY_S = 0.25  # between connection attempts to node rank 0
+_GOODBYE_TIMEOUT = 5.0  # node rank 0 waits this long for a node to close after its answer
+
+Log = Callable[..., None]
+
+
+def static_ranks(sizes: Sequence[int], node_rank: int) -> tuple[int, int]:
+    """``(rank_offset, world_size)`` of node ``node_rank`` when node ``i`` runs ``sizes[i]``
+    workers: torchrun's rule (``_assign_worker_ranks``, one role): nodes in node-rank order,
+    each node's global ranks right after those of the nodes before it."""
+    if not 0 <= node_rank < len(sizes):
+        raise ValueError(f"node rank {node_rank} not in 0..{len(sizes) - 1}")
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"every node runs at least one worker: {list(sizes)}")
+    return sum(sizes[:node_rank]), sum(sizes)
 
 
 class StaticBackend:
@@ -36,23 +79,267 @@ class StaticBackend:
     reconnects = False
     shares_joins = False
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        log: Log | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self._log: Log = log or (lambda *a, **k: None)
+        self._clock = clock
 
     async def connect(self, deadline: float) -> StaticConnection:
-        return StaticConnection(self.config)
+        cfg = self.config
+        timeout = cfg.rdzv_conf.extra.get("timeout")  # torchrun's static rendezvous timeout
+        if timeout is not None:
+            deadline = self._clock() + float(timeout)
+        if cfg.max_nodes == 1:
+            sizes = [cfg.nproc_per_node]
+        elif os.environ.get("TORCH_ELASTIC_WORKER_IDENTICAL", "0") == "1":
+            sizes = [cfg.nproc_per_node] * cfg.max_nodes
+        elif cfg.node_rank == 0:
+            sizes = await _gather_sizes(cfg, deadline, self._log, self._clock)
+        else:
+            sizes = await _ask_sizes(cfg, deadline, self._log, self._clock)
+        if len(set(sizes)) > 1:
+            offset, world = static_ranks(sizes, cfg.node_rank)
+            self._log(
+                f"static rendezvous: the nodes' --nproc-per-node are {sizes} (by node rank): "
+                f"WORLD_SIZE {world}, this node's ranks {offset}..{offset + cfg.nproc_per_node - 1}"
+            )
+        return StaticConnection(cfg, sizes)
 
     async def close(self, *, linger: bool) -> None:
         return None
 
 
+def _hello(cfg: AgentConfig) -> dict[str, object]:
+    return {
+        "run_id": cfg.rdzv_id,
+        "node_rank": cfg.node_rank,
+        "nnodes": cfg.max_nodes,
+        "nproc_per_node": cfg.nproc_per_node,
+        "role": cfg.role,
+    }
+
+
+def _refusal(cfg: AgentConfig, hello: object, taken: dict[int, str]) -> str | None:
+    """Why node rank 0 (``cfg``) refuses a node's hello, or None to take it."""
+    if not isinstance(hello, dict):
+        return "not a node-agent hello"
+    rank, nnodes, nproc = hello.get("node_rank"), hello.get("nnodes"), hello.get("nproc_per_node")
+    run_id, role = hello.get("run_id"), hello.get("role")
+    for name, value in (("node_rank", rank), ("nnodes", nnodes), ("nproc_per_node", nproc)):
+        if type(value) is not int:
+            return f"{name} {shown(repr(value))} is not an integer"
+    assert isinstance(rank, int) and isinstance(nnodes, int) and isinstance(nproc, int)
+    if not isinstance(run_id, str) or not isinstance(role, str):
+        return "run_id and role must be text"
+    if nnodes != cfg.max_nodes:
+        return f"--nnodes {nnodes} of node rank {rank} differs from node rank 0's --nnodes {cfg.max_nodes}"
+    if run_id != cfg.rdzv_id:
+        return (
+            f"--rdzv-id {shown(run_id)!r} of node rank {rank} differs from node rank 0's "
+            f"--rdzv-id {cfg.rdzv_id!r}"
+        )
+    if not 1 <= rank < cfg.max_nodes:
+        return f"--node-rank {rank} is not in 1..{cfg.max_nodes - 1} (node rank 0 listens on the master port)"
+    if rank in taken:
+        return f"--node-rank {rank} is already taken by the agent at {taken[rank]}"
+    if nproc < 1:
+        return f"--nproc-per-node {nproc} of node rank {rank} must be >= 1"
+    return None
+
+
+async def _gather_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Callable[[], float]) -> list[int]:
+    """Node rank 0: listen on the master port until every other node told its size; answer all."""
+    n, port = cfg.max_nodes, cfg.rdzv_port
+    sizes: dict[int, int] = {0: cfg.nproc_per_node}
+    peers: dict[int, str] = {}
+    complete = asyncio.Event()
+    answered: list[asyncio.Task[None]] = []
+    result: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+        rank: int | None = None
+        try:
+            writer.write(GREETING)
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), _HELLO_TIMEOUT)
+            try:
+                hello = json.loads(line)
+            except ValueError:
+                hello = None
+            why = _refusal(cfg, hello, peers)
+            if why is not None:
+                log(f"static rendezvous: refused the node at {where}: {why}", "warning")
+                writer.write(json.dumps({"error": why}).encode() + b"\n")
+                await writer.drain()
+                return
+            assert isinstance(hello, dict)
+            rank = int(hello["node_rank"])
+            sizes[rank], peers[rank] = int(hello["nproc_per_node"]), where
+            if hello["role"] != cfg.role:
+                log(
+                    f"static rendezvous: node rank {rank} gives --role {shown(hello['role'])!r}, this "
+                    f"node {cfg.role!r}: ROLE_RANK and ROLE_WORLD_SIZE count the whole job here "
+                    "(torchrun counts them per role)",
+                    "warning",
+                )
+            log(f"static rendezvous: node rank {rank} ({where}) runs {sizes[rank]} worker(s)", "debug")
+            answered.append(asyncio.current_task())  # type: ignore[arg-type]
+            if len(sizes) == n:
+                result.extend(sizes[r] for r in range(n))  # before any answer goes out
+                complete.set()
+            gone = asyncio.ensure_future(reader.read(1))  # b"": the node went away
+            done = asyncio.ensure_future(complete.wait())
+            await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
+            if not complete.is_set():
+                gone.cancel()
+                done.cancel()
+                log(f"static rendezvous: node rank {rank} ({where}) left before every node told its size")
+                del sizes[rank], peers[rank]
+                rank = None
+                return
+            done.cancel()
+            writer.write(json.dumps({"sizes": result}).encode() + b"\n")
+            await writer.drain()
+            # Let the node close first, so that no TIME_WAIT of ours sits on the master port.
+            with contextlib.suppress(TimeoutError, OSError):
+                await asyncio.wait_for(gone, _GOODBYE_TIMEOUT)
+        except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            if rank is not None and not complete.is_set() and peers.get(rank) == where:
+                del sizes[rank], peers[rank]
+        finally:
+            writer.close()
+
+    try:
+        server = await asyncio.start_server(handle, host=None, port=port, limit=_MAX_LINE)
+    except OSError as exc:
+        raise RendezvousError(
+            f"static rendezvous: node rank 0 cannot listen on the master port {port} to learn the "
+            f"other nodes' --nproc-per-node: {exc}"
+        ) from None
+    started = clock()
+    log(f"static rendezvous: node rank 0 waits on port {port} for {n - 1} other node(s) to tell their sizes")
+    try:
+        try:
+            await asyncio.wait_for(complete.wait(), max(0.0, deadline - clock()))
+        except TimeoutError:
+            missing = [r for r in range(1, n) if r not in sizes]
+            raise RendezvousError(
+                f"static rendezvous: node rank 0 waited {clock() - started:.0f} s on port {port} for "
+                f"node rank(s) {', '.join(map(str, missing))} of {n} to tell their --nproc-per-node "
+                "(is every node started, with this --master-addr/--master-port?)"
+            ) from None
+    finally:
+        server.close()  # stops listening: worker rank 0 binds this port next
+    if answered:
+        await asyncio.wait(answered, timeout=_GOODBYE_TIMEOUT + 1.0)
+    return result
+
+
+async def _ask_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Callable[[], float]) -> list[int]:
+    """Any other node: tell node rank 0 our size; get every node's once all are in."""
+    host, port, rank = cfg.rdzv_host, cfg.rdzv_port, cfg.node_rank
+    started = clock()
+    last = "nothing answered"
+    said_waiting = said_stranger = False
+    hello = json.dumps(_hello(cfg)).encode() + b"\n"
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            raise RendezvousError(
+                f"static rendezvous: node rank {rank} waited {clock() - started:.0f} s for node rank 0's "
+                f"agent at {host}:{port} (--master-addr/--master-port) to tell every node's "
+                f"--nproc-per-node ({last})"
+            )
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=_MAX_LINE), min(left, _GREETING_TIMEOUT)
+            )
+        except (OSError, TimeoutError) as exc:
+            last = f"last try: {str(exc) or type(exc).__name__}"
+            if not said_waiting:
+                log(f"static rendezvous: waiting for node rank 0's agent at {host}:{port}")
+                said_waiting = True
+            await asyncio.sleep(min(_RETRY_S, max(0.0, deadline - clock())))
+            continue
+        try:
+            try:
+                greeting = await asyncio.wait_for(
+                    reader.readline(), min(max(0.0, deadline - clock()), _GREETING_TIMEOUT)
+                )
+            except TimeoutError:
+                greeting = b"(nothing)"
+            if greeting != GREETING:
+                last = f"something other than node-agent answers there: {shown(repr(greeting[:60]))}"
+                if not said_stranger:
+                    log(f"static rendezvous: {last}; waiting for node rank 0's agent", "warning")
+                    said_stranger = True
+                await asyncio.sleep(min(1.0, max(0.0, deadline - clock())))
+                continue
+            writer.write(hello)
+            await writer.drain()
+            if not said_waiting:
+                log(f"static rendezvous: waiting for node rank 0 at {host}:{port} to hear from every node")
+                said_waiting = True
+            try:
+                line = await asyncio.wait_for(reader.readline(), max(0.0, deadline - clock()))
+            except TimeoutError:
+                last = "node rank 0 answered but not every node told its size"
+                continue
+            if not line:
+                last = "node rank 0's agent closed the connection"
+                await asyncio.sleep(min(_RETRY_S, max(0.0, deadline - clock())))
+                continue
+            return _sizes_from(line, cfg, host, port)
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            last = f"last try: {str(exc) or type(exc).__name__}"
+            await asyncio.sleep(min(_RETRY_S, max(0.0, deadline - clock())))
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def _sizes_from(line: bytes, cfg: AgentConfig, host: str, port: int) -> list[int]:
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), str):
+        raise RendezvousError(
+            f"static rendezvous: node rank 0's agent at {host}:{port} refused node rank "
+            f"{cfg.node_rank}: {shown(answer['error'])}"
+        )
+    sizes = answer.get("sizes") if isinstance(answer, dict) else None
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) != cfg.max_nodes
+        or not all(type(s) is int and s >= 1 for s in sizes)
+        or sizes[cfg.node_rank] != cfg.nproc_per_node
+    ):
+        raise RendezvousError(
+            f"static rendezvous: node rank 0's agent at {host}:{port} answered with no usable sizes: "
+            f"{shown(repr(line[:200]))}"
+        )
+    return sizes
+
+
 class StaticConnection:
-    """Answers the agent's messages as a server would, from the command line alone."""
+    """Answers the agent's messages as a server would, from the command line and the sizes."""
 
     challenge = ""  # nothing to prove a token to
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, sizes: Sequence[int] | None = None) -> None:
         self.config = config
+        self.sizes = list(sizes) if sizes is not None else [config.nproc_per_node] * config.max_nodes
+        self.rank_offset, self.world_size = static_ranks(self.sizes, config.node_rank)
         self.restart_count = 0
         self.round = 0
         self._inbox: asyncio.Queue[Message] = asyncio.Queue()
@@ -67,8 +354,8 @@ class StaticConnection:
                     round=self.round,
                     group_rank=cfg.node_rank,
                     group_world_size=cfg.max_nodes,
-                    rank_offset=cfg.node_rank * cfg.nproc_per_node,
-                    world_size=cfg.max_nodes * cfg.nproc_per_node,
+                    rank_offset=self.rank_offset,
+                    world_size=self.world_size,
                     master_addr=cfg.rdzv_host,
                     master_port=cfg.rdzv_port,
                     restart_count=self.restart_count,
