@@ -24,6 +24,17 @@ from node_agent.api import agent_config_for  # noqa: E402
 from node_agent.config import ConfigError  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_tracker_left() -> Any:
+    """torch's elastic_launch runs its workers through multiprocessing in this process, which
+    starts multiprocessing's resource tracker, a child that would outlive the module (and
+    show as a leaked process to the tests that check for ours): stopped after the module."""
+    yield
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
 def who(tag: str) -> tuple[str, int, str, str]:
     return tag, int(os.environ["RANK"]), os.environ["ROLE_NAME"], os.environ["WORLD_SIZE"]
 
