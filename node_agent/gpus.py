@@ -131,7 +131,7 @@ def _from_proc(proc_dir: str, dev_dir: str) -> list[Gpu]:
                     break
                 if not entry.is_dir():
                     continue
-                info = _read_capped(os.path.join(entry.path, "information"))
+                info = read_capped(os.path.join(entry.path, "information"))
                 uuid = re.search(r"^GPU UUID:\s*(\S+)", info, re.MULTILINE)
                 model = re.search(r"^Model:[ \t]*(.*?)\s*$", info, re.MULTILINE)
                 bus = re.search(r"^Bus Location:\s*(\S+)", info, re.MULTILINE)
@@ -164,11 +164,12 @@ def _may_open(device: str) -> bool:
     return os.access(device, os.R_OK | os.W_OK)
 
 
-def _read_capped(path: str) -> str:
-    """A small text file's start; "" when unreadable (its GPU still counts)."""
+def read_capped(path: str, limit: int = _INFO_LIMIT) -> str:
+    """A small sysfs or /proc text file's first ``limit`` bytes; "" when unreadable (its GPU
+    still counts)."""
     try:
         with open(path, "rb") as f:
-            return f.read(_INFO_LIMIT).decode(errors="replace")
+            return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
 

@@ -40,7 +40,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .gpus import visible_gpu_count
+from .gpus import read_capped, visible_gpu_count
 from .numa import sysfs_pci_address
 
 __all__ = [
@@ -268,11 +268,7 @@ def _may_open(device: str) -> bool:
 
 
 def _read(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(_FILE_LIMIT).decode(errors="replace")
-    except OSError:
-        return ""
+    return read_capped(path, _FILE_LIMIT)
 
 
 def _bus_key(bus_id: str) -> tuple[int, str]:

@@ -29,15 +29,12 @@ from collections.abc import Mapping
 
 from .config import ConfigError
 from .gpus import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
-from .gpus_amd_intel import (
-    AmdGpu,
-    IntelGpu,
-    UnknownMask,
-    amd_gpus,
-    intel_gpus,
-    visible_amd_count,
-    visible_xpu_count,
-)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .gpus_amd_intel import AmdGpu, IntelGpu
+# gpus_amd_intel (1 ms) is imported only where AMD or Intel devices are counted: a launch with
+# a number or with NVIDIA GPUs never pays for it.
 
 __all__ = [
     "NVIDIA_PROC_DIR",
@@ -125,16 +122,22 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
     nvidia = visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
     if nvidia > 0:
         return nvidia
+    from .gpus_amd_intel import visible_amd_count
+
     return visible_amd_count(environ, physical_amd_gpus())
 
 
 def count_visible_xpus(environ: Mapping[str, str], *, integrated: bool = True) -> int:
     """How many devices torch.xpu counts in a worker started with ``environ`` (``integrated``:
     whether an integrated GPU may count); UnknownMask for a ZE_AFFINITY_MASK we cannot read."""
+    from .gpus_amd_intel import visible_xpu_count
+
     return visible_xpu_count(environ, physical_intel_gpus(), integrated=integrated)
 
 
 def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
+    from .gpus_amd_intel import UnknownMask
+
     try:
         return count_visible_xpus(environ, integrated=integrated)
     except UnknownMask as e:
@@ -143,11 +146,15 @@ def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
 
 def physical_amd_gpus() -> list[AmdGpu]:
     """The AMD GPUs ROCm would use (gpus_amd_intel.amd_gpus; the seam tests replace)."""
+    from .gpus_amd_intel import amd_gpus
+
     return amd_gpus()
 
 
 def physical_intel_gpus() -> list[IntelGpu]:
     """The Intel GPUs Level Zero would use (gpus_amd_intel.intel_gpus; the seam tests replace)."""
+    from .gpus_amd_intel import intel_gpus
+
     return intel_gpus()
 
 

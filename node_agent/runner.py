@@ -774,12 +774,13 @@ class Agent:
         return AgentOutcome(st.EXIT_RDZV, reason)
 
 
-def run_agent(config: AgentConfig, **kwargs: Any) -> int:
-    """The ``node-agent`` command's run: its ``logging`` lines (an embedded server's) are its own."""
+def run_agent(config: AgentConfig, **kwargs: Any) -> tuple[Agent, AgentOutcome]:
+    """The ``node-agent`` command's run: its ``logging`` lines (an embedded server's) are its
+    own. The outcome whole (code, reason, root cause), for the launcher's error file."""
     from edge.loop import run_loop
 
     from .agent_log import install
 
     agent = Agent(config, **kwargs)
     install(agent.log)
-    return run_loop(agent.run()).code
+    return agent, run_loop(agent.run())
