@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from protocol import (
+    MAX_NPROC,
     Assignment,
     JobDone,
     JobFailed,
@@ -148,8 +149,8 @@ def _refusal(cfg: AgentConfig, hello: object, taken: dict[int, str]) -> str | No
         return f"--node-rank {rank} is not in 1..{cfg.max_nodes - 1} (node rank 0 listens on the master port)"
     if rank in taken:
         return f"--node-rank {rank} is already taken by the agent at {taken[rank]}"
-    if nproc < 1:
-        return f"--nproc-per-node {nproc} of node rank {rank} must be >= 1"
+    if not 1 <= nproc <= MAX_NPROC:
+        return f"--nproc-per-node {nproc} of node rank {rank} must be in 1..{MAX_NPROC}"
     return None
 
 
@@ -321,7 +322,7 @@ def _sizes_from(line: bytes, cfg: AgentConfig, host: str, port: int) -> list[int
     if (
         not isinstance(sizes, list)
         or len(sizes) != cfg.max_nodes
-        or not all(type(s) is int and s >= 1 for s in sizes)
+        or not all(type(s) is int and 1 <= s <= MAX_NPROC for s in sizes)
         or sizes[cfg.node_rank] != cfg.nproc_per_node
     ):
         raise RendezvousError(

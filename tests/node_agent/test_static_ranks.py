@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from pathlib import Path
@@ -38,6 +39,22 @@ def test_ranks_refuse_what_cannot_be_a_job() -> None:
         static_ranks((1, 2), 2)
     with pytest.raises(ValueError, match="at least one worker"):
         static_ranks((1, 0), 0)
+
+
+def test_node_rank_0_bounds_what_a_peer_says(tmp_path: Path) -> None:
+    from node_agent.rdzv.static import _refusal, _sizes_from
+    from protocol import MAX_NPROC
+
+    cfg = config(tmp_path, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1")
+    hello = {"node_rank": 1, "nnodes": 2, "run_id": cfg.rdzv_id, "role": cfg.role}
+    assert _refusal(cfg, {**hello, "nproc_per_node": MAX_NPROC}, {}) is None
+    assert "1..4096" in str(_refusal(cfg, {**hello, "nproc_per_node": MAX_NPROC + 1}, {}))
+    assert "1..4096" in str(_refusal(cfg, {**hello, "nproc_per_node": 10**18}, {}))
+    # and node rank 1 bounds node rank 0's answer the same way
+    node1 = config(tmp_path, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1")
+    answer = json.dumps({"sizes": [10**18, node1.nproc_per_node]}).encode()
+    with pytest.raises(RendezvousError, match="no usable sizes"):
+        _sizes_from(answer, node1, "127.0.0.1", 1)
 
 
 def free_port() -> int:
