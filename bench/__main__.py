@@ -865,7 +865,7 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
    storm is a job `min=max=M`; the driver stamps the time and tells every client process to go;
    timed to the last Assignment. Server CPU and RSS come from `/proc` of the server's pid. Then
    5 s of heartbeats (server CPU / wall time). Then what real agents of a training job add
-   (`node_agent/training.py`, `watch.py`): each node also sends one `Progress` a second (its
+   (`node_agent/machine/training.py`, `watch.py`): each node also sends one `Progress` a second (its
    page poll's period; about 207 bytes: steps advancing every 0.5 s, step-time p50/p90, the
    least recent rank's phase and age, 8 per-rank compute times; node M/2's rank 5 computes 1.6
    times as long, a straggler the server must flag, checked in its log); after 2 s, 5 s of

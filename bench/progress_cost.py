@@ -67,7 +67,7 @@ figures = {"attached": attached, "import_ms": imported / 1e6, "progress_ns": bes
            "phase_ns": best(phases), "should_stop_ns": best(stops), "loop_ns": best(empty)}
 if attached:  # a stop step armed far ahead: every call reads and checks the whole record
     import os
-    from node_agent import pages
+    from node_agent.progress import pages
     from node_agent.worker import layout
     pages.write_stop(os.environ[worker.PAGE_VAR], 1 << 62, layout.STOP_ARMED)
     figures["should_stop_armed_ns"] = best(stops)
@@ -98,7 +98,7 @@ def _worker_figures(page: str | None, n: int) -> dict[str, Any]:
 
 def _agent_read_ns(folder: str, n: int) -> float:
     """ns per page read, 8 attached pages read together by a PageSet."""
-    from node_agent.pages import PageSet, create_page
+    from node_agent.progress.pages import PageSet, create_page
     from node_agent.worker import layout
 
     paths = [os.path.join(folder, f"agent-{r}.page") for r in range(RANKS)]
@@ -123,7 +123,7 @@ def _agent_read_ns(folder: str, n: int) -> float:
 
 
 def figures(n: int = 200_000) -> dict[str, float]:
-    from node_agent.pages import create_page
+    from node_agent.progress.pages import create_page
 
     with tempfile.TemporaryDirectory(prefix="progress-cost-") as folder:
         page = os.path.join(folder, "progress.page")

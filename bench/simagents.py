@@ -24,7 +24,7 @@ Commands:
 ``{"cmd": "hang", "budget": B, "culprit": N, "timeout": ..}``
     every rank of every node stops making progress (rank 3 of node ``N`` in its data loader,
     the others in the collective that waits for it), and each agent does what a real one does
-    (``node_agent/training.py``): B s later plus its page poll's phase it finds its ranks hung
+    (``node_agent/machine/training.py``): B s later plus its page poll's phase it finds its ranks hung
     and sends ``HangDetected``, collects its ranks' stacks (for ``COLLECT_S``) and sends
     ``Stacks``, then ``WorkersFailed`` (signal HUNG); a ``CollectStacks`` from the server
     starts a collection at once (a node that finds its own hang meanwhile collects again
@@ -40,7 +40,7 @@ at 1 Hz from every joined agent, in 50 slots of 20 ms so the load is spread over
 the way independent agents' timers are; summaries likewise, in a slot of their own (a real
 agent sends them from its page-read loop, whose timer is not its heartbeat's).
 
-What a summary holds, as a real agent's does (``node_agent/watch.py``): the slowest and
+What a summary holds, as a real agent's does (``node_agent/machine/watch.py``): the slowest and
 fastest rank's step (all ranks advance together, one step every ``step_s``), the node's step
 time p50/p90 (``step_s`` with a little noise: synchronous training waits for the slowest
 rank), the phase of its least recent rank and that rank's age, each local rank's median
@@ -242,7 +242,7 @@ class SimAgent(asyncio.Protocol):
         self.rank_offset = 0
         self.closed = False
         self.join_frame = b""  # a node's Join is the same every round: encoded once per job
-        # A hang, as node_agent.training.Training keeps it (for the round held).
+        # A hang, as node_agent.machine.training.Training keeps it (for the round held).
         self.hung = False  # found its own ranks hung
         self.collecting = False  # collecting its ranks' stacks
         self.again = False  # found its hang while collecting for the server: collect again
@@ -399,7 +399,7 @@ class Pool:
                         self.progress_bytes += len(frame)
 
     def progress(self, a: SimAgent, now: float) -> Progress:
-        """What ``node_agent.watch.NodeWatch.summary`` says of this node's 8 ranks now."""
+        """What ``node_agent.machine.watch.NodeWatch.summary`` says of this node's 8 ranks now."""
         t = self.train
         assert t is not None
         rnd = self.rng.random

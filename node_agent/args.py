@@ -1045,7 +1045,7 @@ def _log_level(environ: Mapping[str, str]) -> str | None:
 
 def _hang_flags(inputs: _Inputs) -> dict[str, str]:
     """--hang-timeout and --hang-conf as given, once HangPolicy.parse accepts them."""
-    from .watch import HangPolicy
+    from .machine.watch import HangPolicy
 
     timeout, conf = inputs.get("hang_timeout"), inputs.get("hang_conf")
     flags = {"hang_timeout": timeout.value or "auto", "hang_conf": conf.value or ""}

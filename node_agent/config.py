@@ -459,7 +459,7 @@ class AgentConfig:
     virtual_local_rank: bool = False
 
     # node-agent's own
-    hang_timeout: str = "auto"  # --hang-timeout, checked by node_agent.watch.HangPolicy.parse
+    hang_timeout: str = "auto"  # --hang-timeout, checked by node_agent.machine.watch.HangPolicy.parse
     hang_conf: str = ""  # --hang-conf
     pass_local_rank: str | None = None  # None | "dash" (--local-rank=N) | "underscore" (--local_rank=N)
     health_check: str | None = None

@@ -1,6 +1,6 @@
 """The agent's asyncio layer: wires the rendezvous, the workers, signals and time to the machine.
 
-One queue of events feeds :class:`~node_agent.state.AgentMachine`; each of its effects is
+One queue of events feeds :class:`~node_agent.machine.agent.AgentMachine`; each of its effects is
 carried out here. Background work (reading the rendezvous, heartbeats, waiting for workers,
 stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the agent.
 
@@ -29,12 +29,16 @@ from protocol.auth import proof as auth_proof
 from protocol.errors import ProtocolError
 from protocol.records import record
 
-from . import state as st
 from .agent_log import AgentLog, shown
 from .config import AgentConfig
 from .events import EventLog
 from .executables import which
 from .logs import RunLogs
+from .machine import events as st
+from .machine.agent import AgentMachine
+from .machine.events import DumpStacks, JobHangReport, WriteStop
+from .machine.training import JOB_REPORT_TITLE, Training
+from .progress.poll import ARMING_POLL_S, RoundPages, add_job_report, dump, poll
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .runtime_dir import RuntimeDir
@@ -49,9 +53,7 @@ from .specs import (
 )
 from .store_host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor import WorkerGroup, WorkerSpawnError
-from .training import JOB_REPORT_TITLE, DumpStacks, JobHangReport, Training, WriteStop
 from .warm import warm_pool
-from .watching import ARMING_POLL_S, RoundPages, add_job_report, dump, poll
 from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:
@@ -330,7 +332,7 @@ class Agent:
         if self.store is not None:
             await self.store.verdict()  # overlapped the connect; the first Join must not offer in vain
         self.addr = cfg.local_addr or conn.local_ip
-        machine = st.AgentMachine(
+        machine = AgentMachine(
             settings=machine_settings(
                 cfg, node_id=self.node_id, addr=self.addr, reconnects=backend.reconnects
             ),
@@ -365,7 +367,7 @@ class Agent:
             await self.conn.close()
         return self._finish()
 
-    async def _drive(self, machine: st.AgentMachine) -> None:
+    async def _drive(self, machine: AgentMachine) -> None:
         await self._apply(machine.start(self.clock()))
         while self._exit is None:
             deadline = machine.next_deadline()

@@ -21,11 +21,11 @@ from typing import Protocol
 
 from protocol import MAX_PATH_LEN, MAX_TEXT_LEN, Assignment, Failure, Join
 
-from . import state as st
 from .config import AgentConfig
+from .machine import events as st
+from .machine.training import Training
+from .machine.watch import HangPolicy
 from .supervisor import GroupResult, WorkerExit, WorkerSpec
-from .training import Training
-from .watch import HangPolicy
 from .worker_env import NodeAssignment, training_health_env, worker_argv, worker_env
 
 

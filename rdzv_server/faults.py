@@ -25,14 +25,14 @@ Pure: ``where`` walks the traceback's frames and reads no source file.
 from __future__ import annotations
 
 import functools
-import os
+import posixpath  # names only: this module opens nothing
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from .jobs import Job
 
 INTERNAL_ERROR = "internal_error"  # JobFailed.code and Error.code of a contained fault
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_HERE = posixpath.dirname(__file__)  # absolute: the package is imported from a path
 _TRAIL = 6  # frames of the machine's own code a fault's log line names
 
 
@@ -89,8 +89,8 @@ def _frames(exc: BaseException) -> list[tuple[str, str, int]]:
     while tb is not None:
         code = tb.tb_frame.f_code
         path = code.co_filename
-        if os.path.dirname(path) == _HERE and os.path.basename(path) != "faults.py":
-            found.append((code.co_name, os.path.basename(path), tb.tb_lineno))
+        if posixpath.dirname(path) == _HERE and posixpath.basename(path) != "faults.py":
+            found.append((code.co_name, posixpath.basename(path), tb.tb_lineno))
         tb = tb.tb_next
     found.reverse()
     return found

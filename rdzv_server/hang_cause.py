@@ -22,7 +22,7 @@ from .progress import HangState
 
 # The most a hang's verdict waits for the other nodes' stacks after the hung node's failure:
 # every agent collects its ranks' within 5 s of the server's CollectStacks
-# (node_agent.watching.STACKS_TIMEOUT), which went out before that failure; 1 s for the wire.
+# (node_agent.progress.poll.STACKS_TIMEOUT), which went out before that failure; 1 s for the wire.
 HANG_VERDICT_WAIT_S = 6.0
 TITLE = "job-wide hang report (every node's stacks, merged by the rendezvous server)"
 SOURCE = "node-agent"  # who collected each rank's stacks (py-spy or the signal: Stacks does not say)

@@ -1,7 +1,7 @@
 """The progress page: one file per rank, written by the worker, read by its node's agent.
 
 This module is the page's only definition; the worker's writer (``node_agent.worker``), the
-agent's reader (``node_agent.pages``) and ``docs/progress-page.md`` (for a trainer written in
+agent's reader (``node_agent.progress.pages``) and ``docs/progress-page.md`` (for a trainer written in
 C++ or Rust) all follow it. It imports only the standard library's ``struct``, so a worker
 pays nothing for it.
 

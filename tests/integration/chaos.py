@@ -54,7 +54,7 @@ agent's k-th attempt belongs to, and its workers' error-file paths name the atte
    is alive.
 6. The server process is alive except when the campaign stopped it, and ``GET /healthz``
    answers 200 while it is up; no traceback in any log; the job never fails.
-7. A drained agent exits with exactly the code the rule gives (``node_agent/state.py``: 0 only
+7. A drained agent exits with exactly the code the rule gives (``node_agent/machine/agent.py``: 0 only
    when the server's ``Left`` says the job goes on without it, else 1, no answer included),
    its last lines say which; the server's answer matches what the campaign knows (enough
    other agents remained), and a server that was up all along does answer. No agent the
@@ -949,7 +949,7 @@ class Campaign:
             self.judge_drain(a, now)
 
     def judge_drain(self, a: Agent, now: float) -> None:
-        """The rule (node_agent/state.py): exit 0 only when the server's Left says the job goes on
+        """The rule (node_agent/machine/agent.py): exit 0 only when the server's Left says the job goes on
         without this node; otherwise, and when no answer comes, 1. The answer must match what
         the campaign knows, and a server that was up the whole time must give one."""
         final = "\n".join(parse_agent_line(line)[3] for line in a.proc.err[-8:])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.pages import RankSample, create_page, read_page
+from node_agent.progress.pages import RankSample, create_page, read_page
 
 from .procs import ROOT, WORKERS, Proc, agent_cmd
 

@@ -12,16 +12,19 @@ from pathlib import Path
 import pytest
 
 from node_agent import specs
-from node_agent import state as st
 from node_agent.args import parse_config
 from node_agent.config import ConfigError, RdzvConf
-from node_agent.pages import RankSample
-from node_agent.training import ProgressRead, Training, WriteStop
-from node_agent.watch import HangPolicy
-from node_agent.watching import RoundPages, poll
+from node_agent.machine import events as st
+from node_agent.machine.agent import AgentMachine
+from node_agent.machine.events import ProgressRead, WriteStop
+from node_agent.machine.training import Training
+from node_agent.machine.watch import HangPolicy
+from node_agent.progress.pages import RankSample
+from node_agent.progress.poll import RoundPages, poll
 from node_agent.worker import layout as L
 from protocol import (
     COMMIT_EARLY_S,
+    COMMIT_LEAD,
     Armed,
     Assignment,
     Drain,
@@ -43,7 +46,7 @@ ROUND = 4
 BUDGET = 60.0  # commit_timeout
 
 
-def machine(*, elastic: bool = True, commit_timeout: float = BUDGET) -> st.AgentMachine:
+def machine(*, elastic: bool = True, commit_timeout: float = BUDGET) -> AgentMachine:
     settings = st.AgentSettings(
         node_id="n1",
         addr="10.0.0.1",
@@ -56,7 +59,7 @@ def machine(*, elastic: bool = True, commit_timeout: float = BUDGET) -> st.Agent
         commit_timeout=commit_timeout,
     )
     training = Training(policy=HangPolicy.parse("off"), nproc=2, node_id="n1", addr="10.0.0.1", interval=1.0)
-    m = st.AgentMachine(settings, training=training)
+    m = AgentMachine(settings, training=training)
     m.start(0.0)
     a = Assignment(
         job_id="j", round=ROUND, group_rank=1, group_world_size=2, rank_offset=2, world_size=4,
@@ -84,7 +87,7 @@ def sample(
     )  # fmt: skip
 
 
-def read(m: st.AgentMachine, now: float, a: RankSample | None, b: RankSample | None) -> list[st.Effect]:
+def read(m: AgentMachine, now: float, a: RankSample | None, b: RankSample | None) -> list[st.Effect]:
     return m.handle(ProgressRead((a, b)), now)
 
 
@@ -104,13 +107,13 @@ def kinds(effects: list[st.Effect]) -> list[type]:
     return [type(e) for e in effects if not isinstance(e, st.Log)]
 
 
-def checking(m: st.AgentMachine, now: float = 2.0, step: int = 10) -> None:
+def checking(m: AgentMachine, now: float = 2.0, step: int = 10) -> None:
     """Both ranks train and call should_stop()."""
     read(m, now, sample(step), sample(step, pid=12))
     assert m.training is not None and m.training.checks()
 
 
-def gone_for_20(seen_at: int) -> st.AgentMachine:
+def gone_for_20(seen_at: int) -> AgentMachine:
     """A machine whose ranks acknowledged step 20 at ``seen_at`` (in time) and heard go."""
     m = machine()
     checking(m)
@@ -122,7 +125,7 @@ def gone_for_20(seen_at: int) -> st.AgentMachine:
     return m
 
 
-def committed(m: st.AgentMachine, step: int = 20, now: float = 3.0) -> list[st.Effect]:
+def committed(m: AgentMachine, step: int = 20, now: float = 3.0) -> list[st.Effect]:
     """Arm step ``step``, both ranks acknowledge in time, go, both stop there and exit 0."""
     m.handle(st.ServerSent(StopAt(round=ROUND, step=step, state="arm")), now)
     eff = read(m, now + 0.02, sample(15, seen=step, seen_at=15), sample(16, pid=12, seen=step, seen_at=16))
@@ -353,9 +356,9 @@ def test_no_drain_from_the_server_within_the_budget_drains_by_itself() -> None:
     m = machine()
     checking(m)
     m.handle(st.SignalReceived(signal.SIGTERM), 2.5)
-    assert m.next_deadline() == 2.5 + BUDGET + st.COMMIT_LEAD
+    assert m.next_deadline() == 2.5 + BUDGET + COMMIT_LEAD
     assert m.handle(st.Tick(), 2.5 + BUDGET) == []
-    eff = m.handle(st.Tick(), 2.5 + BUDGET + st.COMMIT_LEAD)
+    eff = m.handle(st.Tick(), 2.5 + BUDGET + COMMIT_LEAD)
     assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING
     assert "no drain from the rendezvous server within 61 s" in logs(eff)
     eff = m.handle(st.WorkersStopped(), 70.0)
@@ -560,11 +563,11 @@ def test_a_drain_waits_as_long_as_the_servers_commit_deadline() -> None:
     for i, now in enumerate((2.0, 12.0, 22.0)):  # a step every 10 s
         read(m, now, at(now, 10 + i, 11), at(now, 10 + i, 12))
     m.handle(st.SignalReceived(signal.SIGTERM), 22.5)
-    assert m.next_deadline() == 22.5 + BUDGET + st.COMMIT_LEAD
+    assert m.next_deadline() == 22.5 + BUDGET + COMMIT_LEAD
     m.handle(st.ServerSent(StopAt(round=ROUND, step=17, state="arm")), 23.0)
-    assert m.next_deadline() == pytest.approx(23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
-    assert m.handle(st.Tick(), 22.5 + BUDGET + st.COMMIT_LEAD) == []  # the first deadline passes
-    eff = m.handle(st.Tick(), 23.0 + 5 * 10.0 + st.COMMIT_LEAD + BUDGET)
+    assert m.next_deadline() == pytest.approx(23.0 + 5 * 10.0 + COMMIT_LEAD + BUDGET)
+    assert m.handle(st.Tick(), 22.5 + BUDGET + COMMIT_LEAD) == []  # the first deadline passes
+    eff = m.handle(st.Tick(), 23.0 + 5 * 10.0 + COMMIT_LEAD + BUDGET)
     assert kinds(eff) == [st.StopWorkers, st.Send] and m.phase is st.Phase.STOPPING
     assert "no drain from the rendezvous server within 111.5 s" in logs(eff)  # from the SIGTERM
 

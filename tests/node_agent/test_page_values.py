@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from node_agent import state as st
 from node_agent import worker
-from node_agent.pages import Page, create_page, read_page
-from node_agent.training import DumpStacks, StacksDumped, WriteStop
-from node_agent.watch import Hung
-from node_agent.watching import RoundPages, dump
+from node_agent.machine import events as st
+from node_agent.machine.events import DumpStacks, StacksDumped, WriteStop
+from node_agent.machine.watch import Hung
+from node_agent.progress.pages import Page, create_page, read_page
+from node_agent.progress.poll import RoundPages, dump
 from node_agent.worker import layout as L
 from protocol import CLIENT_MESSAGES, CollectStacks, FrameDecoder, HangDetected, Progress, StopAt, encode
 from protocol.codec import frame_limits
@@ -169,7 +169,7 @@ async def test_a_hang_beside_a_rank_in_an_odd_phase_collects_every_ranks_stacks(
 def test_a_whole_record_with_a_value_the_layout_does_not_allow_makes_the_page_bad(
     tmp_path: Path, offset: int, record: bytes, why: str
 ) -> None:
-    from node_agent.pages import BadPage
+    from node_agent.progress.pages import BadPage
 
     path = tmp_path / "p.page"
     attached(path)

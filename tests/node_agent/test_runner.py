@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import state as st
 from node_agent.args import parse_config
 from node_agent.config import AgentConfig
+from node_agent.machine import events as st
+from node_agent.machine.agent import AgentMachine
 from node_agent.rdzv.fake import FakeBackend, FakeLink, FakeRendezvous
 from node_agent.runner import Agent, AgentOutcome
 from protocol import Assignment, Drain, Join, Leave, Message, Restart, Resume, WorkersFailed, WorkersSucceeded
@@ -32,14 +33,14 @@ def test_a_bug_in_the_machine_stops_the_workers_with_sigterm_not_sigkill(
         "time.sleep(60)\n"
     )
 
-    def broken(self: st.AgentMachine) -> list[st.Effect]:
+    def broken(self: AgentMachine) -> list[st.Effect]:
         deadline = time.monotonic() + 30
         # Until the worker's handler is in place (another process: no event to await).
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(st.AgentMachine, "_on_started", broken)
+    monkeypatch.setattr(AgentMachine, "_on_started", broken)
     config = parse_config(["--standalone", "--nproc-per-node", "1", str(script)], {})
     err = io.StringIO()
     outcome = asyncio.run(Agent(config, stdout=io.StringIO(), stderr=err).run())

@@ -1,6 +1,6 @@
 """``worker.should_stop()`` and the commit protocol's page records: the worker's side (the
 acknowledgement, the late rank, the wait at the stop step) against the agent's writer and
-reader in ``node_agent.pages``, in this process and in real worker processes.
+reader in ``node_agent.progress.pages``, in this process and in real worker processes.
 
 The test plays the agent: it writes the stop record with ``pages.write_stop`` and reads the
 ranks' check records with ``read_page``. Nothing here sleeps to prove a timing: a test waits
@@ -21,8 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent import pages, worker
-from node_agent.pages import PageSet, RankSample, create_page, read_page
+from node_agent import worker
+from node_agent.progress import pages
+from node_agent.progress.pages import PageSet, RankSample, create_page, read_page
 from node_agent.worker import layout as L
 
 ROOT = Path(__file__).resolve().parents[2]

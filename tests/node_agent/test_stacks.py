@@ -1,4 +1,4 @@
-"""Collecting stacks from real worker processes, bounded in time (node_agent.stacks)."""
+"""Collecting stacks from real worker processes, bounded in time (node_agent.progress.stacks)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.pages import create_page, read_page
-from node_agent.stacks import NO_STACKS, Target, append_report, collect, poke_flight_recorder, write_report
-from node_agent.training import JOB_REPORT_TITLE
-from node_agent.watching import add_job_report
+from node_agent.machine.training import JOB_REPORT_TITLE
+from node_agent.progress.pages import create_page, read_page
+from node_agent.progress.poll import add_job_report
+from node_agent.progress.stacks import (
+    NO_STACKS,
+    Target,
+    append_report,
+    collect,
+    poke_flight_recorder,
+    write_report,
+)
 from protocol.hang_report import Entry, merge, parse_stacks, render
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,9 +7,11 @@ import signal
 
 import pytest
 
-from node_agent import state as st
-from node_agent.training import DumpStacks, Training, WriteStop
-from node_agent.watch import HangPolicy
+from node_agent.machine import events as st
+from node_agent.machine.agent import AgentMachine
+from node_agent.machine.events import DumpStacks, WriteStop
+from node_agent.machine.training import Training
+from node_agent.machine.watch import HangPolicy
 from protocol import (
     MAX_TEXT_LEN,
     Assignment,
@@ -61,8 +63,8 @@ def kinds(effects: list[st.Effect]) -> list[type]:
     return [type(e) for e in effects if not isinstance(e, st.Log)]
 
 
-def running(m: st.AgentMachine | None = None) -> st.AgentMachine:
-    m = m or st.AgentMachine(settings())
+def running(m: AgentMachine | None = None) -> AgentMachine:
+    m = m or AgentMachine(settings())
     assert kinds(m.start(0.0)) == [st.SendJoin]
     assert kinds(m.handle(st.ServerSent(assignment()), 1.0)) == [st.StartWorkers]
     m.handle(st.WorkersStarted((11, 12)), 1.0)
@@ -129,7 +131,7 @@ def test_restart_at_barrier_rejoins_without_stopping() -> None:
 
 
 def test_join_timeout_leaves_and_exits() -> None:
-    m = st.AgentMachine(settings(join_timeout=10.0))
+    m = AgentMachine(settings(join_timeout=10.0))
     m.start(0.0)
     m.handle(st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2)), 1.0)
     assert m.handle(st.Tick(), 9.0) == []
@@ -141,7 +143,7 @@ def test_join_timeout_leaves_and_exits() -> None:
 
 
 def test_waiting_is_logged_once_per_change() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     w = Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2)
     (log,) = m.handle(st.ServerSent(w), 1.0)
@@ -180,14 +182,14 @@ def test_connection_lost_stops_workers_then_exits_nonzero() -> None:
 
 
 def test_server_error_while_joining_exits_with_its_message() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     (ex,) = m.handle(st.ServerSent(Error(code="job_mismatch", message="node range differs")), 0.1)
     assert isinstance(ex, st.Exit) and ex.code != 0 and "node range differs" in ex.reason
 
 
 def test_spawn_failure_is_reported_as_worker_failure() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     m.handle(st.ServerSent(assignment()), 0.5)
     eff = m.handle(st.WorkersStartFailed("no such file: train.py"), 0.6)
@@ -219,7 +221,7 @@ def test_an_unknown_event_is_our_own_bug() -> None:
 
 
 def test_sigterm_in_elastic_job_drains_and_exits_zero_when_the_job_goes_on() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
     # the server hears at once that we leave once our workers are down (it restarts the others)
@@ -239,7 +241,7 @@ def test_sigterm_in_elastic_job_drains_and_exits_zero_when_the_job_goes_on() -> 
 
 def test_an_older_server_that_answers_the_notice_as_the_leave_itself() -> None:
     # It drops us at once, answers Left and closes: we exit with its answer once the workers are down.
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.05) == []
     assert m.handle(st.ConnectionLost("closed"), 3.1) == []  # no reconnect: our course is set
@@ -248,7 +250,7 @@ def test_an_older_server_that_answers_the_notice_as_the_leave_itself() -> None:
 
 
 def test_sigterm_to_the_last_node_of_an_elastic_job_exits_as_torchrun() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.ServerSent(Left(job_continues=False, reason="this node was the last of the job")), 3.05)
     m.handle(st.ConnectionLost("closed"), 3.1)
@@ -258,7 +260,7 @@ def test_sigterm_to_the_last_node_of_an_elastic_job_exits_as_torchrun() -> None:
 
 
 def test_a_drain_answered_after_the_workers_stopped_waits_in_leaving() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(m.handle(st.WorkersStopped(), 3.5)) == [st.Send]
     assert m.phase is st.Phase.LEAVING and m.next_deadline() == 3.5 + st.LEAVE_ANSWER_TIMEOUT
@@ -270,20 +272,20 @@ def test_a_drain_answered_after_the_workers_stopped_waits_in_leaving() -> None:
 
 def test_a_drain_without_an_answer_is_conservative() -> None:
     # The connection closes first (an older server sends no Left): not known to go on.
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert m.handle(st.ConnectionLost("the server closed the connection"), 3.1) == []
     (ex,) = m.handle(st.WorkersStopped(), 3.5)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "closed" in ex.reason
     # No answer and no close at all (a server that stopped answering): the wait is bounded.
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.WorkersStopped(), 3.5)
     assert m.handle(st.Tick(), 3.5 + st.LEAVE_ANSWER_TIMEOUT - 0.1) == []
     (ex,) = m.handle(st.Tick(), 3.5 + st.LEAVE_ANSWER_TIMEOUT)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "did not answer" in ex.reason
     # A second SIGTERM while waiting exits at once, still non-zero.
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.WorkersStopped(), 3.5)
     (ex,) = m.handle(st.SignalReceived(signal.SIGTERM), 4.0)
@@ -291,7 +293,7 @@ def test_a_drain_without_an_answer_is_conservative() -> None:
 
 
 def test_a_drain_while_the_server_is_unreachable_asks_it_once_it_is_back() -> None:
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     assert kinds(m.handle(st.ConnectionLost("reset"), 2.0)) == [st.Reconnect]
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert kinds(eff) == [st.StopWorkers]  # nothing to send it to
@@ -305,7 +307,7 @@ def test_a_drain_while_the_server_is_unreachable_asks_it_once_it_is_back() -> No
     (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 4.2)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_OK
     # Never back: nobody confirmed that the job goes on without us.
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     m.handle(st.ConnectionLost("reset"), 2.0)
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.WorkersStopped(), 3.5)
@@ -314,14 +316,14 @@ def test_a_drain_while_the_server_is_unreachable_asks_it_once_it_is_back() -> No
 
 
 def test_sigterm_while_joining_or_at_the_barrier_waits_for_the_answer() -> None:
-    m = st.AgentMachine(settings(elastic=True))
+    m = AgentMachine(settings(elastic=True))
     m.start(0.0)
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
     assert kinds(eff) == [st.Send] and m.phase is st.Phase.LEAVING
     (ex,) = m.handle(st.ServerSent(Left(job_continues=False, reason="only 1 node(s) remain")), 1.1)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
     # At the exit barrier our part is done; the job finishing first answers as well as Left.
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.WorkersExited(None), 2.0)
     assert kinds(m.handle(st.SignalReceived(signal.SIGTERM), 3.0)) == [st.Send]
     (ex,) = m.handle(st.ServerSent(JobDone()), 3.1)
@@ -330,7 +332,7 @@ def test_sigterm_while_joining_or_at_the_barrier_waits_for_the_answer() -> None:
 
 
 def test_the_job_failing_while_draining_reports_the_jobs_failure() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.ServerSent(JobFailed(reason="rank 3 failed; no restarts left", failure=failure())), 3.1)
     m.handle(st.ServerSent(Left(job_continues=False, reason="the job failed")), 3.2)
@@ -364,7 +366,7 @@ def test_drain_message_from_server_is_a_clean_leave() -> None:
 
 
 def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     # The typed field says so, not the reason's text (which a server may word as it likes).
     spare = Waiting(
@@ -380,13 +382,13 @@ def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
     assert note.level == "warning" and "finished without it (it waited as a spare" in note.text
     assert m.phase is st.Phase.EXITED
     # A newcomer that joined a running job, not yet in a round, ends the same way.
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     (note, ex) = m.handle(st.ServerSent(JobDone()), 5.0)
     assert isinstance(ex, st.Exit) and ex.code == 0
     assert isinstance(note, st.Log) and "no place in a round yet" in note.text
     # A reason that merely mentions "spare" does not make the node one.
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     m.handle(
         st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2, reason="spare")), 0.1
@@ -396,7 +398,7 @@ def test_a_spare_that_outlives_the_job_exits_cleanly_saying_so() -> None:
 
 
 def test_a_spare_told_the_job_failed_exits_nonzero_with_the_jobs_reason() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     root = failure(4.0)
     (ex,) = m.handle(st.ServerSent(JobFailed(reason="rank 1 failed; no restarts left", failure=root)), 5.0)
@@ -406,7 +408,7 @@ def test_a_spare_told_the_job_failed_exits_nonzero_with_the_jobs_reason() -> Non
 
 
 def test_failed_health_check_never_joins() -> None:
-    m = st.AgentMachine(settings(health_check=True))
+    m = AgentMachine(settings(health_check=True))
     assert kinds(m.start(0.0)) == [st.RunHealthCheck]
     eff = m.handle(st.HealthCheckDone(ok=False, detail="gpu 3 is missing"), 0.1)
     assert kinds(eff) == [st.Send, st.Exit]
@@ -415,7 +417,7 @@ def test_failed_health_check_never_joins() -> None:
 
 
 def test_the_join_waits_for_the_health_check_once_per_round() -> None:
-    m = st.AgentMachine(settings(health_check=True, reconnect_timeout=30.0))
+    m = AgentMachine(settings(health_check=True, reconnect_timeout=30.0))
     assert kinds(m.start(0.0)) == [st.RunHealthCheck]
     assert kinds(m.handle(st.HealthCheckDone(ok=True), 1.0)) == [st.SendJoin]
     # A reconnect while joining joins again without checking again ...
@@ -431,7 +433,7 @@ def test_the_join_waits_for_the_health_check_once_per_round() -> None:
 
 @pytest.mark.parametrize("elastic", [False, True])
 def test_a_sigterm_during_the_health_check_is_handled_at_once(elastic: bool) -> None:
-    m = st.AgentMachine(settings(health_check=True, elastic=elastic))
+    m = AgentMachine(settings(health_check=True, elastic=elastic))
     m.start(0.0)
     eff = m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
     (leave,) = [e for e in eff if isinstance(e, st.Send)]
@@ -458,7 +460,7 @@ def test_first_reason_to_exit_wins_over_the_connection_closing() -> None:
 def test_server_going_away_keeps_workers_and_the_lost_connection_reconnects() -> None:
     from protocol import GoingAway
 
-    m = running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(reconnect_timeout=30.0)))
     effects = m.handle(st.ServerSent(GoingAway(reason="received SIGTERM")), 2.0)
     assert kinds(effects) == []
     assert any("going away (received SIGTERM); workers keep running" in e.text for e in effects)
@@ -470,7 +472,7 @@ def test_server_going_away_keeps_workers_and_the_lost_connection_reconnects() ->
 
 
 def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
-    m = st.AgentMachine(settings(reconnect_timeout=30.0))
+    m = AgentMachine(settings(reconnect_timeout=30.0))
     m.start(0.0)
     msg = Error(code="server_draining", message="the server is shutting down", fatal=False)
     (note,) = m.handle(st.ServerSent(msg), 0.1)
@@ -479,7 +481,7 @@ def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
 
 
 def test_the_job_finishing_while_our_workers_stop_for_a_drain_is_a_success() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     assert m.handle(st.ServerSent(JobDone()), 3.1) == []
     (ex,) = m.handle(st.WorkersStopped(), 3.5)
@@ -492,8 +494,8 @@ def test_the_job_finishing_while_our_workers_stop_for_a_drain_is_a_success() -> 
 # doing once back; what the workers do meanwhile is each test's first assertion.
 
 
-def rejoining() -> st.AgentMachine:
-    return running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+def rejoining() -> AgentMachine:
+    return running(AgentMachine(settings(reconnect_timeout=30.0)))
 
 
 def sent(effects: list[st.Effect]) -> list[object]:
@@ -615,7 +617,7 @@ def test_a_success_while_the_server_is_unreachable_is_said_by_the_resume() -> No
 
 
 def test_a_drain_cut_off_mid_stop_resumes_its_place_and_leaves_once_the_workers_are_down() -> None:
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     (note, reconnect) = m.handle(st.ConnectionLost("reset"), 3.1)
     assert isinstance(reconnect, st.Reconnect) and "stopped for the drain" in note.text
@@ -629,7 +631,7 @@ def test_a_drain_cut_off_mid_stop_resumes_its_place_and_leaves_once_the_workers_
 
 
 def test_a_leave_cut_off_before_its_answer_is_asked_again() -> None:
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     m.handle(st.SignalReceived(signal.SIGTERM), 3.0)
     m.handle(st.WorkersStopped(), 3.5)
     assert m.phase is st.Phase.LEAVING
@@ -644,7 +646,7 @@ def test_a_leave_cut_off_before_its_answer_is_asked_again() -> None:
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "had not joined" in ex.reason
     # Drained while joining: no round to take back; the new connection says which node it is
     # (a Join) before the Leave, so the server answers for this node, not for a stranger.
-    m = st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0))
+    m = AgentMachine(settings(elastic=True, reconnect_timeout=30.0))
     m.start(0.0)
     m.handle(st.SignalReceived(signal.SIGTERM), 1.0)
     m.handle(st.ConnectionLost("reset"), 1.1)
@@ -695,11 +697,11 @@ def test_an_agent_on_its_way_out_does_not_reconnect() -> None:
 # --- every server message in every phase ----------------------------------------------------
 
 
-def in_phase(name: str, *, elastic: bool = False, link: str = "up") -> st.AgentMachine:
+def in_phase(name: str, *, elastic: bool = False, link: str = "up") -> AgentMachine:
     """A machine brought to a phase by the events that lead there; its connection ``up``,
     lost (``away``), or back with our Resume not yet answered (``resuming``)."""
     training = Training(policy=HangPolicy.parse("off"), nproc=1, node_id="n1", addr="10.0.0.1", interval=1.0)
-    m = st.AgentMachine(settings(elastic=elastic, reconnect_timeout=30.0), training=training)
+    m = AgentMachine(settings(elastic=elastic, reconnect_timeout=30.0), training=training)
     m.start(0.0)
     steps: dict[str, list[st.Event]] = {
         "joining": [],
@@ -845,16 +847,16 @@ def test_the_job_done_while_our_workers_run_stops_them_and_exits_nonzero() -> No
 # --- what the server says is checked against what this node was started with (issue 17) ----
 
 
-def checking(**kw: object) -> st.AgentMachine:
+def checking(**kw: object) -> AgentMachine:
     """A machine that knows its job, budget and node range, as the runner builds it."""
     base: dict[str, object] = dict(job_id="j", max_restarts=3, min_nodes=2, max_nodes=2, nproc=2)
     base.update(kw)
-    m = st.AgentMachine(settings(**base))
+    m = AgentMachine(settings(**base))
     m.start(0.0)
     return m
 
 
-def refused(m: st.AgentMachine, a: Assignment) -> st.Exit:
+def refused(m: AgentMachine, a: Assignment) -> st.Exit:
     eff = m.handle(st.ServerSent(a), 1.0)
     assert not any(isinstance(e, st.StartWorkers) for e in eff), eff  # no worker runs for it
     (ex,) = [e for e in eff if isinstance(e, st.Exit)]
@@ -908,7 +910,7 @@ def test_a_verdict_that_never_comes_ends_at_the_join_timeout() -> None:
 
 
 def test_the_verdict_wait_pauses_while_away_and_starts_again_once_back() -> None:
-    m = running(st.AgentMachine(settings(reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(reconnect_timeout=30.0)))
     m.handle(st.WorkersExited(failure()), 2.0)
     m.handle(st.WorkersStopped(), 3.0)
     m.handle(st.ConnectionLost("reset"), 4.0)
@@ -921,7 +923,7 @@ def test_the_verdict_wait_pauses_while_away_and_starts_again_once_back() -> None
 
 
 def test_a_start_failure_waits_for_its_verdict_no_longer_than_the_join_timeout() -> None:
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     m.handle(st.ServerSent(assignment()), 0.5)
     m.handle(st.WorkersStartFailed("no such file"), 1.0)
@@ -929,7 +931,7 @@ def test_a_start_failure_waits_for_its_verdict_no_longer_than_the_join_timeout()
 
 
 def test_a_drain_reason_of_any_length_drains() -> None:
-    m = running(st.AgentMachine(settings(elastic=True)))
+    m = running(AgentMachine(settings(elastic=True)))
     eff = m.handle(st.ServerSent(Drain(reason="x" * MAX_TEXT_LEN)), 2.0)
     assert kinds(eff) == [st.StopWorkers, st.Send]
     (notice,) = sent(eff)
@@ -940,7 +942,7 @@ def test_a_drain_reason_of_any_length_drains() -> None:
 
 def test_server_texts_are_escaped_in_what_the_agent_says() -> None:
     forged = "\n[node-agent] ERROR: forged\x1b[31m\r"
-    m = st.AgentMachine(settings())
+    m = AgentMachine(settings())
     m.start(0.0)
     (note,) = m.handle(
         st.ServerSent(Waiting(job_id="j", round=0, joined=1, min_nodes=2, max_nodes=2, reason=forged)), 1.0
@@ -961,7 +963,7 @@ def test_a_resume_into_another_job_is_refused() -> None:
 
 
 def test_a_drain_whose_resume_is_never_answered_still_ends() -> None:
-    m = running(st.AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
+    m = running(AgentMachine(settings(elastic=True, reconnect_timeout=30.0)))
     m.handle(st.SignalReceived(signal.SIGTERM), 2.0)  # drain: workers stop, then Leave
     m.handle(st.ConnectionLost("reset"), 2.5)
     m.handle(st.Reconnected(), 3.0)  # Resume out; the server never answers it
@@ -971,23 +973,23 @@ def test_a_drain_whose_resume_is_never_answered_still_ends() -> None:
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "did not answer" in ex.reason
 
 
-def _in_every_phase() -> list[tuple[str, st.AgentMachine]]:
+def _in_every_phase() -> list[tuple[str, AgentMachine]]:
     """Machines in each phase (and mid-resume), built through their events, checking config."""
 
-    def joining() -> st.AgentMachine:
+    def joining() -> AgentMachine:
         return checking(min_nodes=1, max_nodes=2, reconnect_timeout=30.0, elastic=True)
 
-    def starting() -> st.AgentMachine:
+    def starting() -> AgentMachine:
         m = joining()
         m.handle(st.ServerSent(assignment()), 1.0)
         return m
 
-    def run_() -> st.AgentMachine:
+    def run_() -> AgentMachine:
         m = starting()
         m.handle(st.WorkersStarted((11,)), 1.0)
         return m
 
-    def stopping(after: str) -> st.AgentMachine:
+    def stopping(after: str) -> AgentMachine:
         m = run_()
         if after == "rejoin":
             m.handle(st.ServerSent(Restart(round=0, reason="r", restart_count=1)), 2.0)
@@ -997,23 +999,23 @@ def _in_every_phase() -> list[tuple[str, st.AgentMachine]]:
             m.handle(st.SignalReceived(signal.SIGTERM), 2.0)
         return m
 
-    def verdict() -> st.AgentMachine:
+    def verdict() -> AgentMachine:
         m = stopping("verdict")
         m.handle(st.WorkersStopped(), 3.0)
         return m
 
-    def barrier() -> st.AgentMachine:
+    def barrier() -> AgentMachine:
         m = run_()
         m.handle(st.WorkersExited(None), 2.0)
         return m
 
-    def leaving() -> st.AgentMachine:
+    def leaving() -> AgentMachine:
         m = stopping("leave")
         m.handle(st.WorkersStopped(), 3.0)
         return m
 
     def resuming(make):  # type: ignore[no-untyped-def]
-        def build() -> st.AgentMachine:
+        def build() -> AgentMachine:
             m = make()
             m.handle(st.ConnectionLost("reset"), 4.0)
             m.handle(st.Reconnected(), 4.5)
@@ -1113,7 +1115,7 @@ def test_a_worker_killed_by_a_signal_nobody_passed_on_is_a_failure() -> None:
 
 
 def test_a_listed_signal_stops_even_when_it_is_one_to_forward() -> None:
-    m = running(st.AgentMachine(settings(handled_signals=frozenset({signal.SIGTERM, signal.SIGUSR1}))))
+    m = running(AgentMachine(settings(handled_signals=frozenset({signal.SIGTERM, signal.SIGUSR1}))))
     eff = m.handle(st.SignalReceived(signal.SIGUSR1), 2.0)
     (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
     assert stop.signum == signal.SIGUSR1
@@ -1129,7 +1131,7 @@ def test_a_delivered_sigterm_is_not_sent_again() -> None:
 
 
 def test_under_slurm_a_signal_drain_exits_one_even_when_the_job_goes_on() -> None:
-    m = running(st.AgentMachine(settings(elastic=True, signals_end_job=True)))
+    m = running(AgentMachine(settings(elastic=True, signals_end_job=True)))
     eff = m.handle(st.SignalReceived(signal.SIGTERM, delivered=True), 3.0)
     (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
     assert stop.signum == 0

@@ -7,17 +7,12 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from node_agent import state as st
-from node_agent.pages import RankSample
-from node_agent.training import (
-    JOB_REPORT_TITLE,
-    DumpStacks,
-    JobHangReport,
-    ProgressRead,
-    StacksDumped,
-    Training,
-)
-from node_agent.watch import HangPolicy
+from node_agent.machine import events as st
+from node_agent.machine.agent import AgentMachine
+from node_agent.machine.events import DumpStacks, JobHangReport, ProgressRead, StacksDumped
+from node_agent.machine.training import JOB_REPORT_TITLE, Training
+from node_agent.machine.watch import HangPolicy
+from node_agent.progress.pages import RankSample
 from protocol import (
     Assignment,
     CollectStacks,
@@ -33,7 +28,7 @@ from protocol import (
 NS = 1_000_000_000
 
 
-def machine(timeout: str = "3") -> st.AgentMachine:
+def machine(timeout: str = "3") -> AgentMachine:
     settings = st.AgentSettings(
         node_id="n1",
         addr="10.0.0.1",
@@ -45,7 +40,7 @@ def machine(timeout: str = "3") -> st.AgentMachine:
     training = Training(
         policy=HangPolicy.parse(timeout), nproc=2, node_id="n1", addr="10.0.0.1", interval=1.0
     )
-    m = st.AgentMachine(settings, training=training)
+    m = AgentMachine(settings, training=training)
     m.start(0.0)
     a = Assignment(
         job_id="j", round=4, group_rank=1, group_world_size=2, rank_offset=2, world_size=4,
@@ -64,7 +59,7 @@ def sample(step: int, at: float, phase: str = "compute", compute_s: float = 0.0,
     )  # fmt: skip
 
 
-def read(m: st.AgentMachine, now: float, *samples: RankSample | None) -> list[st.Effect]:
+def read(m: AgentMachine, now: float, *samples: RankSample | None) -> list[st.Effect]:
     return m.handle(ProgressRead(tuple(samples)), now)
 
 
@@ -72,7 +67,7 @@ def sent(effects: list[st.Effect]) -> list[object]:
     return [e.msg for e in effects if isinstance(e, st.Send)]
 
 
-def train(m: st.AgentMachine, steps: int, t0: float = 2.0, dt: float = 0.1) -> float:
+def train(m: AgentMachine, steps: int, t0: float = 2.0, dt: float = 0.1) -> float:
     """Both ranks report ``steps`` steps, ``dt`` apart; returns the time of the last read."""
     now = t0
     for step in range(steps):

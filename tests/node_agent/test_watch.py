@@ -1,4 +1,4 @@
-"""The hang policy and the node's progress summary, on a fake clock (node_agent.watch)."""
+"""The hang policy and the node's progress summary, on a fake clock (node_agent.machine.watch)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from node_agent.pages import RankSample
-from node_agent.watch import WINDOW, HangPolicy, Hung, NodeWatch
+from node_agent.machine.watch import WINDOW, HangPolicy, Hung, NodeWatch
+from node_agent.progress.pages import RankSample
 from protocol import Progress
 
 S = 1_000_000_000  # ns per second

@@ -1,5 +1,5 @@
 """The progress page: the worker's writer (node_agent.worker) against the agent's reader
-(node_agent.pages), through real files and real worker processes."""
+(node_agent.progress.pages), through real files and real worker processes."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node_agent import pages, worker
-from node_agent.pages import Page, PageSet, RankSample, create_page, read_page, read_stacks_since
+from node_agent import worker
+from node_agent.progress import pages
+from node_agent.progress.pages import Page, PageSet, RankSample, create_page, read_page, read_stacks_since
 from node_agent.worker import layout as L
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import sys
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
-from node_agent.pages import read_page
+from node_agent.progress.pages import read_page
 from node_agent.worker.hf import ProgressCallback
 
 SEEN: set[tuple[str, str]] = set()

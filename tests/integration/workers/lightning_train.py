@@ -14,7 +14,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from node_agent.pages import read_page
+from node_agent.progress.pages import read_page
 from node_agent.worker.lightning import ProgressCallback
 
 if os.environ.get("LIGHTNING", "lightning") == "pytorch_lightning":

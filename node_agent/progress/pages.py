@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import os
 
-from protocol.records import record
-
-from .worker import layout as L
+from ..machine.events import BadPage, RankSample
+from ..worker import layout as L
 
 __all__ = [
     "BadPage",
@@ -50,37 +49,6 @@ STACKS_READ_MAX = 1 << 20  # bytes of a stacks file read per call
 # The bytes a read needs: header, the four records and the phase names.
 _SPAN = L.NAMES_OFFSET + L.NAME_SLOTS * L.NAME_SIZE
 _ZERO_RECORD = (0, 0, 0, 0)
-
-
-@record(frozen=True, slots=True, kw_only=True)
-class RankSample:
-    """One consistent read of a rank's page (torn records are never returned)."""
-
-    step: int  # the last step reported; -1 before the first progress()
-    progress_ns: int  # CLOCK_MONOTONIC ns of the last progress() (0: none yet)
-    count: int  # progress() calls so far
-    phase: str  # the current phase's name ("" outside any phase)
-    phase_ns: int  # CLOCK_MONOTONIC ns when the current phase was entered (0: no phase)
-    compute_ns: int  # total ns spent in finished "compute" phases
-    pid: int  # the writer's pid (0: no worker attached yet)
-    stack_signal: int  # the signal that makes the worker dump its stacks (0: cannot)
-    attached_ns: int  # CLOCK_MONOTONIC ns when the worker attached (0: not yet)
-    # The check record: written once the worker called should_stop() (checks), so it will stop
-    # at a commit's step. seen: the last armed stop step it acknowledged (-1: none); seen_at:
-    # its step then (below seen: in time; at or past it: late, it will not stop there);
-    # stopped: the step should_stop() returned True at (-1: not yet).
-    checks: bool = False
-    seen: int = L.NO_STEP
-    seen_at: int = L.NO_STEP
-    stopped: int = L.NO_STEP
-
-
-@record(frozen=True, slots=True)
-class BadPage:
-    """A page whose records are whole (their checks hold) but hold a value the layout does not
-    allow: a writer's bug. ``why`` names the field and its value (numbers only)."""
-
-    why: str
 
 
 def page_bytes() -> bytes:

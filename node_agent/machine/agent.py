@@ -104,7 +104,6 @@ import signal
 
 from protocol import (
     COMMIT_LEAD,
-    MAX_NODES,
     MAX_TEXT_LEN,
     Armed,
     Assignment,
@@ -130,257 +129,46 @@ from protocol import (
 )
 from protocol.records import record
 
-from .agent_log import shown
-from .training import (
+from ..agent_log import shown
+from .events import (
+    EXIT_CRASH_LOOP,
+    EXIT_FAILED,
+    EXIT_NOT_NEEDED,
+    EXIT_OK,
+    EXIT_RDZV,
+    LEAVE_ANSWER_TIMEOUT,
+    AgentSettings,
+    ConnectionLost,
     DumpStacks,
-    JobHangReport,
+    Effect,
+    Event,
+    Exit,
+    ForwardSignal,
+    HealthCheckDone,
+    Log,
     PageWarning,
+    Phase,
     ProgressRead,
+    Reconnect,
+    Reconnected,
+    ReconnectFailed,
+    RunHealthCheck,
+    Send,
+    SendJoin,
+    SendResume,
+    ServerSent,
+    SignalReceived,
     StacksDumped,
-    Training,
-    WriteStop,
-    job_hang_report,
+    StartWorkers,
+    StopWorkers,
+    Tick,
+    UnexpectedEvent,
+    WorkersExited,
+    WorkersStarted,
+    WorkersStartFailed,
+    WorkersStopped,
 )
-
-EXIT_OK = 0
-EXIT_FAILED = 1  # workers failed, the job failed, or we were told to stop (as torchrun)
-EXIT_RDZV = 1  # the rendezvous could not be completed
-# The job finished (every node of it succeeded) while this node waited to join, as a hot spare
-# or a late newcomer: it was not needed. 0, because the job this node was started for
-# succeeded and there is nothing left to do: Slurm marks a step FAILED and Kubernetes counts a
-# pod failure (towards the Job's backoffLimit, or failing a JobSet) for any non-zero exit, and
-# an unneeded spare must not turn a successful run into a failed one. The agent says so in a
-# warning, which is where a second run that joined the first by mistake shows up.
-EXIT_NOT_NEEDED = 0
-# The server ended the job because restarts in a row made no step progress (a crash loop, as
-# reported through node_agent.worker): distinct from 1 so a scheduler can tell "do not requeue
-# this as is" from an ordinary failure (e.g. a Kubernetes podFailurePolicy rule on exit code 3).
-EXIT_CRASH_LOOP = 3
-# After a drain's Leave, how long to wait for the server's Left once the workers are down. The
-# server answers in the same step that handles the Leave, so silence this long means no answer.
-LEAVE_ANSWER_TIMEOUT = 10.0
-
-TERMINATING_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
-
-
-class Phase(enum.Enum):
-    JOINING = "joining"
-    STARTING = "starting"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    VERDICT = "awaiting verdict"
-    BARRIER = "exit barrier"
-    LEAVING = "leaving"  # drained, workers down: waiting for the server's Left to pick the exit code
-    EXITED = "exited"
-
-
-# --- events -------------------------------------------------------------------------------
-
-
-@record(frozen=True, slots=True)
-class ServerSent:
-    msg: Message
-
-
-@record(frozen=True, slots=True)
-class WorkersStarted:
-    pids: tuple[int, ...]
-
-
-@record(frozen=True, slots=True)
-class WorkersStartFailed:
-    reason: str
-
-
-@record(frozen=True, slots=True)
-class WorkersExited:
-    """All workers exited 0 (failure=None), or the first one failed (the others may still run)."""
-
-    failure: Failure | None
-    local_failures: tuple[Failure, ...] = ()
-
-
-@record(frozen=True, slots=True)
-class WorkersStopped:
-    local_failures: tuple[Failure, ...] = ()
-
-
-@record(frozen=True, slots=True)
-class ConnectionLost:
-    reason: str
-
-
-@record(frozen=True, slots=True)
-class SignalReceived:
-    signum: int
-    # The workers have it already, from its sender (a scheduler that signals every process of
-    # the job step: Slurm, systemd): never sent to them again (signal_witness.py).
-    delivered: bool = False
-
-
-@record(frozen=True, slots=True)
-class Reconnected:
-    """A new connection to the server is up (hello exchanged)."""
-
-
-@record(frozen=True, slots=True)
-class ReconnectFailed:
-    reason: str
-
-
-@record(frozen=True, slots=True)
-class HealthCheckDone:
-    """The ``--health-check`` command finished: passed, or ``detail`` says what went wrong."""
-
-    ok: bool
-    detail: str = ""
-
-
-@record(frozen=True, slots=True)
-class Tick:
-    pass
-
-
-Event = (
-    ServerSent
-    | WorkersStarted
-    | WorkersStartFailed
-    | WorkersExited
-    | WorkersStopped
-    | ConnectionLost
-    | SignalReceived
-    | HealthCheckDone
-    | Reconnected
-    | ReconnectFailed
-    | Tick
-    | ProgressRead
-    | StacksDumped
-)
-
-
-# --- effects ------------------------------------------------------------------------------
-
-
-@record(frozen=True, slots=True)
-class SendJoin:
-    """Join the next round (the I/O layer fills in a fresh free master port)."""
-
-
-@record(frozen=True, slots=True)
-class RunHealthCheck:
-    """Run ``--health-check`` before joining; its result comes back as :class:`HealthCheckDone`.
-
-    The I/O layer runs it in the background (a check may take a minute), so a signal meanwhile
-    is handled at once; the check's process is killed when the agent exits."""
-
-
-@record(frozen=True, slots=True)
-class Send:
-    msg: Message
-
-
-@record(frozen=True, slots=True)
-class Reconnect:
-    """Connect to the server again, trying until ``deadline``; workers keep running."""
-
-    deadline: float
-
-
-@record(frozen=True, slots=True)
-class SendResume:
-    """Tell the new connection which round we hold (the I/O layer adds our join)."""
-
-    assignment: Assignment
-    succeeded: bool
-
-
-@record(frozen=True, slots=True)
-class StartWorkers:
-    assignment: Assignment
-
-
-@record(frozen=True, slots=True)
-class StopWorkers:
-    """Send ``signum`` (0: none, the workers have the signal already from its sender), wait up to
-    ``grace`` for them to exit, then SIGKILL what is left."""
-
-    signum: int
-    grace: float
-
-
-@record(frozen=True, slots=True)
-class ForwardSignal:
-    signum: int
-
-
-@record(frozen=True, slots=True)
-class Exit:
-    code: int
-    reason: str
-    failure: Failure | None = None  # the job's root cause, when there is one
-    local_failures: tuple[Failure, ...] = ()
-    job_done: bool = False  # every node of the job finished: the job succeeded
-
-
-@record(frozen=True, slots=True)
-class Log:
-    level: str
-    text: str
-
-
-Effect = (
-    SendJoin
-    | RunHealthCheck
-    | Send
-    | Reconnect
-    | SendResume
-    | StartWorkers
-    | StopWorkers
-    | ForwardSignal
-    | Exit
-    | Log
-    | DumpStacks
-    | WriteStop
-    | JobHangReport
-)
-
-
-class UnexpectedEvent(Exception):
-    """A local bug: the I/O layer delivered an event the machine cannot be in a state for."""
-
-
-@record(frozen=True, kw_only=True)
-class AgentSettings:
-    node_id: str
-    addr: str  # the address this node reports (MASTER_ADDR when it has group rank 0)
-    join_timeout: float
-    exit_barrier_timeout: float
-    shutdown_timeout: float  # grace between SIGTERM and SIGKILL for workers
-    elastic: bool = False  # SIGTERM in an elastic job is a clean leave (drain), not a failure
-    reconnect_timeout: float = 0.0  # keep workers running this long while reconnecting
-    # A signal of handled_signals stops the job (torchrun's --signals-to-handle, which wins
-    # where a signal is in both); one of forward_signals that is not is passed on to the workers.
-    forward_signals: frozenset[int] = frozenset({signal.SIGUSR1, signal.SIGUSR2})
-    handled_signals: frozenset[int] = TERMINATING_SIGNALS
-    # Slurm cancels, pre-empts and times out a job as a whole: a drain on a signal never
-    # exits 0 there, even when the rendezvous says the job goes on (the others are going too).
-    signals_end_job: bool = False
-    nproc: int = 1  # this node's workers, for the round line's rank range
-    # What this node was started with, checked against every assignment: a server's word
-    # never runs this node for another job, past its --max-restarts, or outside its --nnodes.
-    # The defaults check nothing (a test's machine that does not care).
-    job_id: str = ""
-    max_restarts: int | None = None
-    min_nodes: int = 1
-    max_nodes: int = MAX_NODES
-    health_check: bool = False  # run --health-check (RunHealthCheck) before each round's join
-    # The checkpoint budget of a commit point (--rdzv-conf commit_timeout): a SIGTERM drain
-    # first asks the server for one, and waits this long (plus COMMIT_LEAD) for its Drain.
-    # 0: never ask (the drain stops the workers at once).
-    commit_timeout: float = 0.0
-    # The wall clock minus the machine's clock: a Failure's timestamp is wall time (the banner
-    # and torchrun's error file show it as a date), the machine's ``now`` is monotonic.
-    wall_offset: float = 0.0
+from .training import Training, job_hang_report
 
 
 class AfterStop(enum.Enum):

@@ -1,9 +1,9 @@
 """The agent's view of its ranks' training: progress summaries and hang verdicts (pure).
 
-Part of :class:`~node_agent.state.AgentMachine`: the machine hands it what the I/O layer read
+Part of :class:`~node_agent.machine.agent.AgentMachine`: the machine hands it what the I/O layer read
 from the ranks' progress pages (:class:`ProgressRead`) and the stacks it collected
 (:class:`StacksDumped`); this module decides when the server hears a summary, when a rank is
-hung, and what the failure report of a hang says. The budgets are :mod:`node_agent.watch`'s.
+hung, and what the failure report of a hang says. The budgets are :mod:`node_agent.machine.watch`'s.
 
 A hang, step by step (the README's "Progress, hangs and stragglers" tells it for users):
 
@@ -40,66 +40,15 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from protocol import COMMIT_EARLY_S, Armed, Assignment, Failure, HangDetected, Progress, Stacks, StopAt
+from protocol import COMMIT_EARLY_S, Armed, Assignment, Failure, HangDetected, Progress, StopAt
 from protocol.failure_text import HUNG
 from protocol.messages import MAX_HUNG_RANKS, MAX_PHASE_LEN, MAX_TIMEOUT
 from protocol.records import record
 
+from .events import BadPage, DumpStacks, JobHangReport, PageWarning, ProgressRead, RankSample, WriteStop
+
 if TYPE_CHECKING:
-    from .pages import BadPage, RankSample
     from .watch import HangPolicy, Hung, NodeWatch
-
-
-@record(frozen=True, slots=True)
-class ProgressRead:
-    """The I/O layer read every local rank's page (None: not attached yet, or torn; BadPage:
-    a value the layout does not allow)."""
-
-    samples: tuple[RankSample | BadPage | None, ...]
-
-
-@record(frozen=True, slots=True)
-class PageWarning:
-    """A line for the agent's log: a local rank's page was bad (said once per rank and round)."""
-
-    text: str
-
-
-@record(frozen=True, slots=True)
-class StacksDumped:
-    """The stacks asked for by ``DumpStacks`` are in (``stacks`` None: none could be read)."""
-
-    stacks: Stacks | None
-    report: str  # this node's hang report, as written to ``path``
-    path: str  # where it was written ("" if it could not be)
-
-
-@record(frozen=True, slots=True)
-class DumpStacks:
-    """Collect every local rank's stacks (bounded in time), hung ranks first; answered by
-    :class:`StacksDumped`. ``hung``: our own hang's local ranks (empty: another node's)."""
-
-    round: int
-    hung: tuple[Hung, ...]
-    reason: str
-
-
-@record(frozen=True, slots=True)
-class WriteStop:
-    """Write the stop record of every local rank's page: ``state`` is one of
-    ``layout.STOP_NONE`` (with step -1: no stop), ``STOP_ARMED``, ``STOP_GO``."""
-
-    step: int
-    state: int
-
-
-@record(frozen=True, slots=True)
-class JobHangReport:
-    """Add the server's job-wide hang report (every node's stacks merged; already escaped for
-    a terminal) to this node's report file of the round, ``hang_report.txt``: after what the
-    node wrote itself, and again should a stack dump still under way write the file anew."""
-
-    text: str
 
 
 def job_hang_report(report: str, *, restart: bool) -> tuple[JobHangReport, str]:
@@ -107,7 +56,7 @@ def job_hang_report(report: str, *, restart: bool) -> tuple[JobHangReport, str]:
     effect that files it, and the console's text of it ("": none). A job that failed prints
     its root cause, which names the rank the report points at, in the failure banner; a
     restart has no banner, so the console gets the report itself."""
-    from .agent_log import shown
+    from ..agent_log import shown
 
     text = shown(report.rstrip(), multiline=True)
     return JobHangReport(text), f"{JOB_REPORT_TITLE}:\n{text}" if restart else ""
@@ -201,7 +150,7 @@ class Training:
     def on_stop(self, msg: StopAt) -> tuple[list[WriteStop], str]:
         """The server's ``StopAt`` for our round: what to write into the pages, and a log line.
         Another round's, or one while the workers stop, is ignored (no write, "")."""
-        from .worker import layout as L
+        from ..worker import layout as L
 
         if self.watch is None or msg.round != self.round:
             return [], ""
@@ -292,7 +241,6 @@ class Training:
     ) -> tuple[RankSample | None, ...]:
         """Exactly ``nproc`` samples, None for a rank whose page was bad this round; a rank's
         first bad page is said (``PageWarning``) and the watch forgets it."""
-        from .pages import BadPage
 
         screened: list[RankSample | None] = []
         for lr, s in enumerate(_padded(samples, self.nproc)):

@@ -1,14 +1,14 @@
 """The I/O side of watching the training: one round's pages, their poll, and stack dumps.
 
-The decisions are :mod:`node_agent.training`'s and :mod:`node_agent.watch`'s (pure); this
+The decisions are :mod:`node_agent.machine.training`'s and :mod:`node_agent.machine.watch`'s (pure); this
 module only reads what they need and carries out what they ask: it creates each rank's page
 before the worker starts (``node_agent.worker`` attaches to it), reads every page each poll
-interval into a :class:`~node_agent.training.ProgressRead` (every :data:`ARMING_POLL_S` while a
+interval into a :class:`~node_agent.machine.training.ProgressRead` (every :data:`ARMING_POLL_S` while a
 commit point waits for its ranks' acknowledgements), writes the stop records a
-:class:`~node_agent.training.WriteStop` asks for, and on
-:class:`~node_agent.training.DumpStacks` collects every local rank's stacks (bounded in time),
+:class:`~node_agent.machine.training.WriteStop` asks for, and on
+:class:`~node_agent.machine.training.DumpStacks` collects every local rank's stacks (bounded in time),
 pokes torch's flight recorder, writes the node's hang report into the attempt's log dir and
-answers :class:`~node_agent.training.StacksDumped`.
+answers :class:`~node_agent.machine.training.StacksDumped`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from protocol import Stacks
 from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
+from ..machine.events import DumpStacks, ProgressRead, StacksDumped, WriteStop
 from .pages import PageSet, create_page
-from .training import DumpStacks, ProgressRead, StacksDumped, WriteStop
 
 if TYPE_CHECKING:
     from .pages import RankSample
@@ -146,7 +146,7 @@ def _silence(s: RankSample | None, now_ns: int) -> float:
 def add_job_report(path: str, text: str) -> bool:
     """Add the server's job-wide hang report (escaped) after what ``path`` holds; False if it
     could not be written."""
+    from ..machine.training import JOB_REPORT_TITLE
     from .stacks import append_report
-    from .training import JOB_REPORT_TITLE
 
     return append_report(path, f"\n\n{JOB_REPORT_TITLE}:\n\n{text}\n")

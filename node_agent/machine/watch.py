@@ -1,6 +1,6 @@
 """When a rank is hung, and the node's progress summary (pure: the clock is a parameter).
 
-The agent reads its ranks' progress pages (:mod:`node_agent.pages`) every
+The agent reads its ranks' progress pages (:mod:`node_agent.progress.pages`) every
 :meth:`NodeWatch.poll_interval_s` and hands the samples to :meth:`NodeWatch.observe` with the
 time of the read (CLOCK_MONOTONIC ns, the pages' clock). The watch answers with the ranks that
 passed their deadline, once per silence, and keeps what :meth:`NodeWatch.summary` sends the
@@ -33,8 +33,8 @@ from typing import Any, Literal
 from protocol.messages import MAX_TIMEOUT
 from protocol.records import record
 
-from .pages import RankSample
-from .worker.layout import clean_name
+from ..worker.layout import clean_name
+from .events import RankSample
 
 __all__ = ["HangPolicy", "Hung", "NodeWatch"]
 
