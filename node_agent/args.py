@@ -1086,7 +1086,7 @@ def _numa_binding(inputs: _Inputs) -> str | None:
     given = inputs.get("numa_binding")
     if given.value is None:
         return None
-    from .numa import MODES  # torch.numa.binding.AffinityMode's values
+    from .gpu.numa import MODES  # torch.numa.binding.AffinityMode's values
 
     if given.value not in MODES:
         raise ConfigError(

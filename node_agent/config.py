@@ -453,7 +453,7 @@ class AgentConfig:
     master_port: int | None = None
 
     local_addr: str | None = None
-    numa_binding: str | None = None  # torch's AffinityMode value (node_agent/numa.py); None: no binding
+    numa_binding: str | None = None  # torch's AffinityMode value (node_agent/gpu/numa.py); None: no binding
     signals_to_handle: tuple[str, ...] = DEFAULT_SIGNALS
     shutdown_timeout: float = 30.0
     virtual_local_rank: bool = False
@@ -465,7 +465,7 @@ class AgentConfig:
     health_check: str | None = None
     health_check_port: int | None = None  # TORCHELASTIC_HEALTH_CHECK_PORT: serve liveness there
     # Before a restart's workers start, wait this long at most for the previous workers' GPU
-    # memory to fall to gpu_release_mib per visible GPU (0: no wait); gpu_node.py.
+    # memory to fall to gpu_release_mib per visible GPU (0: no wait); gpu/binding.py.
     gpu_release_timeout: float = 50.0
     gpu_release_mib: int = 512
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.

@@ -62,7 +62,7 @@ class Attempt:
         return os.path.join(folder, "progress.page")
 
     def numa_binding_path(self) -> str:
-        """--numa-binding: each local rank's CPUs, GPU and NUMA node (gpu_node.py)."""
+        """--numa-binding: each local rank's CPUs, GPU and NUMA node (gpu/binding.py)."""
         return os.path.join(self.dir, "numa_binding.txt")
 
     def hang_report_path(self) -> str:

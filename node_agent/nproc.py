@@ -2,11 +2,11 @@
 
 torchrun asks torch (``torch.cuda.device_count()``, ``torch.xpu.device_count()``,
 ``torch.accelerator``); importing torch costs the agent seconds, so we count the devices from
-the kernel instead. NVIDIA GPUs (``gpus.py``: the entries of ``/proc/driver/nvidia/gpus`` or,
+the kernel instead. NVIDIA GPUs (``devices.py``: the entries of ``/proc/driver/nvidia/gpus`` or,
 where that is absent, ``nvidia-smi``) under ``CUDA_VISIBLE_DEVICES``; AMD GPUs, which a ROCm
-build of torch reports as ``cuda`` devices (``gpus_amd_intel.py``: the KFD topology) under
+build of torch reports as ``cuda`` devices (``gpu/amd_intel.py``: the KFD topology) under
 ``ROCR_VISIBLE_DEVICES`` then ``HIP_VISIBLE_DEVICES`` or ``CUDA_VISIBLE_DEVICES``; Intel GPUs
-(``gpus_amd_intel.py``: i915/xe DRM cards, a device per tile) under ``ZE_AFFINITY_MASK`` and
+(``gpu/amd_intel.py``: i915/xe DRM cards, a device per tile) under ``ZE_AFFINITY_MASK`` and
 ``ZE_FLAT_DEVICE_HIERARCHY``. So a job restricted to two of eight GPUs starts two workers, as
 torchrun would. A count never depends on the order of the devices.
 
@@ -28,12 +28,12 @@ import os
 from collections.abc import Mapping
 
 from .config import ConfigError
-from .gpus import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
+from .gpu.devices import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .gpus_amd_intel import AmdGpu, IntelGpu
-# gpus_amd_intel (1 ms) is imported only where AMD or Intel devices are counted: a launch with
+    from .gpu.amd_intel import AmdGpu, IntelGpu
+# gpu/amd_intel.py (1 ms) is imported only where AMD or Intel devices are counted: a launch with
 # a number or with NVIDIA GPUs never pays for it.
 
 __all__ = [
@@ -122,7 +122,7 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
     nvidia = visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
     if nvidia > 0:
         return nvidia
-    from .gpus_amd_intel import visible_amd_count
+    from .gpu.amd_intel import visible_amd_count
 
     return visible_amd_count(environ, physical_amd_gpus())
 
@@ -130,13 +130,13 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
 def count_visible_xpus(environ: Mapping[str, str], *, integrated: bool = True) -> int:
     """How many devices torch.xpu counts in a worker started with ``environ`` (``integrated``:
     whether an integrated GPU may count); UnknownMask for a ZE_AFFINITY_MASK we cannot read."""
-    from .gpus_amd_intel import visible_xpu_count
+    from .gpu.amd_intel import visible_xpu_count
 
     return visible_xpu_count(environ, physical_intel_gpus(), integrated=integrated)
 
 
 def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
-    from .gpus_amd_intel import UnknownMask
+    from .gpu.amd_intel import UnknownMask
 
     try:
         return count_visible_xpus(environ, integrated=integrated)
@@ -145,15 +145,15 @@ def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
 
 
 def physical_amd_gpus() -> list[AmdGpu]:
-    """The AMD GPUs ROCm would use (gpus_amd_intel.amd_gpus; the seam tests replace)."""
-    from .gpus_amd_intel import amd_gpus
+    """The AMD GPUs ROCm would use (gpu.amd_intel.amd_gpus; the seam tests replace)."""
+    from .gpu.amd_intel import amd_gpus
 
     return amd_gpus()
 
 
 def physical_intel_gpus() -> list[IntelGpu]:
-    """The Intel GPUs Level Zero would use (gpus_amd_intel.intel_gpus; the seam tests replace)."""
-    from .gpus_amd_intel import intel_gpus
+    """The Intel GPUs Level Zero would use (gpu.amd_intel.intel_gpus; the seam tests replace)."""
+    from .gpu.amd_intel import intel_gpus
 
     return intel_gpus()
 

@@ -31,7 +31,6 @@ from protocol.records import record
 
 from .agent_log import AgentLog, shown
 from .config import AgentConfig
-from .events import EventLog
 from .executables import which
 from .logs import RunLogs
 from .machine import events as st
@@ -51,8 +50,9 @@ from .specs import (
     training,
     worker_specs,
 )
-from .store_host import StoreHost, StoreUnavailable, hosts_round
+from .store.host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor import WorkerGroup, WorkerSpawnError
+from .torch_events import EventLog
 from .warm import warm_pool
 from .worker_env import omp_threads_notice
 
@@ -190,7 +190,7 @@ class Agent:
         self._phase = "starting"
         self._assignment: Assignment | None = None
         self._ranks: dict[int, int] = {}
-        # Watching the training (watching.py): this round's pages, their poll, a stack dump.
+        # Watching the training (progress/poll.py): this round's pages, their poll, a stack dump.
         self._pages: RoundPages | None = None
         self._poll_every = 1.0
         self._training: Training | None = None  # the machine's: its arming step picks the poll
@@ -199,8 +199,8 @@ class Agent:
         # The server's job-wide hang report filed (report path, text): a dump that ends after
         # it writes the file anew, and files it again.
         self._job_report: tuple[str, str] | None = None
-        self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store_host.py)
-        # GPU nodes (gpu_node.py): --numa-binding's CPUs per local rank; the visible GPUs'
+        self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store/host.py)
+        # GPU nodes (gpu/binding.py): --numa-binding's CPUs per local rank; the visible GPUs'
         # UUIDs, found once when first needed; the wait for the last workers' GPU memory to be
         # released, which the next start awaits; a start deferred behind that wait.
         self._cpus: dict[int, frozenset[int]] = {}
@@ -221,7 +221,7 @@ class Agent:
 
     async def _run_bound(self) -> AgentOutcome:
         if self.config.numa_binding is not None:
-            from .gpu_node import GpuSetupError  # GPU nodes only (1.5 ms to import)
+            from .gpu.binding import GpuSetupError  # GPU nodes only (1.5 ms to import)
 
             try:
                 self._bind()
@@ -264,7 +264,7 @@ class Agent:
     def _bind(self) -> None:
         """--numa-binding: each local rank's CPUs, found before any rendezvous (a machine we
         cannot read is the user's error to see at once, not after the job has formed)."""
-        from .gpu_node import binding_table, bindings_for
+        from .gpu.binding import binding_table, bindings_for
 
         mode = self.config.numa_binding
         assert mode is not None
@@ -278,7 +278,7 @@ class Agent:
         port = self.config.health_check_port
         if port is None:
             return None
-        from .health_port import HealthServer
+        from .liveness import HealthServer
 
         server = HealthServer(port, lambda: self._phase)
         try:
@@ -293,7 +293,7 @@ class Agent:
         return server
 
     async def _start_store(self) -> StoreHost | None:
-        """The workers' TCPStore host (store_host.py), started before the first Join; None with
+        """The workers' TCPStore host (store/host.py), started before the first Join; None with
         the static backend (no server to agree through), --no-python (no interpreter of ours),
         or no core to spare beside the workers (CPU affinity: cores <= --nproc-per-node)."""
         cfg = self.config
@@ -604,7 +604,7 @@ class Agent:
         """The UUIDs of the GPUs our workers see, found once (in a thread: nvidia-smi may take
         its time, and the loop must not wait with it)."""
         if self._gpu_uuids is None:
-            from .gpu_node import visible_gpu_uuids
+            from .gpu.binding import visible_gpu_uuids
 
             self._gpu_uuids = await _in_daemon_thread(visible_gpu_uuids, dict(os.environ))
         return self._gpu_uuids
@@ -620,7 +620,7 @@ class Agent:
             return
         t0 = self.clock()
         cfg = self.config
-        from .gpu_health import wait_released  # GPU nodes only
+        from .gpu.health import wait_released  # GPU nodes only
 
         problem = await wait_released(
             uuids, smi=smi, threshold_mib=cfg.gpu_release_mib, timeout=cfg.gpu_release_timeout
@@ -645,7 +645,7 @@ class Agent:
 
     async def _gpu_health(self) -> str | None:
         """``--health-check gpu``: every visible GPU answers, reports no uncorrected ECC error
-        and no fatal Xid since the agent started, and has its memory free (gpu_health.py)."""
+        and no fatal Xid since the agent started, and has its memory free (gpu/health.py)."""
         smi = which("nvidia-smi")
         if smi is None:
             return "gpu: nvidia-smi is not on PATH, so the GPUs cannot be checked"
@@ -655,7 +655,7 @@ class Agent:
             where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
             return f"gpu: no NVIDIA GPU is visible{where}"
         cfg = self.config
-        from .gpu_health import gpu_problem, kmsg_readable  # GPU nodes only
+        from .gpu.health import gpu_problem, kmsg_readable  # GPU nodes only
 
         if not self._xids_unread_said and not kmsg_readable():
             self._xids_unread_said = True

@@ -93,7 +93,7 @@ def worker_specs(
     cpus: Mapping[int, frozenset[int]] | None = None,
 ) -> list[WorkerSpec]:
     """What to start for one assignment: a spec per local rank, its argv, environment and files;
-    ``cpus``: each local rank's ``--numa-binding`` (gpu_node.py)."""
+    ``cpus``: each local rank's ``--numa-binding`` (gpu/binding.py)."""
     node = NodeAssignment(
         run_id=cfg.rdzv_id,
         group_rank=a.group_rank,
@@ -182,7 +182,7 @@ def join_message(
     cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str, store_port: int = 0
 ) -> Join:
     """This node's Join for the next round, with a master port free right now, or
-    ``store_port``: the port this node's agent hosts the workers' store on (store_host.py)."""
+    ``store_port``: the port this node's agent hosts the workers' store on (store/host.py)."""
     return Join(
         job_id=cfg.rdzv_id,
         node_id=node_id,

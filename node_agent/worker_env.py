@@ -8,7 +8,7 @@ compares, key by key. Values that differ on purpose:
 
 * ``TORCHELASTIC_USE_AGENT_STORE`` follows the round (``Assignment.agent_store``): ``"True"``,
   as torchrun's c10d agent says, when the group-rank-0 node's agent hosts the TCPStore on
-  ``MASTER_PORT`` (``node_agent.store_host``: every rank connects as a client); ``"False"``
+  ``MASTER_PORT`` (``node_agent.store.host``: every rank connects as a client); ``"False"``
   when that agent cannot (no usable torch for the workers' interpreter, an older server, the
   static backend), so worker RANK 0 hosts it, as torch does when the variable is False.
 * ``MASTER_ADDR``, ``MASTER_PORT`` and ``TORCHELASTIC_RUN_ID`` come from the rendezvous

@@ -2,7 +2,7 @@
 
     python scripts/gpu_check.py [OUT_DIR]
 
-1. Our enumeration (node_agent.gpus) against nvidia-smi's and torch's: the same GPUs, and
+1. Our enumeration (node_agent.gpu.devices) against nvidia-smi's and torch's: the same GPUs, and
    logical CUDA device k is the same PCI bus id for us and for CUDA, with CUDA_VISIBLE_DEVICES
    unset and reversed.
 2. ``node-agent --standalone --nproc-per-node gpu --numa-binding node`` runs one worker per GPU;
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from node_agent.gpus import physical_gpus, visible_gpus  # noqa: E402
+from node_agent.gpu.devices import physical_gpus, visible_gpus  # noqa: E402
 
 WORKER = str(ROOT / "scripts" / "gpu_check_worker.py")
 

@@ -4,7 +4,7 @@ machine (so the NUMA node each "GPU" reads from sysfs, and every CPU list, are r
 
 The workers report the affinity they were started with, from inside: the main thread's and
 that of a thread they start, for a script, a ``-m`` module, a ``--no-python`` command and a
-preloaded (warm) interpreter. The expected sets come from node_agent.numa on the real sysfs,
+preloaded (warm) interpreter. The expected sets come from node_agent.gpu.numa on the real sysfs,
 which tests/node_agent/test_numa.py holds to torch's own computation.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.numa import BindingError, cpu_sets, gpu_numa_node
+from node_agent.gpu.numa import BindingError, cpu_sets, gpu_numa_node
 from tests.fake_gpu_machine import FakeGpu, FakeMachine, build
 
 from .procs import WORKERS, Proc, agent_cmd

@@ -1,4 +1,4 @@
-"""Commit points, the agent's part (issue 20): the machine (training.py routed by state.py)
+"""Commit points, the agent's part (issue 20): the machine (machine/training.py routed by machine/agent.py)
 arms, acknowledges, stops and reports a commit, and drains after one on SIGTERM. Fake clock,
 fake pages: samples in, effects out. Plus the --rdzv-conf keys and the poll's wake-up."""
 

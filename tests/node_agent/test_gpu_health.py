@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.gpu_health import (
+from node_agent.gpu.health import (
     FATAL_XIDS,
     GpuQueryError,
     GpuReading,

@@ -1,4 +1,4 @@
-"""From the environment to each local rank's CPUs: enumeration (gpus.py) and torch's CPU sets
+"""From the environment to each local rank's CPUs: enumeration (gpu/devices.py) and torch's CPU sets
 (numa.py) joined as the agent joins them, on a fake 2-socket 8-GPU server.
 
 The pitfall this guards: local rank k uses the k-th device *CUDA* shows, so with
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.gpu_node import GpuSetupError, binding_table, bindings_for, visible_gpu_uuids
-from node_agent.numa import format_cpulist
+from node_agent.gpu.binding import GpuSetupError, binding_table, bindings_for, visible_gpu_uuids
+from node_agent.gpu.numa import format_cpulist
 from tests.fake_gpu_machine import FakeGpu, FakeMachine, build, two_socket_8gpu
 
 # two_socket_8gpu: GPU k on NUMA node k // 2; node n holds cores 8n..8n+7 and their siblings +32.

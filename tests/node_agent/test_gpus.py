@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import gpus as gpus_mod
-from node_agent.gpus import Gpu, GpuOrderUnknown, VisibleGpu, physical_gpus, visible_gpus
+from node_agent.gpu import devices as gpus_mod
+from node_agent.gpu.devices import Gpu, GpuOrderUnknown, VisibleGpu, physical_gpus, visible_gpus
 from node_agent.nproc import physical_gpu_uuids, resolve_nproc
 from tests.fake_gpu_machine import H100, FakeGpu, FakeMachine, build, single_socket, two_socket_8gpu
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from node_agent.health_port import MAX_CONNECTIONS, HealthServer
+from node_agent.liveness import MAX_CONNECTIONS, HealthServer
 
 
 def _port() -> int:

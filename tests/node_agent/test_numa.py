@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from node_agent.numa import MODES, BindingError, cpu_sets, format_cpulist, gpu_numa_node, parse_cpulist
+from node_agent.gpu.numa import MODES, BindingError, cpu_sets, format_cpulist, gpu_numa_node, parse_cpulist
 from tests.fake_gpu_machine import FakeGpu, FakeMachine, build, single_socket, two_socket_8gpu
 
 

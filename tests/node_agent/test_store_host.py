@@ -1,4 +1,4 @@
-"""The agent-hosted TCPStore (node_agent/store_host.py): the socket listens before any store is
+"""The agent-hosted TCPStore (node_agent/store/host.py): the socket listens before any store is
 served, each round gets an empty store on the same port, a worker interpreter without torch
 turns it off (said once, the port given up), and the store process never outlives its host."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.store_host import StoreHost, StoreUnavailable, hosts_round
+from node_agent.store.host import StoreHost, StoreUnavailable, hosts_round
 from protocol import Assignment
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -153,7 +153,7 @@ def test_the_store_process_dies_with_its_agent(tmp_path: Path) -> None:
     script = tmp_path / "agent.py"
     script.write_text(
         "import asyncio, os, sys\n"
-        "from node_agent.store_host import StoreHost\n"
+        "from node_agent.store.host import StoreHost\n"
         "async def main():\n"
         "    h = StoreHost(sys.executable, os.environ, log=print)\n"
         "    await h.start()\n"

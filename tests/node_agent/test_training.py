@@ -1,4 +1,4 @@
-"""The agent machine watching its ranks' training (training.py routed by state.py): progress
+"""The agent machine watching its ranks' training (machine/training.py routed by machine/agent.py): progress
 summaries, a hang found and turned into a failure after the stacks, another node's hang, the
 step a failure reports, and a crash loop's exit code. Fake clock, fake pages: samples in."""
 

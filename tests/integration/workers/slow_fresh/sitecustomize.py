@@ -1,7 +1,7 @@
 """Widens the window the store race needs (tests/integration/test_store_restarts.py).
 
 On PYTHONPATH, in every interpreter of the job: wherever stdin yields a ``fresh <n>`` line
-(only the agent's store process reads such lines: node_agent/store_boot.py), it is handed on
+(only the agent's store process reads such lines: node_agent/store/boot.py), it is handed on
 SLOW_FRESH_S later, as if the hosting node learned of the new round that much after the
 others. Another node's warm worker then connects while this node has not served the new store:
 it must wait in the backlog, never reach the last round's store.

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any
 
-MIN_TORCH = (2, 8)  # the same as store_host.MIN_TORCH: this file imports nothing of node_agent
+MIN_TORCH = (2, 8)  # the same as store/host.py's MIN_TORCH: this file imports nothing of node_agent
 
 
 def _say(line: str) -> None:

@@ -5,7 +5,7 @@ rank 0 would host it and every other rank that connects before it listens is ref
 in torch's retry (0.3-0.9 s). So the agent listens on MASTER_PORT itself, from its start (which
 also keeps the port from being taken between the Join and the workers' start), with a large
 backlog: a worker that connects early waits in the kernel's queue, not in a retry. A store
-process, the workers' own interpreter running :mod:`node_agent.store_boot`, checks at once that
+process, the workers' own interpreter running :mod:`node_agent.store.boot`, checks at once that
 it has a usable torch, imports it when this node first hosts a round (at once with ``--preload
 torch``), and serves torch's own TCPStore on that socket, a fresh one per round. Only group rank
 0's node pays for the import: the workers, importing torch too, connect about when it is done.
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from protocol import Assignment
 
-from . import procutil
-from .worker_env import SECRETS
+from .. import procutil
+from ..worker_env import SECRETS
 
 __all__ = ["StoreHost", "StoreUnavailable", "hosts_round", "listen_socket"]
 
@@ -49,8 +49,8 @@ FRESH_TIMEOUT = 10.0
 # ``drop`` while torch still imports waits behind the import (a cold torch import on a busy node).
 IMPORT_TIMEOUT = 120.0
 _MAX_LINE = 4096
-_BOOT_SOURCE = Path(__file__).with_name("store_boot.py")
-# TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8. store_boot.py, run
+_BOOT_SOURCE = Path(__file__).with_name("boot.py")
+# TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8. store/boot.py, run
 # by the workers' Python, keeps its own copy: it must import nothing of node_agent.
 MIN_TORCH = (2, 8)
 
@@ -109,7 +109,7 @@ def listen_socket(attempts: int = 5) -> socket.socket:
     nothing but an explicit bind takes a port); another process may bind it in between, hence
     the retries.
     """
-    from .specs import free_port
+    from ..specs import free_port
 
     last: OSError | None = None
     for _ in range(attempts):
@@ -304,7 +304,7 @@ class StoreHost:
             while True:
                 try:
                     raw = await proc.stdout.readline()
-                except ValueError:  # a line over the limit: not our store_boot
+                except ValueError:  # a line over the limit: not our store/boot.py
                     why = "the store process said something unexpected"
                     break
                 if not raw:

@@ -39,7 +39,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from .executables import which
+from ..executables import which
 from .numa import sysfs_pci_address
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 torchrun counts devices through torch (``torch.cuda.device_count()``, which a ROCm build answers
 with AMD GPUs, and ``torch.xpu.device_count()``); the agent never imports torch, so it reads the
-same answer from the kernel, as ``gpus.py`` does for NVIDIA.
+same answer from the kernel, as ``devices.py`` does for NVIDIA.
 
 **AMD** (what ROCr's thunk, libhsakmt, enumerates): the nodes of the KFD topology,
 ``/sys/class/kfd/kfd/topology/nodes/N``, in node order. A node is a GPU when its ``gpu_id`` is
@@ -14,7 +14,7 @@ partitioned GPU (MI300X in CPX mode) is a KFD node, so a device, per partition. 
 environment is then applied as the runtimes apply it: ``ROCR_VISIBLE_DEVICES`` first (indices
 or ``GPU-<unique id>`` UUIDs into that list; our reading: the list ends at the first entry that
 names no GPU, and a GPU named twice counts once), then ``HIP_VISIBLE_DEVICES``, or when unset
-``CUDA_VISIBLE_DEVICES``, over what ROCr left, read as CUDA reads a list (``gpus.py``).
+``CUDA_VISIBLE_DEVICES``, over what ROCr left, read as CUDA reads a list (``devices.py``).
 
 **Intel** (what torch 2.13's ``torch.xpu.device_count()`` counts through Level Zero Sysman):
 the DRM cards ``/sys/class/drm/cardN`` whose PCI device has vendor ``0x8086`` and is driven by
@@ -40,7 +40,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .gpus import read_capped, visible_gpu_count
+from .devices import read_capped, visible_gpu_count
 from .numa import sysfs_pci_address
 
 __all__ = [

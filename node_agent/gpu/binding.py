@@ -2,7 +2,7 @@
 ``--numa-binding`` gives it, and the GPU checks around a (re)start.
 
 torchrun asks CUDA through torch; the agent never imports torch, so it finds the same answer
-from the driver: the physical GPUs (``gpus.py``: the driver's ``/proc`` entries or
+from the driver: the physical GPUs (``devices.py``: the driver's ``/proc`` entries or
 ``nvidia-smi``), the CUDA devices a worker will see (``CUDA_VISIBLE_DEVICES`` and
 ``CUDA_DEVICE_ORDER``, as CUDA reads them), each device's PCI bus id, that bus's NUMA node
 (sysfs), and torch's four CPU sets (``numa.py``). Local rank k uses CUDA device k, as in
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .gpus import VisibleGpu
+    from .devices import VisibleGpu
 
 __all__ = ["Binding", "GpuSetupError", "binding_table", "bindings_for", "visible_gpu_uuids"]
 
@@ -75,7 +75,7 @@ def bindings_for(
     when the node does not have one visible GPU per worker; GpuSetupError when the machine
     cannot be read as the mode needs.  ``allowed``: the agent's own CPUs (default: its
     affinity, which cgroups, cpusets and Slurm's binding restrict)."""
-    from .gpus import GpuOrderUnknown
+    from .devices import GpuOrderUnknown
     from .numa import BindingError, cpu_sets, gpu_numa_node
 
     try:
@@ -125,7 +125,7 @@ def visible_gpu_uuids(
     """The UUIDs of the physical GPUs this node's workers will see (a MIG slice's parent, once
     each): what the GPU checks watch.  [] when there are none, or when CUDA leaves their order
     undefined and ordinals pick them (then nobody can say which GPUs they are)."""
-    from .gpus import GpuOrderUnknown
+    from .devices import GpuOrderUnknown
 
     try:
         visible = _visible(environ, proc_dir, smi)
@@ -136,7 +136,7 @@ def visible_gpu_uuids(
 
 def _visible(environ: Mapping[str, str], proc_dir: str | None, smi: str | None) -> list[VisibleGpu]:
     """The CUDA devices in a worker's order; MIG slices are looked up only when named."""
-    from .gpus import NVIDIA_PROC_DIR, physical_gpus, visible_gpus
+    from .devices import NVIDIA_PROC_DIR, physical_gpus, visible_gpus
 
     names = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
     migs = any(item.strip().startswith("MIG-") for item in names)

@@ -131,7 +131,7 @@ def gpu_numa_node(pci_bus_id: str, *, sys_root: str = "/sys") -> int:
 def sysfs_pci_address(bus_id: str) -> str | None:
     """``DOMAIN:BUS:DEVICE.FUNCTION`` in hex, any case and domain width (nvidia-smi's
     ``00000000:1B:00.0``) -> sysfs's and the kernel log's spelling (``0000:1b:00.0``); None
-    when it is not one. The one reading of a bus id for gpus.py and gpu_health.py too."""
+    when it is not one. The one reading of a bus id for gpus.py and health.py too."""
     parts = bus_id.strip().split(":")
     if len(parts) == 3:
         device, dot, function = parts[2].partition(".")
