@@ -549,7 +549,7 @@ def agent_config_for(config: LaunchConfig, entry_argv: Sequence[str]) -> AgentCo
     The environment is this process's without ``PET_*``: here the LaunchConfig, not a stray
     variable, decides every flag.
     """
-    from .args import parse_config
+    from .cli.parse import parse_config
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     if config.log_line_prefix_template is not None:

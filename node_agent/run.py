@@ -114,7 +114,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     """torch.distributed.run's parser: the same flags, spellings, defaults and types (``PET_*``
     as defaults, as torch's), then node-agent's own flags (absent from the namespace unless
     given)."""
-    from .args import build_parser
+    from .cli.flags import build_parser
 
     parser = argparse.ArgumentParser(description="node-agent: torch distributed elastic launcher")
     for dest, names, default, kind in _TORCH_FLAGS:
@@ -181,7 +181,7 @@ def _filters(value: Any) -> tuple[str, ...] | None:
 
 def _own_flags(args: argparse.Namespace) -> list[str]:
     """node-agent's own flags present in the namespace, as command-line words."""
-    from .args import build_parser
+    from .cli.flags import build_parser
 
     out: list[str] = []
     for action in build_parser()._actions:

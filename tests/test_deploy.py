@@ -3,7 +3,7 @@
 Each command line written in a unit, the Containerfile, a manifest, the sbatch script or a
 README's shell block is pulled out, its variables are given sample values (as systemd,
 Kubernetes or bash would expand them), and it goes through the parser of the program it runs:
-``node_agent.args.parse_config`` (with a throw-away script in place of the training script, so
+``node_agent.cli.parse.parse_config`` (with a throw-away script in place of the training script, so
 the existence check passes) or ``rdzv_server.cli.build_parser``. A flag either program does
 not accept fails here. Where the tools are installed, the files also go through them:
 ``systemd-analyze verify``/``security``, ``shellcheck``, ``hadolint`` and a Kubernetes schema
@@ -30,8 +30,9 @@ from typing import TypeVar
 import pytest
 import yaml
 
-from node_agent import args as agent_args
-from node_agent import nproc
+from node_agent.cli import flags as agent_flags
+from node_agent.cli import nproc
+from node_agent.cli import parse as agent_parse
 from node_agent.config import DEFAULT_RDZV_PORT, AgentConfig, ConfigError
 from rdzv_server import cli as server_cli
 
@@ -89,8 +90,8 @@ def _parse_or_fail(parse: Callable[[list[str]], T], argv: list[str], command: Co
 def check_node_agent(command: Command, scratch: Path) -> AgentConfig:
     """parse_config of the command, its training script replaced by an existing throw-away one."""
     argv = list(command.argv[1:])
-    launcher_part, script_args = agent_args._split_script(argv)
-    ns = _parse_or_fail(lambda a: agent_args.build_parser().parse_args(a), launcher_part, command)
+    launcher_part, script_args = agent_flags.split_script(argv)
+    ns = _parse_or_fail(lambda a: agent_flags.build_parser().parse_args(a), launcher_part, command)
     script_at = len(argv) - len(script_args) - 1
     assert argv[script_at] == ns.training_script
     if not getattr(ns, "module", False):
@@ -99,7 +100,7 @@ def check_node_agent(command: Command, scratch: Path) -> AgentConfig:
         stand_in.chmod(0o755)
         argv[script_at] = str(stand_in)
     try:
-        return _parse_or_fail(lambda a: agent_args.parse_config(a, {"PATH": os.defpath}), argv, command)
+        return _parse_or_fail(lambda a: agent_parse.parse_config(a, {"PATH": os.defpath}), argv, command)
     except ConfigError as exc:
         pytest.fail(f"{command.source}: node-agent refuses {shlex.join(command.argv[1:])}: {exc}")
 

@@ -133,4 +133,4 @@ async def open_backend(
         from .server import ServerBackend
 
         return await ServerBackend.open(config, node_id=node_id, log=log, clock=clock)
-    raise ValueError(f"unknown rendezvous backend {backend!r}")  # args.py admits none other
+    raise ValueError(f"unknown rendezvous backend {backend!r}")  # cli/rendezvous.py admits none other

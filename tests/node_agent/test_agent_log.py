@@ -47,7 +47,7 @@ def test_logging_lines_become_agent_lines_and_an_embedded_server_is_quiet_unless
     log, out = lines(None)
     install(log)
     try:
-        logging.getLogger("node_agent.args").warning("--master-addr: ignored")
+        logging.getLogger("node_agent.cli").warning("--master-addr: ignored")
         logging.getLogger("rdzv_server").warning("job x: node lost")
         assert out.getvalue().splitlines() == ["[node-agent] WARNING: --master-addr: ignored"]
         loud, loud_out = lines("INFO")

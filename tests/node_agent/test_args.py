@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import nproc
-from node_agent.args import _FLAGS, build_parser, parse_config
+from node_agent.cli import nproc
+from node_agent.cli.flags import FLAGS, build_parser
+from node_agent.cli.nproc import physical_gpu_uuids, resolve_nproc, visible_gpu_count
+from node_agent.cli.parse import parse_config
 from node_agent.config import (
     DEFAULT_RDZV_PORT,
     AgentConfig,
@@ -24,7 +26,6 @@ from node_agent.config import (
     Std,
     StdSpec,
 )
-from node_agent.nproc import physical_gpu_uuids, resolve_nproc, visible_gpu_count
 
 REPO = Path(__file__).resolve().parents[2]
 ENDPOINT = ["--rdzv-endpoint", "rdzv.example:1234"]  # avoids the single-node standalone default
@@ -240,9 +241,9 @@ def test_the_tables_cover_every_flag():
         | {"logs_specs", "numa_binding", "token_file"}  # token_file: test_token_sources
         | {"tls_ca", "tls_cert", "tls_key"}  # test_tls_args.py
     )
-    assert covered == {flag.dest for flag in _FLAGS}
+    assert covered == {flag.dest for flag in FLAGS}
     spellings = {s for row in VALUE_FLAGS for s in row[1]} | {s for row in SWITCH_FLAGS for s in row[1]}
-    assert spellings == {name for flag in _FLAGS for name in flag.names} - {
+    assert spellings == {name for flag in FLAGS for name in flag.names} - {
         "--logs-specs",
         "--logs_specs",
         "--numa-binding",
@@ -323,7 +324,7 @@ def test_every_torchrun_flag_is_accepted_in_every_spelling(torchrun_actions):
 
 def test_pet_variables_exist_exactly_where_torchrun_reads_them(torchrun_actions):
     reads_env = {dest for dest, a in torchrun_actions.items() if a["kind"] in ("env", "check_env")}
-    ours = {flag.dest for flag in _FLAGS if flag.env}
+    ours = {flag.dest for flag in FLAGS if flag.env}
     assert reads_env <= ours
     assert {dest for dest in torchrun_actions if dest not in reads_env and dest in ours} == set()
     assert reads_env >= {"nproc_per_node", "standalone", "module"}
@@ -419,7 +420,7 @@ def test_each_standalone_run_gets_its_own_id(script):
 
 
 def test_standalone_overrides_rdzv_flags_and_warns(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(
             ["--standalone", "--rdzv-backend", "static", "--rdzv-endpoint", "h:1", script],
             {"PET_RDZV_ID": "mine"},
@@ -435,14 +436,14 @@ def test_standalone_overrides_rdzv_flags_and_warns(script, caplog):
 
 
 def test_standalone_without_rdzv_flags_does_not_warn(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         parse(["--standalone", script])
         parse([script])
     assert caplog.text == ""
 
 
 def test_implicit_standalone_warns_about_a_given_id(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--rdzv-id", "job1", script])
     assert config.standalone and config.rdzv_id != "job1"
     assert "--rdzv-id=job1" in caplog.text
@@ -455,7 +456,7 @@ def test_explicit_backend_is_not_standalone(script):
 
 
 def test_master_port_on_one_node_is_static_as_in_torchrun(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--master-port", "29501", script])
     assert not config.standalone and config.rdzv_backend == "static"
     assert (config.rdzv_host, config.rdzv_port) == ("127.0.0.1", 29501)
@@ -463,7 +464,7 @@ def test_master_port_on_one_node_is_static_as_in_torchrun(script, caplog):
 
 
 def test_master_addr_alone_on_one_node_is_ignored_as_in_torchrun(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--master-addr", "10.0.0.9", script])
     assert config.standalone
     assert "--master-addr: ignored, as torchrun ignores it with --rdzv-backend=c10d" in caplog.text
@@ -492,14 +493,14 @@ def test_node_rank_without_a_backend_is_torchruns_static(argv, environ, script):
 
 
 def test_node_rank_with_our_server_orders_nodes(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--node-rank", "1", *ENDPOINT, script])
     assert config.rdzv_backend == "c10d" and config.node_rank_given and config.node_rank == 1
     assert caplog.text == ""
 
 
 def test_node_rank_with_etcd_warns(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--node-rank", "1", "--rdzv-backend", "etcd", *ENDPOINT, script])
     assert "--node-rank=1: ignored with --rdzv-backend=etcd" in caplog.text
     assert not config.node_rank_given
@@ -810,7 +811,7 @@ def test_empty_log_dir_means_a_temporary_one(script):
 
 
 def test_run_path_beats_no_python(script, caplog):
-    with caplog.at_level(logging.WARNING, logger="node_agent.args"):
+    with caplog.at_level(logging.WARNING, logger="node_agent.cli"):
         config = parse(["--run-path", "--no-python", script])
     assert config.run_path and config.no_python
     assert "--run-path takes precedence over --no-python" in caplog.text
@@ -953,7 +954,7 @@ def loaded_in_a_fresh_interpreter(setup: str, packages: tuple[str, ...]) -> list
 
 
 def test_importing_the_front_end_loads_neither_torch_nor_aiohttp():
-    setup = "import node_agent.args, node_agent.worker_env, node_agent.nproc, node_agent.config"
+    setup = "import node_agent.cli.parse, node_agent.worker_env, node_agent.cli.nproc, node_agent.config"
     assert loaded_in_a_fresh_interpreter(setup, ("torch", "aiohttp", "numpy")) == []
 
 
@@ -1025,9 +1026,10 @@ def test_a_launch_imports_nothing_it_does_not_need():
     # Each of these costs milliseconds of every launch (shutil brings zlib, bz2 and lzma;
     # uuid brings platform; hashlib initialises OpenSSL); the agent has its own small versions.
     setup = (
-        "import os, node_agent.args, node_agent.runner, node_agent.logs, node_agent.runtime_dir\n"
+        "import os, node_agent.cli.flags, node_agent.cli.parse\n"
+        "import node_agent.runner, node_agent.logs, node_agent.runtime_dir\n"
         "import rdzv_server.service\n"
-        "node_agent.args.build_parser().format_help()\n"
+        "node_agent.cli.flags.build_parser().format_help()\n"
         "rt = node_agent.runtime_dir.RuntimeDir()\n"
         "run = node_agent.logs.RunLogs(None, 'x', rt)\n"
         "run.new_attempt().page_path(0)\n"
@@ -1038,7 +1040,7 @@ def test_a_launch_imports_nothing_it_does_not_need():
 
 
 def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> None:
-    from node_agent.args import random_uuid4
+    from node_agent.cli.flags import random_uuid4
     from node_agent.executables import which
     from node_agent.logs import make_temp_dir
 

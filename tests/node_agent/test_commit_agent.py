@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from node_agent import specs
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import ConfigError, RdzvConf
 from node_agent.machine import events as st
 from node_agent.machine.agent import AgentMachine

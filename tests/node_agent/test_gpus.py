@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from node_agent.cli.nproc import physical_gpu_uuids, resolve_nproc
 from node_agent.gpu import devices as gpus_mod
 from node_agent.gpu.devices import Gpu, GpuOrderUnknown, VisibleGpu, physical_gpus, visible_gpus
-from node_agent.nproc import physical_gpu_uuids, resolve_nproc
 from tests.fake_gpu_machine import H100, FakeGpu, FakeMachine, build, single_socket, two_socket_8gpu
 
 BUSES = ["0000:1b:00.0", "0000:29:00.0", "0000:45:00.0", "0000:4e:00.0"]
@@ -430,7 +430,7 @@ def test_nproc_counts_gpus_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.M
 def test_nproc_count_never_depends_on_the_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # On a mixed node the count is exact even where the order is not.
     machine = mixed_machine(tmp_path, "proc")
-    from node_agent import nproc
+    from node_agent.cli import nproc
 
     monkeypatch.setattr(nproc, "physical_gpu_uuids", lambda: physical_gpu_uuids(machine.proc_nvidia))
     assert resolve_nproc("gpu", environ={}) == 4

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import nproc
-from node_agent.args import parse_config
+from node_agent.cli import nproc
+from node_agent.cli.nproc import resolve_nproc
+from node_agent.cli.parse import parse_config
 from node_agent.config import ConfigError
 from node_agent.gpu import amd_intel as mod
 from node_agent.gpu.amd_intel import (
@@ -25,7 +26,6 @@ from node_agent.gpu.amd_intel import (
     visible_amd_count,
     visible_xpu_count,
 )
-from node_agent.nproc import resolve_nproc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -297,7 +297,7 @@ def test_auto_starts_eight_workers_on_a_fake_amd_node(tmp_path: Path) -> None:
     )
     launcher = (
         "import sys\n"
-        "from node_agent import nproc\nfrom node_agent.gpu import amd_intel as m\n"
+        "from node_agent.cli import nproc\nfrom node_agent.gpu import amd_intel as m\n"
         f"m.SYS_ROOT, m.DEV_DIR = {str(node.sys)!r}, {str(node.dev)!r}\n"
         "nproc.physical_gpu_uuids = lambda: []\n"
         "from node_agent.cli import main\n"

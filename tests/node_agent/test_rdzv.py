@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig
 from node_agent.rdzv import RendezvousBackend, RendezvousError, open_backend
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from node_agent import config as config_module
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import ConfigError, RdzvConf
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig
 from node_agent.rdzv import RendezvousError
 from node_agent.rdzv.static import StaticBackend, StaticConnection, static_ranks

@@ -4,7 +4,7 @@ Join offers the store only when this node's agent can host it."""
 
 from __future__ import annotations
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig
 from node_agent.specs import join_message
 from node_agent.worker_env import NodeAssignment, worker_env

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig, ConfigError
 from tests.pki import Pki, make_pki
 

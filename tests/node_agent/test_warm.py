@@ -283,7 +283,7 @@ async def test_a_replacement_warms_once_a_worker_ends(tmp_path: Path) -> None:
 
 
 def test_preload_flag_and_variable() -> None:
-    from node_agent.args import parse_config
+    from node_agent.cli.parse import parse_config
     from node_agent.config import ConfigError
     from node_agent.warm import warm_pool
 

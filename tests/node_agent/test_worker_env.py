@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig, ConfigError
 from node_agent.worker_env import (
     NodeAssignment,

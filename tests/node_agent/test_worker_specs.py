@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.args import parse_config
+from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig, Std
 from node_agent.specs import worker_specs
 from protocol import Assignment

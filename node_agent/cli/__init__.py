@@ -6,14 +6,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import ConfigError
+from ..config import ConfigError
 
 EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .agent_log import for_cli, install
-    from .args import parse_config
+    from ..agent_log import for_cli, install
+    from .parse import parse_config
 
     log = for_cli(os.environ.get("LOGLEVEL"))
     install(log)  # the command line's warnings are agent lines
@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # error_file (json, 1 ms) is imported only when there is one to write.
     error_file = None
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from . import error_file as ef
+        from .. import error_file as ef
 
         error_file = ef.launcher_error_file(os.environ)
     try:
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if error_file:
             ef.write(error_file, ef.exception_record(exc), log)
         return EXIT_USAGE
-    from .runner import run_agent
+    from ..runner import run_agent
 
     try:
         agent, outcome = run_agent(config)
@@ -45,7 +45,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if record is not None:
             ef.write(error_file, record, agent.log)
     return outcome.code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

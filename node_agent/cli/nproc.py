@@ -27,12 +27,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .config import ConfigError
-from .gpu.devices import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
+from ..config import ConfigError
+from ..gpu.devices import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .gpu.amd_intel import AmdGpu, IntelGpu
+    from ..gpu.amd_intel import AmdGpu, IntelGpu
 # gpu/amd_intel.py (1 ms) is imported only where AMD or Intel devices are counted: a launch with
 # a number or with NVIDIA GPUs never pays for it.
 
@@ -122,7 +122,7 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
     nvidia = visible_gpu_count(environ.get("CUDA_VISIBLE_DEVICES"), physical_gpu_uuids())
     if nvidia > 0:
         return nvidia
-    from .gpu.amd_intel import visible_amd_count
+    from ..gpu.amd_intel import visible_amd_count
 
     return visible_amd_count(environ, physical_amd_gpus())
 
@@ -130,13 +130,13 @@ def count_visible_gpus(environ: Mapping[str, str]) -> int:
 def count_visible_xpus(environ: Mapping[str, str], *, integrated: bool = True) -> int:
     """How many devices torch.xpu counts in a worker started with ``environ`` (``integrated``:
     whether an integrated GPU may count); UnknownMask for a ZE_AFFINITY_MASK we cannot read."""
-    from .gpu.amd_intel import visible_xpu_count
+    from ..gpu.amd_intel import visible_xpu_count
 
     return visible_xpu_count(environ, physical_intel_gpus(), integrated=integrated)
 
 
 def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
-    from .gpu.amd_intel import UnknownMask
+    from ..gpu.amd_intel import UnknownMask
 
     try:
         return count_visible_xpus(environ, integrated=integrated)
@@ -146,14 +146,14 @@ def _xpus(environ: Mapping[str, str], origin: str, *, integrated: bool) -> int:
 
 def physical_amd_gpus() -> list[AmdGpu]:
     """The AMD GPUs ROCm would use (gpu.amd_intel.amd_gpus; the seam tests replace)."""
-    from .gpu.amd_intel import amd_gpus
+    from ..gpu.amd_intel import amd_gpus
 
     return amd_gpus()
 
 
 def physical_intel_gpus() -> list[IntelGpu]:
     """The Intel GPUs Level Zero would use (gpu.amd_intel.intel_gpus; the seam tests replace)."""
-    from .gpu.amd_intel import intel_gpus
+    from ..gpu.amd_intel import intel_gpus
 
     return intel_gpus()
 
