@@ -7,7 +7,7 @@ Each trial runs torchrun, node-agent, or node-agent with ``--preload torch``.
 
 Before a failure is injected the machine is left quiet: every rank ready, and with
 ``--preload`` every local rank's warm interpreter done importing (found in ``/proc``: the
-agent's descendants that run ``node_agent/warm_boot.py``, blocked reading their control
+agent's descendants that run ``node_agent/supervisor/warm_boot.py``, blocked reading their control
 socket), so that a replacement finds what a job that has trained for a while would find.
 """
 

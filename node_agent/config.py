@@ -476,7 +476,7 @@ class AgentConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     # --preload: modules each local rank's warm interpreter imports before its assignment
-    # (node_agent/warm.py); empty: workers start cold.
+    # (node_agent/supervisor/warm.py); empty: workers start cold.
     preload: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

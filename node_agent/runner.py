@@ -51,9 +51,10 @@ from .specs import (
     worker_specs,
 )
 from .store.host import StoreHost, StoreUnavailable, hosts_round
-from .supervisor import WorkerGroup, WorkerSpawnError
+from .supervisor.group import WorkerGroup
+from .supervisor.spec import WorkerSpawnError
+from .supervisor.warm import warm_pool
 from .torch_events import EventLog
-from .warm import warm_pool
 from .worker_env import omp_threads_notice
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """What the agent starts and sends, as plain functions of the config and what the server said.
 
-:func:`worker_specs` turns an assignment into one :class:`~node_agent.supervisor.WorkerSpec` per
+:func:`worker_specs` turns an assignment into one :class:`~node_agent.supervisor.group.WorkerSpec` per
 local rank (argv, environment, files, console prefix); :func:`join_message` is this node's
 ``Join``; :func:`failure_of` and :func:`failures_of` turn a worker's exit into the ``Failure``
 the agent reports; :func:`machine_settings` is what the agent's machine is told of the config.
@@ -25,7 +25,7 @@ from .config import AgentConfig
 from .machine import events as st
 from .machine.training import Training
 from .machine.watch import HangPolicy
-from .supervisor import GroupResult, WorkerExit, WorkerSpec
+from .supervisor.spec import GroupResult, WorkerExit, WorkerSpec
 from .worker_env import NodeAssignment, training_health_env, worker_argv, worker_env
 
 

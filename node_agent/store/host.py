@@ -37,7 +37,7 @@ from pathlib import Path
 
 from protocol import Assignment
 
-from .. import procutil
+from ..supervisor import procutil
 from ..worker_env import SECRETS
 
 __all__ = ["StoreHost", "StoreUnavailable", "hosts_round", "listen_socket"]

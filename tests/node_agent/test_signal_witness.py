@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from node_agent.signal_witness import FRESH_S, SignalWitness
+from node_agent.supervisor.signal_witness import FRESH_S, SignalWitness
 
 
 class Clock:

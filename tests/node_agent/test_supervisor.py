@@ -23,17 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import procutil
 from node_agent.config import Std
-from node_agent.console import Console, LineFilter
-from node_agent.supervisor import (
-    DRAIN_TIMEOUT,
-    ConsoleFramer,
-    GroupResult,
-    WorkerGroup,
-    WorkerSpawnError,
-    WorkerSpec,
-)
+from node_agent.supervisor import procutil
+from node_agent.supervisor.console import Console, ConsoleFramer, LineFilter
+from node_agent.supervisor.group import WorkerGroup
+from node_agent.supervisor.spec import DRAIN_TIMEOUT, GroupResult, WorkerSpawnError, WorkerSpec
 
 WORKERS = Path(__file__).parent / "workers"
 MARK_VAR = "NODE_AGENT_SUPERVISOR_TEST"

@@ -22,8 +22,9 @@ import pytest
 
 from node_agent.config import AgentConfig, Std, StdSpec
 from node_agent.specs import worker_specs
-from node_agent.supervisor import GroupResult, WorkerGroup
-from node_agent.warm import ROUND_VARS, WarmInterpreter, WarmPool, _python_flags, warm_env
+from node_agent.supervisor.group import WorkerGroup
+from node_agent.supervisor.spec import GroupResult
+from node_agent.supervisor.warm import ROUND_VARS, WarmInterpreter, WarmPool, _python_flags, warm_env
 from node_agent.worker_env import worker_argv
 from protocol import Assignment
 
@@ -285,7 +286,7 @@ async def test_a_replacement_warms_once_a_worker_ends(tmp_path: Path) -> None:
 def test_preload_flag_and_variable() -> None:
     from node_agent.cli.parse import parse_config
     from node_agent.config import ConfigError
-    from node_agent.warm import warm_pool
+    from node_agent.supervisor.warm import warm_pool
 
     cfg = parse_config(["--preload", "torch, torch.nn,torch", str(PROBE)], {})
     assert cfg.preload == ("torch", "torch.nn")

@@ -14,7 +14,8 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 )
 
-from node_agent.supervisor import WorkerGroup, WorkerSpec
+from node_agent.supervisor.group import WorkerGroup
+from node_agent.supervisor.spec import WorkerSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

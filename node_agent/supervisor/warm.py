@@ -2,7 +2,7 @@
 
 For each local rank the agent keeps at most one warm interpreter: the workers' own Python,
 started with a cold worker's interpreter flags, session, ``PR_SET_PDEATHSIG`` and environment
-(less :data:`ROUND_VARS`, which only a round decides), running :mod:`node_agent.warm_boot`,
+(less :data:`ROUND_VARS`, which only a round decides), running :mod:`node_agent.supervisor.warm_boot`,
 which imports the modules and waits on a control socket.  On an assignment the supervisor hands
 one the worker's argv, environment, cwd and stdio descriptors (:meth:`WarmInterpreter.handoff`)
 and it becomes that worker: same pid, so the supervisor's exit, watchdog and stop logic see a
@@ -31,9 +31,9 @@ import socket
 import struct
 from collections.abc import Callable, Mapping, Sequence
 
+from ..config import AgentConfig
+from ..worker_env import FR_DUMP_VARS, FR_PIPE_VARS, PAGE_VAR, NodeAssignment, worker_argv, worker_env
 from . import procutil, warm_boot
-from .config import AgentConfig
-from .worker_env import FR_DUMP_VARS, FR_PIPE_VARS, PAGE_VAR, NodeAssignment, worker_argv, worker_env
 
 __all__ = [
     "PRELOAD_TIMEOUT",
