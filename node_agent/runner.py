@@ -7,7 +7,8 @@ stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the
 Which rendezvous the agent talks to is not this module's business: it gets a
 :class:`~node_agent.rdzv.RendezvousBackend` (from :func:`~node_agent.rdzv.open_backend`, or one
 a test gives it) and only ever connects, sends, receives and closes. What each worker gets,
-what the agent sends and the failures it reports are plain functions in :mod:`node_agent.specs`;
+what the agent sends and the failures it reports are plain functions (:mod:`node_agent.worker_env`,
+:mod:`node_agent.outbound`, :mod:`node_agent.machine.settings`);
 this module only carries them out. :meth:`Agent.run` returns an :class:`AgentOutcome`: the exit
 code and why.
 """
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -36,26 +38,19 @@ from .logs import RunLogs
 from .machine import events as st
 from .machine.agent import AgentMachine
 from .machine.events import DumpStacks, JobHangReport, WriteStop
+from .machine.settings import machine_settings, training
 from .machine.training import JOB_REPORT_TITLE, Training
+from .outbound import failure_of, failures_of, join_message
 from .progress.poll import ARMING_POLL_S, RoundPages, add_job_report, dump, poll
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .runtime_dir import RuntimeDir
-from .specs import (
-    failure_of,
-    failures_of,
-    join_message,
-    machine_settings,
-    make_node_id,
-    training,
-    worker_specs,
-)
 from .store.host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor.group import WorkerGroup
 from .supervisor.spec import WorkerSpawnError
 from .supervisor.warm import warm_pool
 from .torch_events import EventLog
-from .worker_env import omp_threads_notice
+from .worker_env import omp_threads_notice, worker_specs
 
 if TYPE_CHECKING:
     from .rdzv import RendezvousBackend, RendezvousLink
@@ -125,6 +120,11 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
 
     threading.Thread(target=run, name="node-agent-gpus", daemon=True).start()
     return await fut
+
+
+def make_node_id() -> str:
+    """This run's node id: host, pid and a random tail (a restarted agent is a new node)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
 
 
 class Agent:
@@ -335,9 +335,16 @@ class Agent:
         self.addr = cfg.local_addr or conn.local_ip
         machine = AgentMachine(
             settings=machine_settings(
-                cfg, node_id=self.node_id, addr=self.addr, reconnects=backend.reconnects
+                cfg,
+                node_id=self.node_id,
+                addr=self.addr,
+                reconnects=backend.reconnects,
+                environ=os.environ,
+                wall_offset=time.time() - time.monotonic(),  # the machine's clock is monotonic
             ),
-            training=training(cfg, node_id=self.node_id, addr=self.addr),
+            training=training(
+                cfg, node_id=self.node_id, addr=self.addr, wall_offset=time.time() - time.monotonic()
+            ),
         )
         self._poll_every = machine.training.policy.poll_interval_s() if machine.training else 1.0
         self._training = machine.training

@@ -37,11 +37,17 @@ secrets and pass, as torchrun passes everything.
 
 from __future__ import annotations
 
+import os
+import socket
+import string
 from collections.abc import Mapping
+from typing import Protocol
 
+from protocol import Assignment
 from protocol.records import record
 
 from .config import AgentConfig, ConfigError
+from .supervisor.spec import WorkerSpec
 
 __all__ = ["NodeAssignment", "omp_threads_notice", "training_health_env", "worker_argv", "worker_env"]
 
@@ -233,3 +239,110 @@ def training_health_env(
         if not any(name in base_env for name in names):
             env.update(dict.fromkeys(names, value))
     return env
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(attempts: int = 50) -> int:
+    """A port free right now, for worker rank 0's TCPStore, which binds it seconds later.
+
+    Ports the kernel hands out for outgoing connections (the ephemeral range) can be taken in
+    those seconds by any connect() on this machine, gloo's included; a port below that range
+    is only taken by an explicit bind. So we look there first, and fall back to port 0.
+    """
+    lo, _ = _ephemeral_range()
+    low_end = max(1024, lo - 1)
+    for _ in range(attempts if low_end > 10000 else 0):
+        port = 10000 + int.from_bytes(os.urandom(4), "big") % (low_end - 9999)  # not `random`: 2 ms to import
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def line_prefix(cfg: AgentConfig, local_rank: int, rank: int) -> str:
+    """torchrun's tee prefix, ``[default0]:``, or its TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE."""
+    if cfg.log_line_prefix_template is None:
+        return f"[{cfg.role}{local_rank}]:"
+    return string.Template(cfg.log_line_prefix_template).safe_substitute(
+        role_name=cfg.role, local_rank=local_rank, rank=rank
+    )
+
+
+class AttemptPaths(Protocol):
+    """Where one attempt's files go (:class:`node_agent.logs.Attempt`)."""
+
+    def error_file(self, local_rank: int) -> str: ...
+    def stdout_path(self, local_rank: int) -> str: ...
+    def stderr_path(self, local_rank: int) -> str: ...
+    def filtered_stdout_path(self) -> str: ...
+    def filtered_stderr_path(self) -> str: ...
+    def page_path(self, local_rank: int) -> str: ...
+    def flight_recorder_stem(self, kind: str) -> str: ...
+
+
+def worker_specs(
+    cfg: AgentConfig,
+    a: Assignment,
+    environ: Mapping[str, str],
+    paths: AttemptPaths,
+    cpus: Mapping[int, frozenset[int]] | None = None,
+) -> list[WorkerSpec]:
+    """What to start for one assignment: a spec per local rank, its argv, environment and files;
+    ``cpus``: each local rank's ``--numa-binding`` (gpu/binding.py)."""
+    node = NodeAssignment(
+        run_id=cfg.rdzv_id,
+        group_rank=a.group_rank,
+        group_world_size=a.group_world_size,
+        rank_offset=a.rank_offset,
+        world_size=a.world_size,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        restart_count=a.restart_count,
+        max_restarts=a.max_restarts,
+        agent_store=a.agent_store,
+    )
+    specs = []
+    fr_dump, fr_pipe = paths.flight_recorder_stem("trace"), paths.flight_recorder_stem("pipe")
+    for local_rank in range(cfg.nproc_per_node):
+        error_file = paths.error_file(local_rank)
+        rank = a.rank_offset + local_rank
+        env = worker_env(
+            config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
+        )
+        env.update(
+            training_health_env(environ, page=paths.page_path(local_rank), fr_dump=fr_dump, fr_pipe=fr_pipe)
+        )
+        specs.append(
+            WorkerSpec(
+                local_rank=local_rank,
+                rank=rank,
+                argv=worker_argv(cfg, local_rank),
+                env=env,
+                redirect=cfg.redirect_for(local_rank),
+                tee=cfg.tee_for(local_rank),
+                stdout_path=paths.stdout_path(local_rank),
+                stderr_path=paths.stderr_path(local_rank),
+                console=cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter,
+                prefix=line_prefix(cfg, local_rank, rank),
+                error_file=error_file,
+                duplicate_stdout_filters=cfg.duplicate_stdout_filters,
+                duplicate_stderr_filters=cfg.duplicate_stderr_filters,
+                filtered_stdout_path=paths.filtered_stdout_path(),
+                filtered_stderr_path=paths.filtered_stderr_path(),
+                cpus=cpus.get(local_rank) if cpus else None,
+            )
+        )
+    return specs

@@ -60,7 +60,8 @@ def _module(path: Path) -> str:
 
 PURE_MODULES = {_module(p) for p in PURE_FILES} | {"protocol", "node_agent.worker.layout"}
 # Pure functions that live in an I/O module, named one by one.
-PURE_NAMES = {("node_agent.agent_log", "shown")}
+# shown: an escape for text a peer sent; AgentConfig: the frozen config, only read.
+PURE_NAMES = {("node_agent.agent_log", "shown"), ("node_agent.config", "AgentConfig")}
 PROJECT = ("protocol", "edge", "node_agent", "rdzv_server")
 
 

@@ -105,11 +105,11 @@ def hosts_round(a: Assignment) -> bool:
 def listen_socket(attempts: int = 5) -> socket.socket:
     """A socket listening on a free port, dual-stack where the machine has IPv6.
 
-    The port comes from :func:`node_agent.specs.free_port` (below the ephemeral range, where
+    The port comes from :func:`node_agent.worker_env.free_port` (below the ephemeral range, where
     nothing but an explicit bind takes a port); another process may bind it in between, hence
     the retries.
     """
-    from ..specs import free_port
+    from ..worker_env import free_port
 
     last: OSError | None = None
     for _ in range(attempts):

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import specs
 from node_agent.cli.parse import parse_config
 from node_agent.config import ConfigError, RdzvConf
 from node_agent.machine import events as st
 from node_agent.machine.agent import AgentMachine
 from node_agent.machine.events import ProgressRead, WriteStop
+from node_agent.machine.settings import machine_settings
 from node_agent.machine.training import Training
 from node_agent.machine.watch import HangPolicy
+from node_agent.outbound import join_message
 from node_agent.progress.pages import RankSample
 from node_agent.progress.poll import RoundPages, poll
 from node_agent.worker import layout as L
@@ -421,12 +422,22 @@ def test_commit_keys_parse_and_travel_in_the_join_and_the_settings(tmp_path: Pat
         "--rdzv-conf=commit_timeout=90,commit_steps=4",
     ]
     cfg = parse_config(["--nnodes=1:2", *common, str(script)], {"PATH": "/usr/bin"})
-    join = specs.join_message(cfg, node_id="n", addr="10.0.0.1", proof="", node_secret="")
+    join = join_message(cfg, node_id="n", addr="10.0.0.1", proof="", node_secret="")
     assert (join.commit_timeout, join.commit_steps) == (90.0, 4)
-    assert specs.machine_settings(cfg, node_id="n", addr="a", reconnects=True).commit_timeout == 90.0
+    assert (
+        machine_settings(
+            cfg, node_id="n", addr="a", reconnects=True, environ={}, wall_offset=0.0
+        ).commit_timeout
+        == 90.0
+    )
     # A fixed-size job's SIGTERM is no drain: it never asks for a commit.
     fixed = parse_config(["--nnodes=2", *common, str(script)], {"PATH": "/usr/bin"})
-    assert specs.machine_settings(fixed, node_id="n", addr="a", reconnects=True).commit_timeout == 0.0
+    assert (
+        machine_settings(
+            fixed, node_id="n", addr="a", reconnects=True, environ={}, wall_offset=0.0
+        ).commit_timeout
+        == 0.0
+    )
 
 
 @pytest.mark.parametrize(

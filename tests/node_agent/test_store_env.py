@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig
-from node_agent.specs import join_message
+from node_agent.outbound import join_message
 from node_agent.worker_env import NodeAssignment, worker_env
 
 

@@ -21,11 +21,10 @@ from typing import Any
 import pytest
 
 from node_agent.config import AgentConfig, Std, StdSpec
-from node_agent.specs import worker_specs
 from node_agent.supervisor.group import WorkerGroup
 from node_agent.supervisor.spec import GroupResult
 from node_agent.supervisor.warm import ROUND_VARS, WarmInterpreter, WarmPool, _python_flags, warm_env
-from node_agent.worker_env import worker_argv
+from node_agent.worker_env import worker_argv, worker_specs
 from protocol import Assignment
 
 WORKERS = Path(__file__).parent / "workers"

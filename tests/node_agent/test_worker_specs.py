@@ -10,7 +10,7 @@ import pytest
 
 from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig, Std
-from node_agent.specs import worker_specs
+from node_agent.worker_env import worker_specs
 from protocol import Assignment
 
 
