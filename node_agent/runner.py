@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO
 
 from protocol import Assignment, Failure, Heartbeat, Join, Message, Resume
 from protocol.auth import proof as auth_proof
@@ -33,15 +33,14 @@ from protocol.records import record
 
 from .agent_log import AgentLog, shown
 from .config import AgentConfig
-from .executables import which
+from .health_check import health_check
 from .logs import RunLogs
 from .machine import events as st
 from .machine.agent import AgentMachine
 from .machine.events import DumpStacks, JobHangReport, WriteStop
 from .machine.settings import machine_settings, training
-from .machine.training import JOB_REPORT_TITLE, Training
 from .outbound import failure_of, failures_of, join_message
-from .progress.poll import ARMING_POLL_S, RoundPages, add_job_report, dump, poll
+from .progress.poll import RoundWatch
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .runtime_dir import RuntimeDir
@@ -53,10 +52,8 @@ from .torch_events import EventLog
 from .worker_env import omp_threads_notice, worker_specs
 
 if TYPE_CHECKING:
+    from .gpu.node import GpuNode
     from .rdzv import RendezvousBackend, RendezvousLink
-
-HEALTH_CHECK_TIMEOUT = 60.0
-T = TypeVar("T")
 
 
 @record(frozen=True, slots=True)
@@ -69,57 +66,6 @@ class AgentOutcome:
     local_failures: tuple[Failure, ...] = ()  # this node's failed workers, first first
     # {local rank: global rank} of the last workers this node started; empty if none were
     ranks: Mapping[int, int] = field(default_factory=dict)
-
-
-async def health_check(cmd: str, timeout: float = HEALTH_CHECK_TIMEOUT) -> str | None:
-    """Run --health-check (before each rendezvous): None if it passed, else what went wrong.
-
-    Cancelled (the agent exits meanwhile), it kills the check's whole process group first."""
-    proc = await asyncio.create_subprocess_shell(
-        cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        return f"{cmd!r} did not finish within {timeout:g} s"
-    finally:
-        if proc.returncode is None:  # timed out or cancelled: nothing of the check outlives it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.shield(proc.wait())
-    if proc.returncode == 0:
-        return None
-    tail = out.decode(errors="replace").strip().splitlines()[-5:]
-    detail = f": {' / '.join(tail)}" if tail else ""
-    return f"{cmd!r} exited with {proc.returncode}{detail}"
-
-
-async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a thread of its own that the agent's exit never waits for (the default
-    executor's would be joined: a hung nvidia-smi must not hold the agent's exit)."""
-    import threading
-
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result, error = fn(*args), None
-        except Exception as e:
-            result, error = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name="node-agent-gpus", daemon=True).start()
-    return await fut
 
 
 def make_node_id() -> str:
@@ -192,25 +138,15 @@ class Agent:
         self._assignment: Assignment | None = None
         self._ranks: dict[int, int] = {}
         # Watching the training (progress/poll.py): this round's pages, their poll, a stack dump.
-        self._pages: RoundPages | None = None
-        self._poll_every = 1.0
-        self._training: Training | None = None  # the machine's: its arming step picks the poll
-        self._poll_task: asyncio.Task[None] | None = None
-        self._dump_task: asyncio.Task[None] | None = None
-        # The server's job-wide hang report filed (report path, text): a dump that ends after
-        # it writes the file anew, and files it again.
-        self._job_report: tuple[str, str] | None = None
+        self.watch = RoundWatch(self._spawn, self.events.put_nowait, self.log)
         self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store/host.py)
-        # GPU nodes (gpu/binding.py): --numa-binding's CPUs per local rank; the visible GPUs'
-        # UUIDs, found once when first needed; the wait for the last workers' GPU memory to be
-        # released, which the next start awaits; a start deferred behind that wait.
-        self._cpus: dict[int, frozenset[int]] = {}
-        self._binding_table = ""
-        self._gpu_uuids: list[str] | None = None
+        # GPU nodes (gpu/node.py, built when first needed): --numa-binding's CPUs, the visible
+        # GPUs, the GPU check; the wait for the last workers' GPU memory to be released, which
+        # the next start awaits; a start deferred behind that wait.
+        self._gpu: GpuNode | None = None
         self._gpus_released: asyncio.Task[None] | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._started_us = int(time.monotonic() * 1e6)  # Xids the GPU check counts come after this
-        self._xids_unread_said = False
 
     # -- the whole run ---------------------------------------------------------------------
 
@@ -225,14 +161,14 @@ class Agent:
             from .gpu.binding import GpuSetupError  # GPU nodes only (1.5 ms to import)
 
             try:
-                self._bind()
+                self._gpu_node().bind()
             except GpuSetupError as exc:
                 return self._gave_up(str(exc))
         if self.warm is None:
             return await self._run()
         # The first warm-up overlaps the rendezvous; each interpreter starts on its rank's CPUs,
         # so what its imports size by the CPUs they see (OpenMP's threads) is a cold worker's.
-        self.warm.start(self._cpus)
+        self.warm.start(self._cpus())
         try:
             return await self._run()
         finally:
@@ -262,18 +198,16 @@ class Agent:
                 if self.store is not None:
                     await self.store.close()
 
-    def _bind(self) -> None:
-        """--numa-binding: each local rank's CPUs, found before any rendezvous (a machine we
-        cannot read is the user's error to see at once, not after the job has formed)."""
-        from .gpu.binding import binding_table, bindings_for
+    def _gpu_node(self) -> GpuNode:
+        if self._gpu is None:
+            from .gpu.node import GpuNode  # GPU work only: a launch without it never imports it
 
-        mode = self.config.numa_binding
-        assert mode is not None
-        bindings = bindings_for(mode, self.config.nproc_per_node, os.environ, log=self.log)
-        for b in bindings:
-            self.log(f"NUMA binding: {b.line(mode)}")
-        self._cpus = {b.local_rank: b.cpus for b in bindings}
-        self._binding_table = binding_table(mode, bindings)
+            self._gpu = GpuNode(self.config, os.environ, self.log, self.clock, self._started_us)
+        return self._gpu
+
+    def _cpus(self) -> dict[int, frozenset[int]]:
+        """--numa-binding's CPUs per local rank (none without it)."""
+        return self._gpu.cpus if self._gpu is not None else {}
 
     async def _start_health_server(self) -> Any:
         port = self.config.health_check_port
@@ -346,8 +280,7 @@ class Agent:
                 cfg, node_id=self.node_id, addr=self.addr, wall_offset=time.time() - time.monotonic()
             ),
         )
-        self._poll_every = machine.training.policy.poll_interval_s() if machine.training else 1.0
-        self._training = machine.training
+        self.watch.follow(machine.training)
         notice = omp_threads_notice(cfg, os.environ)
         if notice:
             self.log(notice, "warning")
@@ -370,8 +303,7 @@ class Agent:
                 loop.remove_signal_handler(sig)
             # Whatever happened, no worker outlives the agent.
             await self.group.stop(grace=0.0, sig=signal.SIGKILL)
-            if self._pages is not None:
-                self._pages.close()
+            self.watch.close()
             await self.conn.close()
         return self._finish()
 
@@ -455,12 +387,11 @@ class Agent:
             elif isinstance(eff, st.Exit):
                 self._exit = eff
             elif isinstance(eff, DumpStacks):
-                self._dump_task = self._spawn(self._dump_stacks(eff))
+                self.watch.dump(eff, self.group.pids, self.node_id)
             elif isinstance(eff, WriteStop):
-                if self._pages is not None:
-                    self._pages.write_stop(eff)
+                self.watch.write_stop(eff)
             elif isinstance(eff, JobHangReport):
-                self._file_job_report(eff)
+                self.watch.file_job_report(eff)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -504,20 +435,14 @@ class Agent:
 
     async def _launch(self, a: Assignment, rendezvous_ms: float) -> None:
         self._assignment = a
-        events = self.events_log
-        if events.enabled:
-            events.restarts = a.restart_count
-            events.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=rendezvous_ms)
-            events.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
+        self.events_log.round_started(a, rendezvous_ms)
         attempt = self.logs.new_attempt()
-        specs = worker_specs(self.config, a, os.environ, attempt, self._cpus)
-        if self._binding_table:
-            self._write_binding(attempt.numa_binding_path())
+        specs = worker_specs(self.config, a, os.environ, attempt, self._cpus())
+        if self._gpu is not None and self._gpu.binding_table:
+            self._gpu.write_binding(attempt.numa_binding_path())
         self._ranks = {spec.local_rank: spec.rank for spec in specs}
-        if self._pages is not None:
-            self._pages.close()
         paths = [attempt.page_path(lr) for lr in range(self.config.nproc_per_node)]
-        self._pages = RoundPages(
+        self.watch.start_round(
             paths, a.rank_offset, attempt.flight_recorder_stem("pipe"), attempt.hang_report_path()
         )
         try:
@@ -528,60 +453,22 @@ class Agent:
             self.events.put_nowait(st.WorkersStartFailed(str(exc)))
             return
         self._phase = "running"
-        if events.enabled:
-            for local_rank, pid in self.group.pids.items():
-                self._worker_event("START", a, local_rank, pid)
+        self.events_log.workers_started(a, self.group.pids)
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
         self._wait_task = self._spawn(self._wait_workers(a))
-        self._poll_task = self._spawn(poll(self._pages, self._poll_interval, self.events.put_nowait))
-
-    def _poll_interval(self) -> float:
-        """Fast while a commit step waits for our ranks to see it, else the watch's interval."""
-        t = self._training
-        return ARMING_POLL_S if t is not None and t.arming is not None else self._poll_every
-
-    def _worker_event(
-        self,
-        state: str,
-        a: Assignment,
-        local_rank: int,
-        pid: int,
-        exit_code: int | None = None,
-        raw_error: str | None = None,
-    ) -> None:
-        self.events_log.worker(
-            state,
-            pid=pid,
-            rank=a.rank_offset + local_rank,
-            local_rank=local_rank,
-            group_rank=a.group_rank,
-            group_world_size=a.group_world_size,
-            role_world_size=a.world_size,
-            exit_code=exit_code,
-            raw_error=raw_error,
-        )
+        self.watch.start_poll()
 
     async def _wait_workers(self, a: Assignment) -> None:
         result = await self.group.wait()
-        if self.events_log.enabled:
-            for w in result.exits:
-                state = "FAILED" if w.failed else "SUCCEEDED"
-                raw_error = w.error_message or None if w.failed else None
-                self._worker_event(state, a, w.local_rank, w.pid, w.exitcode, raw_error)
+        self.events_log.workers_exited(a, result.exits)
         failures = failures_of(result, self.node_id, self.addr)
         cause = result.first_failure
         first = None if cause is None else failure_of(cause, self.node_id, self.addr)
-        if self._pages is not None:
+        read = self.watch.read()
+        if read is not None:
             # The steps reported since the last poll: the failure report carries the highest.
-            self.events.put_nowait(self._pages.read())
+            self.events.put_nowait(read)
         self.events.put_nowait(st.WorkersExited(first, failures))
-
-    def _write_binding(self, path: str) -> None:
-        try:
-            with open(path, "w") as f:
-                f.write(self._binding_table)
-        except OSError as e:
-            self.log(f"cannot write {path}: {e}", "warning")
 
     def _stop_workers(self, signum: int, grace: float) -> None:
         if self._start_task is not None:
@@ -590,10 +477,7 @@ class Agent:
         if self._wait_task is not None:
             self._wait_task.cancel()
             self._wait_task = None
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            self._poll_task = None
-        dumping = self._dump_task
+        dumping = self.watch.stop()
 
         async def stop() -> None:
             if dumping is not None:
@@ -603,41 +487,10 @@ class Agent:
             result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
             waiting = self._gpus_released is not None and not self._gpus_released.done()
             if result.exits and self.config.gpu_release_timeout > 0 and not waiting:
-                self._gpus_released = self._spawn(self._wait_gpus_released())
+                self._gpus_released = self._spawn(self._gpu_node().wait_released())
             self.events.put_nowait(st.WorkersStopped())
 
         self._spawn(stop())
-
-    async def _visible_gpus(self) -> list[str]:
-        """The UUIDs of the GPUs our workers see, found once (in a thread: nvidia-smi may take
-        its time, and the loop must not wait with it)."""
-        if self._gpu_uuids is None:
-            from .gpu.binding import visible_gpu_uuids
-
-            self._gpu_uuids = await _in_daemon_thread(visible_gpu_uuids, dict(os.environ))
-        return self._gpu_uuids
-
-    async def _wait_gpus_released(self) -> None:
-        """Before the next workers start: the last ones' GPU memory released (a zombie CUDA
-        context makes the restart die of out-of-memory), bounded by --gpu-release-timeout."""
-        smi = which("nvidia-smi")
-        if smi is None:
-            return  # no NVIDIA driver here (or nothing to ask it with)
-        uuids = await self._visible_gpus()
-        if not uuids:
-            return
-        t0 = self.clock()
-        cfg = self.config
-        from .gpu.health import wait_released  # GPU nodes only
-
-        problem = await wait_released(
-            uuids, smi=smi, threshold_mib=cfg.gpu_release_mib, timeout=cfg.gpu_release_timeout
-        )
-        waited = self.clock() - t0
-        if problem is not None:
-            self.log(problem, "warning")
-        elif waited > 1.0:
-            self.log(f"the last workers' GPU memory was released after {waited:.1f} s")
 
     # -- background tasks ------------------------------------------------------------------
 
@@ -646,56 +499,10 @@ class Agent:
         run's end cancels this task, which kills the check's processes."""
         assert self.config.health_check is not None
         if self.config.health_check == "gpu":
-            problem = await self._gpu_health()
+            problem = await self._gpu_node().check()
         else:
             problem = await health_check(self.config.health_check)
         self.events.put_nowait(st.HealthCheckDone(ok=problem is None, detail=problem or ""))
-
-    async def _gpu_health(self) -> str | None:
-        """``--health-check gpu``: every visible GPU answers, reports no uncorrected ECC error
-        and no fatal Xid since the agent started, and has its memory free (gpu/health.py)."""
-        smi = which("nvidia-smi")
-        if smi is None:
-            return "gpu: nvidia-smi is not on PATH, so the GPUs cannot be checked"
-        uuids = await self._visible_gpus()
-        if not uuids:
-            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
-            where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
-            return f"gpu: no NVIDIA GPU is visible{where}"
-        cfg = self.config
-        from .gpu.health import gpu_problem, kmsg_readable  # GPU nodes only
-
-        if not self._xids_unread_said and not kmsg_readable():
-            self._xids_unread_said = True
-            self.log(
-                "--health-check gpu: /dev/kmsg is not readable here, so Xid errors are not checked", "warning"
-            )
-        return await gpu_problem(
-            uuids,
-            smi=smi,
-            since_us=self._started_us,
-            release_mib=cfg.gpu_release_mib,
-            release_timeout=cfg.gpu_release_timeout,
-        )
-
-    async def _dump_stacks(self, eff: DumpStacks) -> None:
-        assert self._pages is not None
-        try:
-            done = await dump(eff, self._pages, self.group.pids, self.node_id)
-            if self._job_report is not None and done.path == self._job_report[0]:
-                add_job_report(*self._job_report)  # the dump wrote the file anew
-        finally:
-            self._dump_task = None
-        self.events.put_nowait(done)
-
-    def _file_job_report(self, eff: JobHangReport) -> None:
-        """The job's hang report, from the server, into this round's report file."""
-        if self._pages is None:
-            return  # no round of ours ran: nothing to add it to
-        path = self._pages.report_path
-        self._job_report = (path, eff.text)
-        if add_job_report(path, eff.text):
-            self.log(f"{JOB_REPORT_TITLE} is in {path}")
 
     async def _reconnect(self, deadline: float) -> None:
         while True:
@@ -754,17 +561,7 @@ class Agent:
         exit_ = self._exit
         assert exit_ is not None
         self._phase = "exited"
-        if self.events_log.enabled:
-            a = self._assignment
-            # As torchrun's: the agent's own run succeeded when it saw the job to its end,
-            # whatever the workers did; it failed on a rendezvous error or a signal.
-            ran = exit_.code == st.EXIT_OK or exit_.failure is not None or bool(exit_.local_failures)
-            self.events_log.agent(
-                "SUCCEEDED" if ran else "FAILED",
-                group_rank=None if a is None else a.group_rank,
-                group_world_size=None if a is None else a.group_world_size,
-                raw_error=None if ran else exit_.reason,
-            )
+        self.events_log.run_ended(self._assignment, exit_, ok=exit_.code == st.EXIT_OK)
         outcome = AgentOutcome(
             exit_.code, exit_.reason, exit_.failure, exit_.local_failures, dict(self._ranks)
         )

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import socket
 import sys
-from typing import Any, TextIO
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from protocol import Assignment
+
+    from .machine.events import Exit
+    from .supervisor.spec import WorkerExit
 
 __all__ = ["EventLog"]
 
@@ -33,6 +40,65 @@ class EventLog:
         self._entrypoint = entrypoint
         self._hostname = socket.gethostname() if self.enabled else ""
         self.restarts = 0
+
+    # -- the agent's steps, as torchrun records them -----------------------------------------
+
+    def round_started(self, a: Assignment, rendezvous_ms: float) -> None:
+        """A round was assigned: torchrun's RENDEZVOUS (timed from the join) and its rank
+        assignment."""
+        if not self.enabled:
+            return
+        self.restarts = a.restart_count
+        self.agent("RENDEZVOUS", group_world_size=a.group_world_size, duration_ms=rendezvous_ms)
+        self.agent("ASSIGN_WORKER_RANKS", group_world_size=a.group_world_size, duration_ms=0.0)
+
+    def workers_started(self, a: Assignment, pids: Mapping[int, int]) -> None:
+        if self.enabled:
+            for local_rank, pid in pids.items():
+                self._worker_event("START", a, local_rank, pid)
+
+    def workers_exited(self, a: Assignment, exits: Iterable[WorkerExit]) -> None:
+        if self.enabled:
+            for w in exits:
+                state = "FAILED" if w.failed else "SUCCEEDED"
+                raw_error = w.error_message or None if w.failed else None
+                self._worker_event(state, a, w.local_rank, w.pid, w.exitcode, raw_error)
+
+    def run_ended(self, a: Assignment | None, exit_: Exit, *, ok: bool) -> None:
+        """The agent's end. As torchrun's: its own run succeeded when it saw the job to its
+        end, whatever the workers did; it failed on a rendezvous error or a signal."""
+        if not self.enabled:
+            return
+        ran = ok or exit_.failure is not None or bool(exit_.local_failures)
+        self.agent(
+            "SUCCEEDED" if ran else "FAILED",
+            group_rank=None if a is None else a.group_rank,
+            group_world_size=None if a is None else a.group_world_size,
+            raw_error=None if ran else exit_.reason,
+        )
+
+    def _worker_event(
+        self,
+        state: str,
+        a: Assignment,
+        local_rank: int,
+        pid: int,
+        exit_code: int | None = None,
+        raw_error: str | None = None,
+    ) -> None:
+        self.worker(
+            state,
+            pid=pid,
+            rank=a.rank_offset + local_rank,
+            local_rank=local_rank,
+            group_rank=a.group_rank,
+            group_world_size=a.group_world_size,
+            role_world_size=a.world_size,
+            exit_code=exit_code,
+            raw_error=raw_error,
+        )
+
+    # -- one event ---------------------------------------------------------------------------
 
     def agent(
         self,

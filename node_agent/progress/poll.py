@@ -16,16 +16,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
 
 from protocol import Stacks
 from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
-from ..machine.events import DumpStacks, ProgressRead, StacksDumped, WriteStop
+from ..machine.events import DumpStacks, JobHangReport, ProgressRead, StacksDumped, WriteStop
 from .pages import PageSet, create_page
 
 if TYPE_CHECKING:
+    from ..machine.training import Training
     from .pages import RankSample
 
 STACKS_TIMEOUT = 5.0  # every rank's stacks, in all
@@ -150,3 +151,92 @@ def add_job_report(path: str, text: str) -> bool:
     from .stacks import append_report
 
     return append_report(path, f"\n\n{JOB_REPORT_TITLE}:\n\n{text}\n")
+
+
+class RoundWatch:
+    """The runner's side of watching the training, round after round: this round's pages,
+    their poll, a stack dump under way and the server's job-wide report filed into the
+    round's report file. ``spawn`` runs a task in the run's task group; ``put`` hands the
+    machine an event; ``log`` is the agent's log."""
+
+    def __init__(
+        self,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+        put: Callable[[Any], None],
+        log: Callable[[str], None],
+    ) -> None:
+        self._spawn = spawn
+        self._put = put
+        self._log = log
+        self.pages: RoundPages | None = None
+        self._poll_every = 1.0
+        self._training: Training | None = None  # the machine's: its arming step picks the poll
+        self._poll_task: asyncio.Task[None] | None = None
+        self._dump_task: asyncio.Task[None] | None = None
+        # The server's job-wide hang report filed (report path, text): a dump that ends after
+        # it writes the file anew, and files it again.
+        self._job_report: tuple[str, str] | None = None
+
+    def follow(self, training: Training | None) -> None:
+        """The machine's view of the training (None: nothing watched; the poll still reads)."""
+        self._training = training
+        self._poll_every = training.policy.poll_interval_s() if training else 1.0
+
+    def start_round(self, paths: list[str], rank_offset: int, fr_pipe_stem: str, report_path: str) -> None:
+        """The round's pages, created before its workers start (the last round's closed)."""
+        if self.pages is not None:
+            self.pages.close()
+        self.pages = RoundPages(paths, rank_offset, fr_pipe_stem, report_path)
+
+    def start_poll(self) -> None:
+        assert self.pages is not None
+        self._poll_task = self._spawn(poll(self.pages, self._poll_interval, self._put))
+
+    def _poll_interval(self) -> float:
+        """Fast while a commit step waits for our ranks to see it, else the watch's interval."""
+        t = self._training
+        return ARMING_POLL_S if t is not None and t.arming is not None else self._poll_every
+
+    def read(self) -> ProgressRead | None:
+        """The pages now (the steps reported since the last poll), or None before any round."""
+        return None if self.pages is None else self.pages.read()
+
+    def write_stop(self, eff: WriteStop) -> None:
+        if self.pages is not None:
+            self.pages.write_stop(eff)
+
+    def dump(self, eff: DumpStacks, pids: Mapping[int, int], node: str) -> None:
+        self._dump_task = self._spawn(self._dump(eff, pids, node))
+
+    async def _dump(self, eff: DumpStacks, pids: Mapping[int, int], node: str) -> None:
+        assert self.pages is not None
+        try:
+            done = await dump(eff, self.pages, pids, node)
+            if self._job_report is not None and done.path == self._job_report[0]:
+                add_job_report(*self._job_report)  # the dump wrote the file anew
+        finally:
+            self._dump_task = None
+        self._put(done)
+
+    def file_job_report(self, eff: JobHangReport) -> None:
+        """The job's hang report, from the server, into this round's report file."""
+        if self.pages is None:
+            return  # no round of ours ran: nothing to add it to
+        path = self.pages.report_path
+        self._job_report = (path, eff.text)
+        if add_job_report(path, eff.text):
+            from ..machine.training import JOB_REPORT_TITLE
+
+            self._log(f"{JOB_REPORT_TITLE} is in {path}")
+
+    def stop(self) -> asyncio.Task[None] | None:
+        """The workers are being stopped: the poll ends; the dump under way, if any, which
+        the stop waits for (a rank signalled mid-dump could die halfway)."""
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            self._poll_task = None
+        return self._dump_task
+
+    def close(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
