@@ -46,7 +46,7 @@ from .report import failure_summary
 from .runtime_dir import RuntimeDir
 from .store.host import StoreHost, StoreUnavailable, hosts_round
 from .supervisor.group import WorkerGroup
-from .supervisor.spec import WorkerSpawnError
+from .supervisor.spec import WorkerGroupLike, WorkerSpawnError
 from .supervisor.warm import warm_pool
 from .torch_events import EventLog
 from .worker_env import omp_threads_notice, worker_specs
@@ -77,6 +77,7 @@ class Agent:
     """One node's agent for one run: ``await Agent(config).run()``.
 
     ``backend``: the rendezvous to use; by default the one ``--rdzv-backend`` names.
+    ``group``: the workers; by default real processes (``supervisor/group.py``).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class Agent:
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
         backend: RendezvousBackend | None = None,
+        group: WorkerGroupLike | None = None,
     ) -> None:
         self.config = config
         self.stdout = stdout or sys.stdout
@@ -106,7 +108,7 @@ class Agent:
         # Pages and pipes, node-local and private (runtime_dir.py); removed when the run ends,
         # by the orphan watchdog if the agent is killed, else by the node's next agent.
         self.runtime = RuntimeDir()
-        self.group = WorkerGroup(
+        self.group: WorkerGroupLike = group or WorkerGroup(
             stdout=self.stdout,
             stderr=self.stderr,
             log=self.log,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from node_agent.config import Std
 from protocol.records import record
@@ -108,3 +108,25 @@ class GroupResult:
     state: Literal["succeeded", "failed"]
     exits: tuple[WorkerExit, ...]  # every worker reaped so far, by local rank
     first_failure: WorkerExit | None  # the earliest failure: torchrun's root cause
+
+
+class WorkerGroupLike(Protocol):
+    """What the runner asks of a node's workers: ``group.WorkerGroup`` (real processes), or
+    ``fake.FakeWorkerGroup`` (a test drives the exits), as the rendezvous has ``rdzv/fake.py``."""
+
+    @property
+    def pids(self) -> dict[int, int]: ...
+
+    async def start(self, specs: Sequence[WorkerSpec]) -> None: ...
+
+    async def wait(self) -> GroupResult: ...
+
+    async def stop(
+        self, *, grace: float, sig: int = ..., reap_timeout: float = ..., keep_watchdog: bool = ...
+    ) -> GroupResult: ...
+
+    def fresh_line(self) -> None: ...
+
+    async def delivered(self, sig: int) -> bool: ...
+
+    def send_signal(self, sig: int) -> None: ...

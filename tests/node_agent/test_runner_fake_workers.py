@@ -1,0 +1,90 @@
+"""The runner's logic with FakeWorkerGroup (supervisor/fake.py) and the server's real machine in
+process (rdzv/fake.py): no process at all, so each case runs in milliseconds. What the workers
+themselves do (signals, output, reaping) is test_supervisor.py's and the end-to-end tests'."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+from pathlib import Path
+
+from node_agent.cli.parse import parse_config
+from node_agent.config import AgentConfig
+from node_agent.machine import events as st
+from node_agent.rdzv.fake import FakeBackend, FakeRendezvous
+from node_agent.runner import Agent, AgentOutcome
+from node_agent.supervisor.fake import FakeWorkerGroup
+from protocol import Drain, Join, Message, WorkersFailed, WorkersSucceeded
+
+
+def config(tmp_path: Path, *flags: str) -> AgentConfig:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv = [*flags, "--rdzv-endpoint=fake.invalid:29400", "--rdzv-id=job", f"--log-dir={tmp_path / 'logs'}"]
+    return parse_config([*argv, str(script)], {})
+
+
+def sent(agent: Agent, kind: type[Message]) -> list[Message]:
+    backend = agent.backend
+    assert isinstance(backend, FakeBackend)
+    return [m for link in backend.opened for m in link.sent if isinstance(m, kind)]
+
+
+async def started(hub: FakeRendezvous, group: FakeWorkerGroup, count: int) -> None:
+    await hub.wait_until(lambda: len(group.started) >= count, what=f"start {count} of the workers")
+
+
+def run(cfg: AgentConfig, scenario_body: object) -> tuple[AgentOutcome, Agent, FakeWorkerGroup, str]:
+    async def scenario() -> tuple[AgentOutcome, Agent, FakeWorkerGroup, str]:
+        hub = FakeRendezvous()
+        group = FakeWorkerGroup()
+        err = io.StringIO()
+        agent = Agent(
+            cfg, stdout=io.StringIO(), stderr=err, backend=hub.backend(local_ip="10.0.0.1"), group=group
+        )
+        task = asyncio.ensure_future(agent.run())
+        await scenario_body(hub, agent, group)  # type: ignore[operator]
+        return await asyncio.wait_for(task, 30), agent, group, err.getvalue()
+
+    return asyncio.run(scenario())
+
+
+def test_workers_that_exit_0_end_the_job(tmp_path: Path) -> None:
+    async def body(hub: FakeRendezvous, agent: Agent, group: FakeWorkerGroup) -> None:
+        await started(hub, group, 1)
+        group.exit(0, 0)
+        group.exit(1, 0)
+
+    outcome, agent, group, _ = run(config(tmp_path, "--nnodes=1", "--nproc-per-node=2"), body)
+    assert (outcome.code, outcome.reason) == (st.EXIT_OK, "all nodes finished")
+    assert [[s.rank for s in specs] for specs in group.started] == [[0, 1]]
+    assert len(sent(agent, WorkersSucceeded)) == 1
+
+
+def test_a_failure_restarts_the_workers_within_the_budget_then_fails_the_job(tmp_path: Path) -> None:
+    async def body(hub: FakeRendezvous, agent: Agent, group: FakeWorkerGroup) -> None:
+        for attempt in (1, 2):
+            await started(hub, group, attempt)
+            group.exit(1, 3, "Traceback: ValueError")
+
+    cfg = config(tmp_path, "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1")
+    outcome, agent, group, err = run(cfg, body)
+    assert outcome.code == st.EXIT_FAILED
+    assert len(group.started) == 2  # one restart: the budget
+    assert [s.env["TORCHELASTIC_RESTART_COUNT"] for s in group.started[1]] == ["1", "1"]
+    failed = sent(agent, WorkersFailed)
+    assert len(failed) == 2 and all(isinstance(f, WorkersFailed) and f.failure.exitcode == 3 for f in failed)
+    assert outcome.failure is not None and outcome.failure.local_rank == 1
+    assert (signal.SIGTERM in {sig for _, sig in group.stops}) and outcome.reason in err
+
+
+def test_a_drain_stops_the_workers_with_sigterm(tmp_path: Path) -> None:
+    async def body(hub: FakeRendezvous, agent: Agent, group: FakeWorkerGroup) -> None:
+        await started(hub, group, 1)
+        hub.link_of(agent.node_id).deliver(Drain(reason="maintenance"))
+
+    outcome, agent, group, _ = run(config(tmp_path, "--nnodes=1", "--nproc-per-node=1"), body)
+    assert group.stops[0][1] == signal.SIGTERM
+    assert outcome.code == st.EXIT_FAILED  # the job does not go on without its only node
+    assert len(sent(agent, Join)) == 1
