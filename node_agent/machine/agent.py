@@ -18,25 +18,10 @@ agent checks its word: an assignment for another job, past this node's ``--max-r
 outside its ``--nnodes`` or with ranks its world does not hold (and a restart past the budget)
 is the server's protocol error, and the agent stops its workers and exits 1.
 
-Leaving. A drain (SIGTERM in an elastic job, or the server's ``Drain``) stops the workers with
-SIGTERM and tells the server at once (``Leave(workers_stopping=True)``): it restarts the other
-nodes' round but keeps this node's place, not ready, so the next round cannot start while these
-workers live (one may be writing the checkpoint the next round loads). Once they have exited
-(``shutdown_timeout``, then SIGKILL) the agent sends ``Leave``; the server answers
-``Left(job_continues)``, and the exit code follows: 0 only when the job goes on without this
-node, else 1 as torchrun exits on a signal. The agent waits for the answer in LEAVING (at most
-``LEAVE_ANSWER_TIMEOUT`` once the Leave is out); none counts as "does not go on": a scheduler is
-told of a failure rather than a success that may not be one. SIGTERM in a fixed-size job exits 1
-whatever the answer, as torchrun does; its Leave, too, waits for the workers.
-
-SIGTERM to an elastic agent whose ranks all call ``worker.should_stop()`` (and with
-``commit_timeout`` > 0) first asks for a commit point: ``LeaveAfterCommit``, the workers run on
-to the step the server picks, and the server's ``Drain`` (once they committed, or at once when
-it cannot commit) starts the drain above, from the exit barrier straight to the ``Leave``. It
-drains by itself when no ``Drain`` comes within ``commit_timeout`` + ``COMMIT_LEAD`` (from
-the armed step on: the server's own deadline for it, the steps to it at our step times
-added), on a second signal, on a ``Restart`` (it leaves rather than rejoin) and on a worker
-failure (reported first).
+Leaving (``leaving.py`` tells it): a drain (SIGTERM in an elastic job, or the server's
+``Drain``) stops the workers, tells the server, sends ``Leave`` once they are down, and the
+server's ``Left`` picks the exit code; SIGTERM to an elastic agent whose ranks all call
+``worker.should_stop()`` first asks for a commit point (``LeaveAfterCommit``).
 
 Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
 we run goes into the pages (``WriteStop``: arm, go, cancel); the ``Armed`` answer follows once
@@ -46,30 +31,10 @@ every local rank has seen the armed step. Workers that all stopped at the go'd s
 ``EXIT_RDZV``); a reconnect there says ``WorkersCommitted`` again. ``StopAt`` in any other phase,
 or for another round, is ignored.
 
-A lost connection. With a ``reconnect_timeout`` (every backend but static) every phase rides it
-out: the agent reconnects until that window closes, then picks up what it was doing.
-
-- JOINING: joins again.
-- STARTING, RUNNING: the workers keep running; ``Resume`` of the round it holds.
-- BARRIER: the workers finished; ``Resume(succeeded)``; the barrier's own deadline goes on.
-  After a commit: ``Resume`` (not succeeded), then ``WorkersCommitted`` again; losing the
-  server for good there exits ``EXIT_RDZV``, not 0 (the job needs this node's next round).
-- STOPPING for a restart: the workers are stopped as planned; the node joins the next round
-  once they are down *and* it is back (never before: that round must not start while they live).
-- STOPPING after our own failure, and VERDICT: ``Resume``, then the failure report again, and
-  the server's answer to it is the verdict. A worker failure while the server is unreachable
-  is stopped and reported the same way.
-- A drain (STOPPING, LEAVING): ``Resume`` (the server keeps our place), then the notice or the
-  ``Leave`` as due, and the ``Left`` that picks the exit code.
-
-The server's answer to the Resume decides the rest: ``Resumed`` (it kept our round, or rebuilt
-it from its agents after losing its state: nothing restarts), ``Restart`` (the round moved on,
-or the server dropped this node while it was away: stop and join again; for a failure we
-reported, that is the verdict), ``JobFailed`` or ``JobDone`` (the job ended meanwhile). What
-only a node of the round may say (the failure report, the drain's notice) waits for
-``Resumed``; a due Leave goes after either answer. A node on its way out for a decided reason
-(the job ended, the server refused it, SIGINT) does not reconnect. When the window closes the
-workers are stopped and the agent exits 1 (0 at the exit barrier, where its part is done).
+A lost connection (``link.py`` tells it phase by phase): with a ``reconnect_timeout`` (every
+backend but static) every phase rides it out, and the server's answer to our ``Resume``
+decides the rest; when the window closes the workers are stopped and the agent exits 1 (0 at
+the exit barrier, where its part is done).
 
 Every wait on the server ends by itself: joining at ``join_timeout``, the verdict at
 ``join_timeout``, the exit barrier at ``exit_barrier_timeout``, leaving at
@@ -99,12 +64,9 @@ with the job's reason.
 
 from __future__ import annotations
 
-import enum
 import signal
 
 from protocol import (
-    COMMIT_LEAD,
-    MAX_TEXT_LEN,
     Armed,
     Assignment,
     CollectStacks,
@@ -115,7 +77,6 @@ from protocol import (
     JobDone,
     JobFailed,
     Leave,
-    LeaveAfterCommit,
     Left,
     Message,
     Restart,
@@ -137,6 +98,7 @@ from .events import (
     EXIT_OK,
     EXIT_RDZV,
     LEAVE_ANSWER_TIMEOUT,
+    AfterStop,
     AgentSettings,
     ConnectionLost,
     DumpStacks,
@@ -149,13 +111,10 @@ from .events import (
     PageWarning,
     Phase,
     ProgressRead,
-    Reconnect,
     Reconnected,
     ReconnectFailed,
     RunHealthCheck,
-    Send,
     SendJoin,
-    SendResume,
     ServerSent,
     SignalReceived,
     StacksDumped,
@@ -167,18 +126,11 @@ from .events import (
     WorkersStarted,
     WorkersStartFailed,
     WorkersStopped,
+    fit,
 )
+from .leaving import Leaving, notice
+from .link import Link
 from .training import Training, job_hang_report
-
-
-class AfterStop(enum.Enum):
-    """What STOPPING goes on to once the workers are down."""
-
-    NOTHING = "nothing"  # not stopping
-    REJOIN = "rejoin"  # join the next round (a Restart)
-    VERDICT = "verdict"  # wait for the server's verdict on our reported failure
-    LEAVE = "leave"  # a drain: send the Leave, wait for Left
-    EXIT = "exit"  # exit with the decided reason
 
 
 @record
@@ -196,29 +148,16 @@ class AgentMachine:
     # Signals passed on to (or delivered with) this attempt's workers: a worker they kill is
     # no failure to restart for, but a stop, as if the agent had been sent a handled signal.
     _passed_on: frozenset[int] = frozenset()
-    _leaving: bool = False  # on our way out of the job by a Leave (a drain, or SIGTERM/SIGINT)
-    _leave: Leave | None = None  # the Leave to send once the workers are down (again after a reconnect)
-    _awaiting_left: bool = False  # a drain's exit code waits for the server's Left
-    _drain_why: str = ""
-    # Our workers' failure, reported and not yet decided on by the server: sent again after a
-    # reconnect (or first then, when it happened while the server was unreachable).
-    _report: WorkersFailed | None = None
-    _succeeded: bool = False  # every worker of the round we hold exited 0 (said again in a Resume)
-    # The commit step every worker of the round we hold stopped at (BARRIER, waiting for the
-    # server's Restart; said again after a reconnect's Resumed); None: not committed.
-    _committed: int | None = None
-    # A SIGTERM drain waiting for a commit point (our LeaveAfterCommit is out): its reason,
-    # and when we asked (its give-up line says how long we waited).
-    _commit_leave: str | None = None
-    _commit_asked_at: float = 0.0
-    away: bool = False  # the connection broke: nothing can be sent until Reconnected
-    # Our Resume is out on a new connection and not yet answered: until the answer says whether
-    # the server holds us in its round, what only a node of the round may say waits.
-    _resuming: bool = False
     _checking: bool = False  # our --health-check runs; the join waits for it
     _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
     # Progress summaries and hang verdicts (training.py); None: the agent does not watch them.
     training: Training | None = None
+
+    def __post_init__(self) -> None:
+        # The connection's side (link.py) and the way out of the job (leaving.py): composed
+        # helpers, as training is; they return effects, and the machine keeps the phase.
+        self.link = Link(self.settings)
+        self.leaving = Leaving(self.settings)
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -274,7 +213,7 @@ class AgentMachine:
     # -- server messages -------------------------------------------------------------------
 
     def _on_server(self, msg: Message, now: float) -> list[Effect]:
-        if self._resuming and isinstance(msg, Resumed | Restart | JobFailed | JobDone | Error):
+        if self.link.answers(msg):
             return self._on_resume_answer(msg, now)
         return self._on_server_now(msg, now)
 
@@ -323,11 +262,11 @@ class AgentMachine:
         if isinstance(msg, Restart):
             return [*self._on_restart(msg, now), *self._job_hang_report(msg.report, restart=True)]
         if isinstance(msg, Drain):
-            if self._leaving or self._exit is not None:
+            if self.leaving.going or self._exit is not None:
                 return []  # already on our way out
             why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
             # Our own SIGTERM's drain, once the commit point it waited for is behind us.
-            return self._drain(self._commit_leave or why, now)
+            return self._drain(self.leaving.commit_leave or why, now)
         return self._protocol_error(
             f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
         )
@@ -339,28 +278,15 @@ class AgentMachine:
         report, that our workers finished, that we leave). ``Restart``: the round moved on (or
         it had dropped us): that is the verdict on any failure, and the round stops anyway, so
         only a due Leave still goes. Anything else ends our course as usual."""
-        if isinstance(msg, Error) and not msg.fatal:
-            return self._on_server_now(msg, now)  # a draining server: it closes, we come back
-        self._resuming = False
+        self.link.resuming = False
         effects = self._on_server_now(msg, now)
         if self.phase is Phase.EXITED or isinstance(msg, JobFailed | JobDone | Error):
             return effects
-        due: list[Effect] = []
-        if isinstance(msg, Resumed):
-            a = self.assignment
-            if self.phase is Phase.BARRIER and a is not None and self._committed is not None:
-                due.append(Send(WorkersCommitted(round=a.round, step=self._committed)))
-            elif self.phase is Phase.BARRIER and a is not None:
-                due.append(Send(WorkersSucceeded(round=a.round)))  # they may have finished since
-            if self.phase is Phase.RUNNING and a is not None and self._commit_leave is not None:
-                # The server may have lost it with its state: asking twice is harmless.
-                due.append(Send(self._leave_after_commit(a.round, self._commit_leave)))
-            if self._report is not None:
-                due.append(Send(self._report))
-            if self.phase is Phase.STOPPING and self._leaving and self._leave is not None:
-                due.append(Send(self._notice(self._leave)))
-        if self.phase is Phase.LEAVING and self._leave is not None:
-            due.append(Send(self._leave))
+        resumed = isinstance(msg, Resumed)
+        # (Our failure report is never due in RUNNING, where a commit point's ask may be.)
+        due = self.link.owed(self.phase, self.assignment) if resumed else []
+        due += self.leaving.owed(self.phase, self.assignment, resumed=resumed)
+        if self.phase is Phase.LEAVING and self.leaving.leave is not None:
             self.deadline = now + LEAVE_ANSWER_TIMEOUT
         return [*effects, *due]
 
@@ -372,7 +298,7 @@ class AgentMachine:
         note = Log("error", f"protocol error by the rendezvous server: {text}")
         if not fatal:
             return [note]
-        self._report, self._leave = None, None
+        self.link.report, self.leaving.leave = None, None
         return [
             note,
             *self._stop_then_exit(Exit(EXIT_RDZV, f"the rendezvous server broke the protocol: {text}")),
@@ -450,12 +376,12 @@ class AgentMachine:
         exit_ = Exit(code, f"{what}{where}: {shown(msg.reason)}", msg.failure, self.local_failures)
         # The job's failure is the reason to report, not a pending drain's; nothing is left to
         # report or leave.
-        self._awaiting_left, self._report, self._leave = False, None, None
+        self._nothing_to_say()
         return self._stop_then_exit(exit_)
 
     def _on_job_done(self) -> list[Effect]:
         if self.phase in (Phase.BARRIER, Phase.LEAVING):
-            self._awaiting_left = False
+            self.leaving.awaiting_left = False
             return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
             # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
@@ -472,7 +398,7 @@ class AgentMachine:
             ]
         if self.phase is Phase.STOPPING and self._after_stop is AfterStop.LEAVE:
             # Drained, and the job finished while our workers stop: a success, nothing to leave.
-            self._awaiting_left, self._leave = False, None
+            self.leaving.awaiting_left, self.leaving.leave = False, None
             self._after_stop, self._exit = AfterStop.EXIT, Exit(EXIT_OK, "all nodes finished", job_done=True)
             return []
         if self._exit is not None:
@@ -480,7 +406,7 @@ class AgentMachine:
         # Our workers run (or failed): the server finished the job without us, which it does
         # only after it dropped this node (frozen, or cut off, past the heartbeat timeout).
         doing = self._doing()
-        self._report, self._leave = None, None
+        self.link.report, self.leaving.leave = None, None
         return [
             Log("error", f"the rendezvous server says the job finished while this node {doing}; stopping"),
             *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {doing})")),
@@ -489,7 +415,7 @@ class AgentMachine:
     def _on_error(self, msg: Error) -> list[Effect]:
         if not msg.fatal:
             return [Log("warning", f"rendezvous server: {shown(msg.message)} ({shown(msg.code)})")]
-        self._awaiting_left, self._report, self._leave = False, None, None
+        self._nothing_to_say()
         return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {shown(msg.message)}"))
 
     def _on_waiting(self, msg: Waiting) -> list[Effect]:
@@ -502,13 +428,14 @@ class AgentMachine:
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
         budget = self.settings.max_restarts
-        if budget is not None and msg.restart_count > budget and not self._leaving and self._exit is None:
+        out = self.leaving.going or self._exit is not None  # on our way out: no rejoin to refuse
+        if budget is not None and msg.restart_count > budget and not out:
             text = f"a restart {msg.restart_count}, past this node's budget (--max-restarts {budget})"
             return self._protocol_error(text, fatal=True)
         note = Log("warning", f"re-rendezvous after round {msg.round}: {shown(msg.reason)}")
-        self._report = None  # if we reported a failure, this is the verdict
-        if self._commit_leave is not None:
-            return [note, *self._drain(self._commit_leave, now)]  # no rejoin: we were leaving
+        self.link.report = None  # if we reported a failure, this is the verdict
+        if self.leaving.commit_leave is not None:
+            return [note, *self._drain(self.leaving.commit_leave, now)]  # no rejoin: we were leaving
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.REJOIN
@@ -544,8 +471,8 @@ class AgentMachine:
         )
         self.local_failures = (failure,)
         self._await_verdict(now)
-        self._report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
-        return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self._report)]
+        self.link.report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
+        return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self.link.report)]
 
     def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
         if self.phase is not Phase.RUNNING or self.assignment is None:
@@ -558,20 +485,20 @@ class AgentMachine:
             if isinstance(stop, str):
                 self.phase = Phase.RUNNING  # (no success) a failure of this node's workers
                 return self._fail(self._commit_failure(stop, now), (), now)
-            self._succeeded = True
+            self.link.succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
             effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round))
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
-            if self._commit_leave is not None:
-                effects += self._drain(self._commit_leave, now)  # finished before any commit point
+            if self.leaving.commit_leave is not None:
+                effects += self._drain(self.leaving.commit_leave, now)  # finished before any commit point
             return effects
         signum = self._killed_by_a_signal_we_got(event.failure)
         if signum:
             name = signal.Signals(signum).name
-            if self._commit_leave is not None:  # our drain's commit point is moot now
-                return self._drain(self._commit_leave, now)
+            if self.leaving.commit_leave is not None:  # our drain's commit point is moot now
+                return self._drain(self.leaving.commit_leave, now)
             self._signalled, self._delivered = signum, True
             who = f"local rank {event.failure.local_rank}"
             return [
@@ -595,7 +522,7 @@ class AgentMachine:
             exitcode=0,
             signal="",
             timestamp=now + self.settings.wall_offset,
-            message=_fit(why),
+            message=fit(why),
         )
 
     def _on_committed(self, step: int, now: float) -> list[Effect]:
@@ -604,10 +531,10 @@ class AgentMachine:
         bounds the wait, as it bounds a round forming (a drain waiting for this commit: its own
         deadline, then it drains)."""
         assert self.assignment is not None
-        self._committed = step
-        self._succeeded = False  # a Resume must not tell the server our work is done
+        self.link.committed = step
+        self.link.succeeded = False  # a Resume must not tell the server our work is done
         wait = now + self.settings.join_timeout
-        if self._commit_leave is not None and self.deadline is not None:
+        if self.leaving.commit_leave is not None and self.deadline is not None:
             wait = min(wait, self.deadline)
         self.deadline = wait
         return [
@@ -624,11 +551,11 @@ class AgentMachine:
         self.local_failures = local_failures
         self.phase = Phase.STOPPING
         self._after_stop = AfterStop.VERDICT
-        self._report = WorkersFailed(round=self.assignment.round, failure=failure, step=self._max_step())
+        self.link.report = WorkersFailed(round=self.assignment.round, failure=failure, step=self._max_step())
         if self.training is not None:
             self.training.stop()
         note: list[Effect] = []
-        if self.away:
+        if self.link.away:
             note = [
                 Log(
                     "warning",
@@ -638,12 +565,12 @@ class AgentMachine:
             ]
         effects = [
             *note,
-            *self._send(self._report),
+            *self._send(self.link.report),
             StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
         ]
-        if self._commit_leave is not None:
+        if self.leaving.commit_leave is not None:
             # A drain waited for a commit point: no commit now; leave once the workers are down.
-            effects += self._drain(self._commit_leave, now)
+            effects += self._drain(self.leaving.commit_leave, now)
         return effects
 
     # -- training progress and hangs (training.py decides; this routes) -------------------
@@ -658,7 +585,7 @@ class AgentMachine:
             if isinstance(item, PageWarning):
                 effects.append(Log("warning", item.text))
                 continue
-            if isinstance(item, Armed) and (self.away or self._resuming):
+            if isinstance(item, Armed) and self.link.quiet:
                 t.arming = item.step  # not said yet: said on a read once we are back
                 continue
             effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
@@ -678,14 +605,14 @@ class AgentMachine:
         a, t = self.assignment, self.training
         if self.phase is not Phase.RUNNING or a is None or t is None or msg.round != a.round:
             return []  # a round we no longer run, or workers on their way down: nothing to stop
-        if msg.state in ("arm", "go") and self._commit_leave is not None and self.deadline is not None:
+        if msg.state in ("arm", "go") and self.leaving.commit_leave is not None and self.deadline is not None:
             # Our drain waits for this commit as long as the server does: its one deadline,
             # which StopAt says (an older server's: the steps to S at our step times, the
             # lead, the checkpoint budget), and a second for the message's way.
             if msg.deadline_s > 0:
                 self.deadline = max(self.deadline, now + msg.deadline_s + 1.0)
             elif msg.state == "arm":
-                self.deadline = max(self.deadline, now + t.seconds_to(msg.step) + self._commit_budget())
+                self.deadline = max(self.deadline, now + t.seconds_to(msg.step) + self.leaving.budget())
         writes, line = t.on_stop(msg)
         return [*([Log("info", line)] if line else []), *writes]
 
@@ -710,7 +637,7 @@ class AgentMachine:
         a round to form, bounds the wait (while the connection is down the reconnect window
         does, and the wait starts again once back)."""
         self.phase = Phase.VERDICT
-        self.deadline = None if self.away else now + self.settings.join_timeout
+        self.deadline = None if self.link.away else now + self.settings.join_timeout
 
     def _on_stopped(self, event: WorkersStopped, now: float) -> list[Effect]:
         if self.phase is not Phase.STOPPING:
@@ -727,45 +654,20 @@ class AgentMachine:
             return self._send_leave(now)
         exit_ = self._exit or Exit(EXIT_FAILED, "stopped")
         # A SIGTERM/SIGINT in a fixed-size job: the server hears we left once the workers are down.
-        leave = self._send(self._leave) if self._leave is not None else []
+        leave = self._send(self.leaving.leave) if self.leaving.leave is not None else []
         return [*leave, *self._exit_now(exit_)]
 
     # -- the connection --------------------------------------------------------------------
 
     def _send(self, msg: Message) -> list[Effect]:
-        """Send now, or nothing while the connection is down or our Resume is unanswered (what
-        must be said then is kept in our state and said once it can be: the report, the Leave,
-        the notice, that our workers finished)."""
-        return [] if self.away or self._resuming else [Send(msg)]
+        return self.link.send(msg)  # nothing while away or resuming: said once it can be
 
     def _what_now(self) -> str:
-        """What becomes of the workers while we reconnect, for the lost-connection lines."""
-        p, after = self.phase, self._after_stop
-        if p in (Phase.STARTING, Phase.RUNNING):
-            return "workers keep running; "
-        if p is Phase.STOPPING and after is AfterStop.REJOIN:
-            return (
-                "workers are being stopped; this node joins the next round once they are down and it "
-                "is back; "
-            )
-        if p is Phase.STOPPING and after is AfterStop.VERDICT:
-            return "workers are being stopped; their failure is reported once this node is back; "
-        if p is Phase.STOPPING and after is AfterStop.LEAVE:
-            return (
-                "workers are being stopped for the drain; this node leaves once they are down and it is "
-                "back; "
-            )
-        if p is Phase.STOPPING:
-            return "workers are being stopped; "
-        if p is Phase.VERDICT:
-            return "workers stopped; their failure is reported again once this node is back; "
-        if p is Phase.BARRIER and self._committed is not None:
-            return f"workers stopped at step {self._committed} (a commit point); "
-        if p is Phase.BARRIER:
-            return "workers finished; "
-        if p is Phase.LEAVING:
-            return "workers stopped; this node asks to leave again once it is back; "
-        return ""
+        return self.link.what_now(self.phase, self._after_stop)
+
+    def _nothing_to_say(self) -> None:
+        """Our course ended for a reason of its own: no report, no Leave, no Left awaited."""
+        self.leaving.awaiting_left, self.link.report, self.leaving.leave = False, None, None
 
     def _doing(self) -> str:
         """Our phase in words, for protocol-error messages."""
@@ -783,10 +685,8 @@ class AgentMachine:
         }[self.phase]
 
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
-        if self.away:
+        if not self.link.lost():
             return []
-        self.away = True
-        self._resuming = False
         if self._exit is not None:
             # On our way out already (the job ended, the server refused us, SIGINT): finish
             # stopping the workers and exit; the server has nothing left to hear from us.
@@ -795,20 +695,12 @@ class AgentMachine:
             return self._gone(f"{event.reason}")
         if self.phase in (Phase.LEAVING, Phase.VERDICT):
             self.deadline = None  # the answer can only come on the next connection
-        return [
-            Log(
-                "warning",
-                f"lost the connection to the rendezvous server ({event.reason}); {self._what_now()}"
-                f"reconnecting for up to {self.settings.reconnect_timeout:g} s",
-            ),
-            Reconnect(deadline=now + self.settings.reconnect_timeout),
-        ]
+        return self.link.reconnect(event.reason, self._what_now(), now)
 
     def _on_reconnected(self, now: float) -> list[Effect]:
-        """Back on a new connection: pick up what we were doing (module header, "A lost connection")."""
-        if not self.away:
+        """Back on a new connection: pick up what we were doing (link.py's header)."""
+        if not self.link.back():
             return []
-        self.away = False
         if self._exit is not None:
             return []
         p = self.phase
@@ -825,42 +717,23 @@ class AgentMachine:
                 return [Log("info", "reconnected; leaving the job again"), SendJoin(), *self._send_leave(now)]
             return []
         # Take our round back first; the server's answer tells what else to say (_on_resume_answer).
-        self._resuming = True
         if p is Phase.LEAVING:
             self.deadline = now + LEAVE_ANSWER_TIMEOUT  # bounded, answer and Left alike
         elif p is Phase.VERDICT:
             self.deadline = now + self.settings.join_timeout
-        what = {
-            Phase.STOPPING: "resuming our round while our workers stop",
-            Phase.VERDICT: "resuming our round to report our workers' failure again",
-            Phase.LEAVING: "resuming our round to leave it",
-        }.get(p, "resuming our round")
-        return [Log("info", f"reconnected; {what}"), SendResume(self.assignment, self._succeeded)]
+        return self.link.resume(p, self.assignment)
 
     def _on_reconnect_failed(self, event: ReconnectFailed) -> list[Effect]:
         # Still away: nothing can be sent.
-        return self._gone(
-            f"{event.reason} (could not reconnect within {self.settings.reconnect_timeout:g} s)",
-            unreachable=True,
-        )
+        return self._gone(self.link.unreachable(event.reason), unreachable=True)
 
     def _gone(self, reason: str, *, unreachable: bool = False) -> list[Effect]:
         """The server is gone for good: stop the workers and exit (at the barrier: our part is done)."""
-        self._report, self._leave = None, None
-        if self._awaiting_left:
-            why = self._drain_why
-            if unreachable:
-                text = (
-                    f"drained: {why}; the rendezvous server was unreachable ({reason}), so nobody "
-                    "confirmed that the job goes on without this node"
-                )
-            else:
-                text = (
-                    f"drained: {why}; the connection to the rendezvous server closed ({reason}) before "
-                    "it said whether the job goes on without this node"
-                )
-            return self._stop_then_exit(Exit(EXIT_FAILED, text))
-        if self.phase is Phase.BARRIER and self._committed is None:
+        self.link.report, self.leaving.leave = None, None
+        drained = self.leaving.gone(reason, unreachable=unreachable)
+        if drained is not None:
+            return self._stop_then_exit(drained)
+        if self.phase is Phase.BARRIER and self.link.committed is None:
             return self._exit_now(
                 Exit(EXIT_OK, f"lost the rendezvous server during the exit barrier ({reason})")
             )
@@ -876,9 +749,9 @@ class AgentMachine:
                 return self._pass_on(signum, delivered)
             return []
         name = signal.Signals(signum).name
-        if self._commit_leave is not None:
+        if self.leaving.commit_leave is not None:
             # A second signal while a drain waits for a commit point: the user insists.
-            why = self._commit_leave
+            why = self.leaving.commit_leave
             return [
                 Log("warning", f"received {name} again; not waiting for a commit point"),
                 *self._drain(why, now),
@@ -889,7 +762,7 @@ class AgentMachine:
                 return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
             return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
         self._signalled, self._delivered = signum, delivered
-        if self._leaving or self._exit is not None:
+        if self.leaving.going or self._exit is not None:
             # Already on our way out (a drain the server asked for, the job's end): a second
             # signal insists.
             return [Log("info", f"received {name}; already stopping")]
@@ -913,15 +786,13 @@ class AgentMachine:
     def _stop_on_signal(self, why: str, signum: int) -> list[Effect]:
         """Stop as torchrun does on a signal it handles: workers stopped, no restart, exit 1."""
         exit_ = Exit(EXIT_FAILED, f"{why}: workers stopped", None, self.local_failures)
-        self._leaving = True
-        self._leave = Leave(reason=_fit(f"agent {why}"))
-        self._report = None
+        leave = self.leaving.quit(why)
+        self.link.report = None
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             # Workers first; the server hears now that we go, and that we are gone once they are.
             sig = 0 if self._delivered and self._signalled == signum else signum
-            return [*self._stop_then_exit(exit_, sig), *self._send(self._notice(self._leave))]
-        leave = self._send(self._leave)
-        return [*leave, *self._exit_now(exit_)]
+            return [*self._stop_then_exit(exit_, sig), *self._send(notice(leave))]
+        return [*self._send(leave), *self._exit_now(exit_)]
 
     def _killed_by_a_signal_we_got(self, failure: Failure) -> int:
         """The signal (0: none) behind a worker's death when it is one this agent received for
@@ -931,13 +802,9 @@ class AgentMachine:
             return 0
         return signum if signum in self._passed_on or signum == self._signalled else 0
 
-    @staticmethod
-    def _notice(leave: Leave) -> Leave:
-        return Leave(reason=leave.reason, workers_stopping=True)
-
     def _drain_after_commit(self, why: str, now: float) -> list[Effect]:
-        """A drain that first asks the server to stop the job at a commit point (module header,
-        "Commit points"); where none can be had, today's drain at once."""
+        """A drain that first asks the server to stop the job at a commit point (leaving.py's
+        header); where none can be had, today's drain at once."""
         a, t = self.assignment, self.training
         if (
             self.settings.commit_timeout <= 0
@@ -950,95 +817,36 @@ class AgentMachine:
             or not t.may_check(now)
             or self.phase is not Phase.RUNNING
             or a is None
-            or self.away
-            or self._resuming
+            or self.link.quiet
         ):
             return self._drain(why, now)
-        self._commit_leave, self._commit_asked_at = why, now
-        budget = self._commit_budget()
-        self.deadline = now + budget
-        return [
-            Log(
-                "warning",
-                f"{why}: asking the job to stop at a commit point first; the workers keep running, "
-                f"and this node drains within {budget:g} s (a second signal drains at once)",
-            ),
-            Send(self._leave_after_commit(a.round, why)),
-        ]
-
-    def _commit_budget(self) -> float:
-        """How long a drain waits for the server's Drain past the committing ranks' steps: the
-        checkpoint budget and the lead, as the server's own commit deadline."""
-        return self.settings.commit_timeout + COMMIT_LEAD
-
-    @staticmethod
-    def _leave_after_commit(round_: int, why: str) -> LeaveAfterCommit:
-        return LeaveAfterCommit(round=round_, reason=_fit(f"drain: {why}"))
+        self.deadline = now + self.leaving.budget()
+        return self.leaving.ask_commit(why, a.round, now)
 
     def _drain(self, why: str, now: float) -> list[Effect]:
-        """A clean leave: workers get SIGTERM first (to checkpoint), the server restarts the
-        others' round at once, and our Leave follows once the workers have exited, so no next
-        round starts while they live. The server's Left picks the exit code."""
-        if self._commit_leave is not None:
-            self._commit_leave = None
+        """A clean leave (leaving.py): workers stop first, then the Leave; its Left picks the exit code."""
+        if self.leaving.commit_leave is not None:
             self.deadline = None  # the commit point's wait is over
-        self._leaving = True
-        self._drain_why = why
-        self._awaiting_left = True
-        self._leave = Leave(reason=_fit(f"drain: {why}"))
-        if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
-            how = "workers get SIGTERM, then this node leaves the job"
-        elif self._committed is not None:
-            how = f"its workers stopped at the commit point, step {self._committed}; this node leaves the job"
-        else:
-            how = "this node leaves the job"
-        note = Log("warning", f"{why}: draining ({how})")
-        if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
-            stop: list[Effect] = []
-            if self.phase is not Phase.STOPPING:
-                self.phase = Phase.STOPPING
-                # SIGTERM delivered to the workers by its sender is not sent again (0).
-                sig = 0 if self._delivered and self._signalled == signal.SIGTERM else signal.SIGTERM
-                stop = [StopWorkers(sig, self.settings.shutdown_timeout)]
-            self._after_stop = AfterStop.LEAVE
-            return [note, *stop, *self._send(self._notice(self._leave))]
-        return [note, *self._send_leave(now)]  # no workers: JOINING, VERDICT, BARRIER
+        # SIGTERM delivered to the workers by its sender is not sent again (0).
+        sig = 0 if self._delivered and self._signalled == signal.SIGTERM else signal.SIGTERM
+        effects, phase = self.leaving.drain(why, self.phase, self.link.committed, sig, self.link)
+        if phase is Phase.LEAVING:
+            return [*effects, *self._send_leave(now)]
+        self.phase, self._after_stop = phase, AfterStop.LEAVE
+        return effects
 
     def _send_leave(self, now: float) -> list[Effect]:
         """Workers down: say we leave, and wait (bounded) for the answer that picks the exit code."""
         self.phase = Phase.LEAVING
-        if self.away or self._leave is None:
-            self.deadline = None  # sent once reconnected; the reconnect window bounds the wait
-            return []
-        self.deadline = now + LEAVE_ANSWER_TIMEOUT  # the answer to a Resume still out, too
-        if self._resuming:
-            return []  # sent with the answer to our Resume (which restarts this wait)
-        return [Send(self._leave)]
+        effects, self.deadline = self.leaving.send_leave(self.link, now)
+        return effects
 
     def _on_left(self, msg: Left) -> list[Effect]:
-        if not self._awaiting_left:
-            if self._leaving:
+        exit_ = self.leaving.left(msg, self._signalled is not None)
+        if exit_ is None:
+            if self.leaving.going:
                 return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
             return self._protocol_error("a 'left' answer, but this node did not leave", fatal=False)
-        self._awaiting_left = False
-        self._leave = None
-        why = self._drain_why
-        if msg.job_continues and self._signalled is not None and self.settings.signals_end_job:
-            exit_ = Exit(
-                EXIT_FAILED,
-                f"drained: {why}; left the job ({shown(msg.reason)}), but under Slurm a signal "
-                "ends the whole job (scancel, pre-emption, time limit): exit 1, as torchrun",
-            )
-        elif msg.job_continues:
-            exit_ = Exit(
-                EXIT_OK,
-                f"drained: {why}; left the job, which goes on without this node ({shown(msg.reason)})",
-            )
-        else:
-            exit_ = Exit(
-                EXIT_FAILED,
-                f"drained: {why}; left the job, which does not go on without this node ({shown(msg.reason)})",
-            )
         if self.phase is Phase.LEAVING:
             return self._exit_now(exit_)
         # An older server (or the static backend) answers our notice as the Leave itself: exit
@@ -1061,21 +869,15 @@ class AgentMachine:
                     )
                 ),
             ]
-        if self._commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
-            why = self._commit_leave
-            waited = now - self._commit_asked_at  # the budget, or longer once a step was armed
-            note = Log(
-                "warning",
-                f"no drain from the rendezvous server within {waited:g} s of asking for a commit point",
-            )
-            return [note, *self._drain(why, now)]
-        if self.phase is Phase.BARRIER and self._committed is not None:
+        if self.leaving.commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
+            return [self.leaving.no_drain(now), *self._drain(self.leaving.commit_leave, now)]
+        if self.phase is Phase.BARRIER and self.link.committed is not None:
             return [
                 *self._send(Leave(reason="no next round after a commit point")),
                 *self._exit_now(
                     Exit(
                         EXIT_RDZV,
-                        f"workers stopped at step {self._committed} (a commit point), but the rendezvous "
+                        f"workers stopped at step {self.link.committed} (a commit point), but the rendezvous "
                         f"server did not start the next round within {self.settings.join_timeout:g} s "
                         "(join_timeout)",
                     )
@@ -1088,7 +890,7 @@ class AgentMachine:
         if self.phase is Phase.VERDICT:
             a = self.assignment
             held = f" of round {a.round}" if a is not None else ""
-            self._report = None
+            self.link.report = None
             return self._exit_now(
                 Exit(
                     EXIT_FAILED,
@@ -1098,15 +900,8 @@ class AgentMachine:
                 )
             )
         if self.phase is Phase.LEAVING:
-            self._awaiting_left = False
-            return self._exit_now(
-                self._exit
-                or Exit(
-                    EXIT_FAILED,
-                    f"drained: {self._drain_why}; the rendezvous server did not answer whether the job "
-                    f"goes on without this node (no answer within {LEAVE_ANSWER_TIMEOUT:g} s)",
-                )
-            )
+            unanswered = self.leaving.unanswered()
+            return self._exit_now(self._exit or unanswered)
         return []
 
     def _on_health_check_done(self, event: HealthCheckDone) -> list[Effect]:
@@ -1117,22 +912,20 @@ class AgentMachine:
             exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.detail}")
             return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
         self._checked = True
-        if self.phase is not Phase.JOINING or self.away:
+        if self.phase is not Phase.JOINING or self.link.away:
             return []  # not joining any more, or the join goes once reconnected
         return [SendJoin()]
 
     def _rejoin(self, now: float) -> list[Effect]:
         self.phase = Phase.JOINING
         self.assignment = None
-        self._succeeded = False
-        self._committed = None
-        self._report = None
+        self.link.new_round()
         self._checked = False  # each round's join is checked again
         self.deadline = now + self.settings.join_timeout
-        return [] if self.away else self._join()  # while away: once reconnected
+        return [] if self.link.away else self._join()  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
-        self._awaiting_left = False
+        self.leaving.awaiting_left = False
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.EXIT
@@ -1152,12 +945,6 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures, exit_.job_done)
         return [exit_]
-
-
-def _fit(text: str) -> str:
-    """A text we send, cut to its field: what we build from a server's text must never fail
-    validation (an exception there would take the agent down, and SIGKILL its workers)."""
-    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
 
 
 def _ranks(first: int, count: int) -> str:

@@ -11,7 +11,7 @@ import enum
 import signal
 from typing import TYPE_CHECKING
 
-from protocol import MAX_NODES, Assignment, Failure, Message, Stacks
+from protocol import MAX_NODES, MAX_TEXT_LEN, Assignment, Failure, Message, Stacks
 from protocol.records import record
 
 from ..worker import layout as L
@@ -136,6 +136,22 @@ class Phase(enum.Enum):
     BARRIER = "exit barrier"
     LEAVING = "leaving"  # drained, workers down: waiting for the server's Left to pick the exit code
     EXITED = "exited"
+
+
+class AfterStop(enum.Enum):
+    """What STOPPING goes on to once the workers are down."""
+
+    NOTHING = "nothing"  # not stopping
+    REJOIN = "rejoin"  # join the next round (a Restart)
+    VERDICT = "verdict"  # wait for the server's verdict on our reported failure
+    LEAVE = "leave"  # a drain: send the Leave, wait for Left
+    EXIT = "exit"  # exit with the decided reason
+
+
+def fit(text: str) -> str:
+    """A text we send, cut to its field: what we build from a server's text must never fail
+    validation (an exception there would take the agent down, and SIGKILL its workers)."""
+    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
 
 
 # --- events -------------------------------------------------------------------------------

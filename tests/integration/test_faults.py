@@ -155,7 +155,7 @@ def test_an_agent_frozen_past_its_heartbeat_with_a_restart_queued_rejoins_when_t
     args += ("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "faults-frozen")
     # Real seconds, kept: the agent must stay frozen past a heartbeat timeout that exceeds
     # scheduling noise. The agent's rule is scripted on a fake clock in tests/node_agent/
-    # test_state.py::test_a_restart_queued_behind_a_frozen_agent_ends_in_a_rejoin_once_it_is_back.
+    # machine/test_link.py::test_a_restart_queued_behind_a_frozen_agent_ends_in_a_rejoin_once_it_is_back.
     args += ("--rdzv-conf", "heartbeat_timeout=3", WORKER)
     agents = [Proc(agent_cmd(*args), env=env) for _ in range(2)]
     try:
