@@ -31,7 +31,7 @@ from protocol.records import record
 from .events import Effect, Log
 
 if TYPE_CHECKING:
-    from .state import Job, JobSettings, Member
+    from .jobs import Job, JobSettings, Member
 
 HISTORY_LEN = 200  # events a job keeps (a ring: the oldest goes first)
 HISTORY_TEXT_LEN = 512  # characters of one history sentence

@@ -68,15 +68,10 @@ Both clocks are given to ``StateLog.open`` (tests pass fake ones); nothing here 
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
-import stat
-import struct
 import time
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,74 +98,34 @@ from .state import (
     ShuttingDown,
     Tick,
 )
+from .wal import (
+    FILE_HEADER,
+    LOG_MAGIC,
+    NOFOLLOW,
+    SNAP_MAGIC,
+    Damage,
+    RecordReader,
+    StateLogError,
+    file_size,
+    frame,
+    lock_dir,
+    open_read,
+    private_dir,
+    read_file,
+    replace_file,
+    scan,
+)
 
 logger = logging.getLogger("rdzv_server")
 
 LOG_NAME = "state.log"
 SNAP_NAME = "state.snap"
-LOCK_NAME = "lock"
-LOG_MAGIC = b"RDZVLOG1"
-SNAP_MAGIC = b"RDZVSNP1"
-FILE_HEADER = struct.Struct("!8sQ")  # magic, sequence number the file starts after
-RECORD_HEADER = struct.Struct("!II")  # payload length, CRC32 of (length bytes + payload)
-MAX_RECORD = 256 << 20  # a length above this is damage, not a record
 SNAPSHOT_EVERY = 50_000  # records between snapshots
 COMPACT_MIN_BYTES = 16 << 20  # the log may grow to this much after a snapshot...
 COMPACT_RATIO = 4  # ...or to this many times the snapshot's size, before it is compacted
 MIN_FREE_BYTES = 128 << 20  # below this much free space in DIR, new nodes are refused
 SPACE_CHECK_BYTES = 1 << 20  # statvfs after this much was written...
 SPACE_CHECK_SECONDS = 1.0  # ...or this long after the last check (when an event comes)
-
-
-class StateLogError(Exception):
-    """The state dir cannot be used: damaged, from a newer server, or in use by another."""
-
-
-# --- framing ------------------------------------------------------------------------------
-
-
-def frame(payload: bytes) -> bytes:
-    """One record: its length, a CRC32 over the length and the payload, the payload."""
-    head = struct.pack("!I", len(payload))
-    return head + struct.pack("!I", zlib.crc32(payload, zlib.crc32(head))) + payload
-
-
-@record(frozen=True, slots=True)
-class Scan:
-    records: list[bytes]
-    good_end: int  # offset just past the last good record
-    torn: bool  # the bytes after good_end are a torn last record (to be dropped)
-
-
-def scan(data: bytes | memoryview, start: int) -> Scan:
-    """Split ``data[start:]`` into record payloads; StateLogError on damage before the end."""
-    view = memoryview(data)
-    out: list[bytes] = []
-    pos, end = start, len(view)
-    while pos < end:
-        if end - pos < RECORD_HEADER.size:
-            return Scan(out, pos, torn=True)
-        length, crc = RECORD_HEADER.unpack_from(view, pos)
-        body = pos + RECORD_HEADER.size
-        if length == 0 or length > MAX_RECORD:
-            # Zero-filled or garbage space: torn if nothing else follows it, else damage.
-            if _rest_is_filler(view, pos):
-                return Scan(out, pos, torn=True)
-            raise StateLogError(f"bad record length {length} at offset {pos}")
-        if end - body < length:
-            return Scan(out, pos, torn=True)
-        payload = view[body : body + length]
-        if zlib.crc32(payload, zlib.crc32(view[pos : pos + 4])) != crc:
-            if body + length == end or _rest_is_filler(view, body + length):
-                return Scan(out, pos, torn=True)
-            raise StateLogError(f"record at offset {pos} fails its checksum and more records follow")
-        out.append(bytes(payload))
-        pos = body + length
-    return Scan(out, pos, torn=False)
-
-
-def _rest_is_filler(view: memoryview, pos: int) -> bool:
-    return not any(view[pos:])
 
 
 # --- events as records --------------------------------------------------------------------
@@ -349,12 +304,14 @@ class StateLog:
         self._lock_fd = lock_fd
         self._buf: list[bytes] = []
         self._since_snapshot = 0
-        self._fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_APPEND | _NOFOLLOW)
+        self._fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_APPEND | NOFOLLOW)
         self._urgent = False  # the buffer holds a record whose effects need it durable first
         self.syncs = 0  # fsyncs done, and the time they took (for operators and benchmarks)
         self.sync_seconds = 0.0
-        self.log_bytes = max(0, _size(directory / LOG_NAME) - FILE_HEADER.size)  # records since the snapshot
-        self.snapshot_bytes = _size(directory / SNAP_NAME)
+        self.log_bytes = max(
+            0, file_size(directory / LOG_NAME) - FILE_HEADER.size
+        )  # records since the snapshot
+        self.snapshot_bytes = file_size(directory / SNAP_NAME)
         self.min_free = min_free
         self._unchecked_bytes = 0  # written since the last free-space check
         self._space_checked = -float("inf")  # the monotonic clock at that check
@@ -383,8 +340,8 @@ class StateLog:
         handshake timeouts are the serving process's (the service must be given the same):
         they are not state, and replay sets no handshake deadline.
         """
-        _private_dir(directory)
-        lock_fd = _lock(directory)
+        private_dir(directory)
+        lock_fd = lock_dir(directory)
         try:
             # Replay: drops come from the log.
             machine = Rendezvous(
@@ -497,13 +454,13 @@ class StateLog:
             use_bin_type=True,
         )
         snap = FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body)
-        _replace(self.dir / SNAP_NAME, snap, self.fsync)
+        replace_file(self.dir / SNAP_NAME, snap, self.fsync)
         self.snapshot_bytes = len(snap)
         # The log restarts after the snapshot; a crash before this rename only leaves
         # records that replay skips by number.
-        _replace(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync)
+        replace_file(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync)
         os.close(self._fd)
-        self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND | _NOFOLLOW)
+        self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND | NOFOLLOW)
         self._since_snapshot = 0
         self.log_bytes = 0
         self.check_space(force=True)
@@ -556,92 +513,11 @@ class StateLog:
             self._lock_fd = -1
 
 
-# --- files --------------------------------------------------------------------------------
-
-
-# Files in the state dir are opened without following a symlink: a link planted there (by
-# whoever could write the directory before it was checked) must not redirect our writes.
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _private_dir(directory: Path) -> None:
-    """Create DIR private (0700), or check an existing one: a real directory of ours (not a
-    symlink to one) that no other user can write, so nobody else can plant files in it."""
-    try:
-        directory.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise StateLogError(f"cannot create state dir {directory}: {exc.strerror or exc}") from None
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode):
-        raise StateLogError(f"state dir {directory} is a symlink: give the directory itself")
-    if not stat.S_ISDIR(st.st_mode):
-        raise StateLogError(f"state dir {directory} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise StateLogError(f"state dir {directory} belongs to uid {st.st_uid}, not to this server's")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StateLogError(
-            f"state dir {directory} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
-            "anyone could replace the job state; chmod go-w it (the server creates it 0700)"
-        )
-
-
-def _size(path: Path) -> int:
-    try:
-        return os.lstat(path).st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _read(path: Path) -> bytes:
-    with _open_read(path) as f:
-        return f.read()
-
-
-def _lock(directory: Path) -> int:
-    try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise StateLogError(f"cannot open {directory / LOCK_NAME}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StateLogError(f"state dir {directory} is in use by another rdzv-server") from None
-    return fd
-
-
-def _replace(path: Path, data: bytes, fsync: bool) -> None:
-    """Write a file whole or not at all: tmp, fsync, rename, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        os.unlink(tmp)  # a leftover of a crash, or something planted: never written through
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if fsync:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
 def _load_snapshot(path: Path, machine: Rendezvous) -> tuple[int, float | None, float | None]:
     """Fill the machine from the snapshot; (its sequence number, its times); (0, None, None)."""
-    if not os.path.lexists(path):  # a symlink is refused by _read, not taken for no file
+    if not os.path.lexists(path):  # a symlink is refused by read_file, not taken for no file
         return 0, None, None
-    data = _read(path)
+    data = read_file(path)
     if len(data) < FILE_HEADER.size or FILE_HEADER.unpack_from(data)[0] != SNAP_MAGIC:
         raise StateLogError(f"{path} is not a rdzv-server snapshot")
     _, seq = FILE_HEADER.unpack_from(data)
@@ -670,24 +546,24 @@ def replay_log(
     The log is read a record at a time: replaying a large log costs the memory of the state
     it rebuilds, not of the file.
     """
-    if not os.path.lexists(path):  # a symlink is refused by _open_read, not taken for no file
-        _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
+    if not os.path.lexists(path):  # a symlink is refused by open_read, not taken for no file
+        replace_file(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
         return snap_seq, 0, 0, None
-    with _open_read(path) as f:
+    with open_read(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(FILE_HEADER.size)
         if len(head) < FILE_HEADER.size:
             # Torn while being created (compaction writes it whole, so only a first start).
             if snap_seq:
                 raise StateLogError(f"{path} has no header but a snapshot exists")
-            _replace(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
+            replace_file(path, FILE_HEADER.pack(LOG_MAGIC, snap_seq), True)
             return snap_seq, 0, 0, None
         magic, base = FILE_HEADER.unpack(head)
         if magic != LOG_MAGIC:
             raise StateLogError(f"{path} is not a rdzv-server state log")
         if base > snap_seq:
             raise StateLogError(f"{path} starts after record {base}, but the snapshot ends at {snap_seq}")
-        reader = _RecordReader(f, size, FILE_HEADER.size)
+        reader = RecordReader(f, size, FILE_HEADER.size)
         seq, replayed, last = base, 0, None
         try:
             for payload in reader:
@@ -703,7 +579,7 @@ def replay_log(
                         f"{path}: record {seq} does not replay: {type(exc).__name__}: {exc}"
                     ) from None
                 replayed += 1
-        except _Damage as exc:
+        except Damage as exc:
             raise StateLogError(f"{path}: {exc}; refusing to drop the records after it") from None
     dropped = size - reader.good_end
     if reader.torn:
@@ -714,68 +590,3 @@ def replay_log(
         )
         os.truncate(path, reader.good_end)
     return max(seq, snap_seq), replayed, dropped, last
-
-
-class _Damage(Exception):
-    """A bad record followed by more data: damage, not a torn write."""
-
-
-class _RecordReader:
-    """The record payloads of an open log file, one at a time (``scan``'s rules, streamed).
-
-    After iteration: ``good_end`` is the offset just past the last good record, and ``torn``
-    says the bytes after it are a torn last record (to be dropped). Raises _Damage.
-    """
-
-    def __init__(self, f: Any, size: int, start: int) -> None:
-        self._f, self._size = f, size
-        self.good_end = start
-        self.torn = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        f, size = self._f, self._size
-        pos = self.good_end
-        while pos < size:
-            head = f.read(RECORD_HEADER.size)
-            if len(head) < RECORD_HEADER.size:
-                self.torn = True
-                return
-            length, crc = RECORD_HEADER.unpack(head)
-            body = pos + RECORD_HEADER.size
-            if length == 0 or length > MAX_RECORD:
-                if self._rest_is_filler(pos):
-                    self.torn = True
-                    return
-                raise _Damage(f"bad record length {length} at offset {pos}")
-            if size - body < length:
-                self.torn = True  # runs past the end of the file
-                return
-            payload = f.read(length)
-            if len(payload) < length:  # the file shrank under us
-                self.torn = True
-                return
-            if zlib.crc32(payload, zlib.crc32(head[:4])) != crc:
-                if body + length == size or self._rest_is_filler(body + length):
-                    self.torn = True
-                    return
-                raise _Damage(f"record at offset {pos} fails its checksum and more records follow")
-            pos = body + length
-            self.good_end = pos
-            yield payload
-
-    def _rest_is_filler(self, pos: int) -> bool:
-        """Whether everything from ``pos`` to the end is zeros (read in chunks)."""
-        self._f.seek(pos)
-        while chunk := self._f.read(1 << 20):
-            if chunk.count(0) != len(chunk):
-                return False
-        return True
-
-
-def _open_read(path: Path) -> Any:
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError as exc:
-        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise StateLogError(f"cannot read {path}: {why}") from None
-    return os.fdopen(fd, "rb", buffering=1 << 20)

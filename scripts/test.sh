@@ -24,12 +24,23 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . >/dev/null || { .venv/bin/ruff format --diff . | head -40; exit 1; }
 .venv/bin/mypy  # the packages, as [tool.mypy] in pyproject.toml says
-set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "pytest collected no tests: that is a failure here" >&2
-  exit 1
+# The tiers in order, failing fast (tests/conftest.py sets them): the unit tier first, in one
+# process (CPU-bound: about a minute); then the rest in parallel, since most of their time is
+# waiting on processes (joins, timeouts, start-ups). With arguments, one plain pytest run of them.
+run() {
+  set +e
+  .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  local rc=$?
+  set -e
+  if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: that is a failure here" >&2
+    exit 1
+  fi
+  [ "$rc" -eq 0 ] || exit "$rc"
+}
+if [ "$#" -gt 0 ]; then
+  run "$@"
+  exit 0
 fi
-exit "$rc"
+run -m unit
+run -m "not unit" -n "${TEST_WORKERS:-4}" --dist loadgroup

@@ -26,8 +26,8 @@ from protocol import (
     decode_payload,
 )
 from protocol.auth import TokenTable
-from rdzv_server import journal, snapshot
-from rdzv_server.journal import FILE_HEADER, LOG_NAME, StateLog, StateLogError, apply_record, event_record
+from rdzv_server import journal, snapshot, wal
+from rdzv_server.journal import LOG_NAME, StateLog, apply_record, event_record
 from rdzv_server.service import RendezvousService
 from rdzv_server.state import (
     Connected,
@@ -42,6 +42,7 @@ from rdzv_server.state import (
     ShuttingDown,
     Tick,
 )
+from rdzv_server.wal import FILE_HEADER, StateLogError
 
 from .harness import Harness, failure
 
@@ -335,9 +336,9 @@ def _log_with_records(tmp_path: Path) -> tuple[Path, list[dict[str, Any]], dict[
 
 def _last_record_start(path: Path) -> int:
     data = path.read_bytes()
-    found = journal.scan(data, FILE_HEADER.size)
+    found = wal.scan(data, FILE_HEADER.size)
     assert not found.torn
-    return found.good_end - len(found.records[-1]) - journal.RECORD_HEADER.size
+    return found.good_end - len(found.records[-1]) - wal.RECORD_HEADER.size
 
 
 def test_torn_write_at_every_byte_of_the_last_record_replays_to_the_state_before(tmp_path: Path) -> None:
@@ -409,7 +410,7 @@ def test_a_planted_tmp_symlink_is_not_written_through(tmp_path: Path) -> None:
     assert not (d / (LOG_NAME + ".tmp")).exists() and (d / journal.SNAP_NAME).is_file()
 
 
-@pytest.mark.parametrize("name", [journal.LOCK_NAME, LOG_NAME, journal.SNAP_NAME])
+@pytest.mark.parametrize("name", [wal.LOCK_NAME, LOG_NAME, journal.SNAP_NAME])
 def test_a_symlink_in_place_of_a_state_file_is_refused(tmp_path: Path, name: str) -> None:
     outside = tmp_path / "elsewhere"
     d = tmp_path / "state"
@@ -504,7 +505,7 @@ def test_replay_reads_the_log_a_record_at_a_time(tmp_path: Path) -> None:
     d.mkdir(mode=0o700)
     pairs = 15_000
     with open(d / LOG_NAME, "wb") as f:
-        f.write(FILE_HEADER.pack(journal.LOG_MAGIC, 0))
+        f.write(FILE_HEADER.pack(wal.LOG_MAGIC, 0))
         w = time.time()
         for i in range(pairs):  # a connection that comes and goes: replays to no state at all
             for rec in (
@@ -512,7 +513,7 @@ def test_replay_reads_the_log_a_record_at_a_time(tmp_path: Path) -> None:
                 {"k": "disconnected", "conn": i + 1, "why": "x"},
             ):
                 rec["t"], rec["w"] = 1.0 + i, w
-                f.write(journal.frame(msgpack.packb(rec, use_bin_type=True)))
+                f.write(wal.frame(msgpack.packb(rec, use_bin_type=True)))
     size = (d / LOG_NAME).stat().st_size
     assert size > 30 << 20
     out = subprocess.run(
@@ -639,7 +640,7 @@ def test_the_state_log_reads_only_the_clocks_it_is_given(tmp_path: Path) -> None
     h.join()
     log.compact()
     log.close()
-    body = msgpack.unpackb(journal.scan((tmp_path / "state.snap").read_bytes(), FILE_HEADER.size).records[0])
+    body = msgpack.unpackb(wal.scan((tmp_path / "state.snap").read_bytes(), FILE_HEADER.size).records[0])
     assert (body["t"], body["w"]) == (100.0, 5_000.0)
     # Restarted 60 s later (wall) on a monotonic clock that began again: the machine's clock
     # goes on from where it was, plus the downtime.

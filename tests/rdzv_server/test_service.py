@@ -165,7 +165,8 @@ async def test_connection_caps_refuse_the_excess_and_recover() -> None:
 
 async def test_going_away_ends_the_state_log_in_a_snapshot(tmp_path) -> None:
     """The next server on the dir (an upgrade) loads the state, not a replay under its rules."""
-    from rdzv_server.journal import FILE_HEADER, LOG_NAME, SNAP_NAME, StateLog
+    from rdzv_server.journal import LOG_NAME, SNAP_NAME, StateLog
+    from rdzv_server.wal import FILE_HEADER
 
     state = tmp_path / "state"
     log, _, _ = StateLog.open(state)
