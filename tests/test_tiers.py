@@ -13,7 +13,7 @@ def test_every_listed_file_exists() -> None:
 
 def test_tiers_by_place() -> None:
     assert tier_of("protocol/test_codec.py") == "unit"
-    assert tier_of("node_agent/test_supervisor.py") == "proc"
+    assert tier_of("node_agent/supervisor/test_supervisor.py") == "proc"
     assert tier_of("integration/test_dropin.py") == "e2e"
     assert tier_of("test_fresh_install.py") == "e2e"
     assert tier_of("integration/test_chaos.py") == "soak"

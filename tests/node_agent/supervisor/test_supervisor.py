@@ -29,7 +29,7 @@ from node_agent.supervisor.console import Console, ConsoleFramer, LineFilter
 from node_agent.supervisor.group import WorkerGroup
 from node_agent.supervisor.spec import DRAIN_TIMEOUT, GroupResult, WorkerSpawnError, WorkerSpec
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parent.parent / "workers"
 MARK_VAR = "NODE_AGENT_SUPERVISOR_TEST"
 MARK = uuid.uuid4().hex
 

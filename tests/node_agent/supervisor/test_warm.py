@@ -27,7 +27,7 @@ from node_agent.supervisor.warm import ROUND_VARS, WarmInterpreter, WarmPool, _p
 from node_agent.worker_env import worker_argv, worker_specs
 from protocol import Assignment
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).parent.parent / "workers"
 PROBE = WORKERS / "warm_probe.py"
 MARK_VAR = "NODE_AGENT_WARM_TEST"
 MARK = uuid.uuid4().hex

@@ -26,7 +26,7 @@ from node_agent.progress.stacks import (
 )
 from protocol.hang_report import Entry, merge, parse_stacks, render
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE = 30.0
 PY_SPY = Path(sys.executable).parent / "py-spy"
 

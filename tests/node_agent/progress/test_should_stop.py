@@ -26,7 +26,7 @@ from node_agent.progress import pages
 from node_agent.progress.pages import PageSet, RankSample, create_page, read_page
 from node_agent.worker import layout as L
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEADLINE = 30.0
 ARMED, GO, NONE = L.STOP_ARMED, L.STOP_GO, L.STOP_NONE
 

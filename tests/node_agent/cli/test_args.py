@@ -27,7 +27,7 @@ from node_agent.config import (
     StdSpec,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 ENDPOINT = ["--rdzv-endpoint", "rdzv.example:1234"]  # avoids the single-node standalone default
 
 

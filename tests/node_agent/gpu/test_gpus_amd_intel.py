@@ -27,7 +27,7 @@ from node_agent.gpu.amd_intel import (
     visible_xpu_count,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass

@@ -164,7 +164,7 @@ def test_the_store_process_dies_with_its_agent(tmp_path: Path) -> None:
     import subprocess
 
     agent = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3]
     )
     try:
         assert agent.stdout is not None

@@ -22,7 +22,7 @@ from node_agent.progress import pages
 from node_agent.progress.pages import Page, PageSet, RankSample, create_page, read_page, read_stacks_since
 from node_agent.worker import layout as L
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "progress-page.md"
 DEADLINE = 30.0
 
