@@ -29,7 +29,6 @@ from protocol.errors import (
     UnexpectedMessage,
     UnknownMessageType,
     VersionMismatch,
-    error_message,
 )
 from protocol.messages import (
     CLIENT_MESSAGES,
@@ -79,6 +78,7 @@ from protocol.messages import (
     WorkersCommitted,
     WorkersFailed,
     WorkersSucceeded,
+    error_message,
     negotiate_version,
 )
 from protocol.preface import HTTP_METHODS, PREFACE_LEN, PrefaceKind, classify_preface

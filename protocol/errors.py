@@ -8,7 +8,7 @@ stable machine-readable string that goes into an ``Error`` message unchanged, an
 
 Each subclass is named after the contract that broke, so the server can tell a
 frame it could not parse from a well-formed message that came at the wrong time,
-and tests can assert on the exact class. ``error_message`` turns any of them into
+and tests can assert on the exact class. ``messages.error_message`` turns any of them into
 the ``Error`` reply the server sends before closing the connection.
 
 Values from the peer are quoted through ``describe`` so an error message stays
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from protocol.messages import Error
+    pass
 
 __all__ = [
     "BadMagic",
@@ -34,7 +34,6 @@ __all__ = [
     "UnknownMessageType",
     "VersionMismatch",
     "describe",
-    "error_message",
 ]
 
 _QUOTE_LEN = 60
@@ -181,12 +180,3 @@ class UnexpectedMessage(ProtocolError):
     def __init__(self, reason: str, *, field: str | None = None) -> None:
         super().__init__(reason, field=field)
         self.reason = reason
-
-
-def error_message(exc: ProtocolError, *, fatal: bool = True) -> Error:
-    """The ``Error`` reply telling the peer what it got wrong."""
-    # Imported here because messages.py raises errors from this module.
-    from protocol.messages import MAX_ID_LEN, MAX_TEXT_LEN, Error
-
-    field = exc.field[:MAX_ID_LEN] if exc.field is not None else None
-    return Error(code=exc.code, message=str(exc)[:MAX_TEXT_LEN], field=field, fatal=fatal)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import field, fields
 from typing import Any, ClassVar, TypeAlias
 
-from protocol.errors import InvalidField, VersionMismatch, describe
+from protocol.errors import InvalidField, ProtocolError, VersionMismatch, describe
 from protocol.records import record
 
 __all__ = [
@@ -927,3 +927,9 @@ def negotiate_version(theirs: Sequence[int], *, ours: Sequence[int] = SUPPORTED_
     if not common:
         raise VersionMismatch(ours=ours, theirs=theirs, field="hello.versions")
     return max(common)
+
+
+def error_message(exc: ProtocolError, *, fatal: bool = True) -> Error:
+    """The ``Error`` reply telling the peer what it got wrong."""
+    field = exc.field[:MAX_ID_LEN] if exc.field is not None else None
+    return Error(code=exc.code, message=str(exc)[:MAX_TEXT_LEN], field=field, fatal=fatal)

@@ -42,5 +42,5 @@ if [ "$#" -gt 0 ]; then
   run "$@"
   exit 0
 fi
-run -m unit
-run -m "not unit" -n "${TEST_WORKERS:-4}" --dist loadgroup
+run -m unit --durations=15
+run -m "not unit" -n "${TEST_WORKERS:-4}" --dist loadgroup --durations=25

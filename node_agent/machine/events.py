@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import enum
 import signal
-from typing import TYPE_CHECKING
 
 from protocol import MAX_NODES, MAX_TEXT_LEN, Assignment, Failure, Message, Stacks
 from protocol.records import record
 
 from ..worker import layout as L
-
-if TYPE_CHECKING:
-    from .watch import Hung
-
 
 # --- watching the training: what the I/O layer read, and asks of it ----------------------
 
@@ -44,6 +39,17 @@ class RankSample:
     seen: int = L.NO_STEP
     seen_at: int = L.NO_STEP
     stopped: int = L.NO_STEP
+
+
+@record(frozen=True, slots=True, kw_only=True)
+class Hung:
+    """A local rank that made no progress past its deadline."""
+
+    local_rank: int
+    step: int  # its last step (-1: none reported)
+    phase: str  # its phase when found hung ("" none)
+    silent_s: float  # seconds since its last progress (or since detection started for it)
+    budget_s: float  # the silence it was allowed
 
 
 @record(frozen=True, slots=True)

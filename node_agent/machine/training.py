@@ -48,7 +48,8 @@ from protocol.records import record
 from .events import BadPage, DumpStacks, JobHangReport, PageWarning, ProgressRead, RankSample, WriteStop
 
 if TYPE_CHECKING:
-    from .watch import HangPolicy, Hung, NodeWatch
+    from .events import Hung
+    from .watch import HangPolicy, NodeWatch
 
 
 def job_hang_report(report: str, *, restart: bool) -> tuple[JobHangReport, str]:

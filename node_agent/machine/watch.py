@@ -34,7 +34,7 @@ from protocol.messages import MAX_TIMEOUT
 from protocol.records import record
 
 from ..worker.layout import clean_name
-from .events import RankSample
+from .events import Hung, RankSample
 
 __all__ = ["HangPolicy", "Hung", "NodeWatch"]
 
@@ -176,17 +176,6 @@ def _count(what: str, raw: str) -> int:
     if not 1 <= value <= 1_000_000:
         raise ValueError(f"{what}: expected 1..1000000 steps, got {raw.strip()!r}")
     return value
-
-
-@record(frozen=True, slots=True, kw_only=True)
-class Hung:
-    """A local rank that made no progress past its deadline."""
-
-    local_rank: int
-    step: int  # its last step (-1: none reported)
-    phase: str  # its phase when found hung ("" none)
-    silent_s: float  # seconds since its last progress (or since detection started for it)
-    budget_s: float  # the silence it was allowed
 
 
 class _Rank:
