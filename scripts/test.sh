@@ -25,8 +25,9 @@ fi
 .venv/bin/ruff format --check . >/dev/null || { .venv/bin/ruff format --diff . | head -40; exit 1; }
 .venv/bin/mypy  # the packages, as [tool.mypy] in pyproject.toml says
 # The tiers in order, failing fast (tests/conftest.py sets them): the unit tier first, in one
-# process (CPU-bound: about a minute); then the rest in parallel, since most of their time is
-# waiting on processes (joins, timeouts, start-ups). With arguments, one plain pytest run of them.
+# process (CPU-bound: about a minute); then proc and e2e in parallel, since most of their time
+# is waiting on processes (joins, timeouts, start-ups); then the soak campaigns, alone. With
+# arguments, one plain pytest run of them.
 run() {
   set +e
   .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
@@ -43,4 +44,6 @@ if [ "$#" -gt 0 ]; then
   exit 0
 fi
 run -m unit --durations=15
-run -m "not unit" -n "${TEST_WORKERS:-4}" --dist loadgroup --durations=25
+run -m "proc or e2e" -n "${TEST_WORKERS:-4}" --dist loadgroup --durations=25
+# The soak campaigns stress a live server or a whole job on purpose: alone, not beside others.
+run -m soak --durations=5

@@ -9,10 +9,11 @@
 - ``soak``: long randomised campaigns: the chaos campaign, the server fuzzer, the model-based
   test of the server machine.
 
-``scripts/test.sh`` runs them in that order, failing fast; ``proc``, ``e2e`` and ``soak`` run
-in parallel (``pytest-xdist``, ``--dist loadgroup``), since their time is mostly waiting on
-processes. Tests that share a machine-wide resource are one ``xdist_group`` (network
-namespaces and the Slurm cluster in them), so they never run at once.
+``scripts/test.sh`` runs them in that order, failing fast; ``proc`` and ``e2e`` together in
+parallel (``pytest-xdist``, ``--dist loadgroup``), since their time is mostly waiting on
+processes; ``soak`` alone (its campaigns load a live server or a job on purpose, and judge
+what it does under that load). Tests that share a machine-wide resource are one
+``xdist_group`` (network namespaces and the Slurm cluster in them), so they never run at once.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ JOB = "fresh-install"
 # module came from and whether it attached to the agent's progress page.
 TRAIN = """\
 import os
+import sys
 
 import node_agent
 from node_agent import worker
@@ -59,7 +60,11 @@ for step in range(3):
     worker.progress(step)
     if worker.should_stop():
         break
-print(f"rank {rank} done step {step} attached={worker.attached()} from {node_agent.__file__}", flush=True)
+# One write: both ranks share the console, and print writes its text and newline apart
+# when unbuffered (torchrun's workers are), so two ranks' lines could run together.
+line = f"rank {rank} done step {step} attached={worker.attached()} from {node_agent.__file__}\n"
+sys.stdout.write(line)
+sys.stdout.flush()
 """
 
 # A rank of the two-node job: it reports progress, connects to the test's release socket, says

@@ -285,7 +285,12 @@ class WarmInterpreter:
         loop = asyncio.get_running_loop()
         sock = self._sock
         targets = sorted(fds)
-        payload = _frame({"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets})
+        # The step's signals the agent itself ignores now (nohup, a wrapper): a cold worker
+        # started now would inherit them ignored, so the warm one keeps them so.
+        inherited = [s for s in procutil.STEP_SIGNALS if signal.getsignal(s) == signal.SIG_IGN]
+        payload = _frame(
+            {"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets, "ignored": inherited}
+        )
         self._on_exit = on_exit
         try:
             async with asyncio.timeout(HANDOFF_TIMEOUT):

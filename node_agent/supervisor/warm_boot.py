@@ -354,7 +354,9 @@ def main() -> None:
     _send(sock, {"ok": True})
     sock.close()
     _close_other_fds()
-    _restore_signals(config.get("ignored", []))
+    # What a cold worker would have: the defaults, but what the agent ignores stays ignored.
+    keep = payload.get("ignored", [])
+    _restore_signals([s for s in config.get("ignored", []) if s not in keep])
     if hasattr(sys, "orig_argv"):
         sys.orig_argv = list(argv)
     _set_path0(kind, target)

@@ -17,6 +17,7 @@ workers, ``/healthz`` answers, no traceback; and the attacker is refused or cut 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import struct
 import time
@@ -316,12 +317,25 @@ def test_slowloris_http_is_closed_at_its_deadline(tmp_path: Path) -> None:
         live.assert_intact()
 
 
-async def _hold_idle(port: int, n: int) -> list[asyncio.StreamWriter]:
+async def _hold_idle(port: int, n: int, server_pid: int | None = None) -> list[asyncio.StreamWriter]:
+    """``n`` idle connections; with ``server_pid``, returned once the server has accepted them
+    all (its open descriptors grew by ``n``): a connect completes in the kernel's queue before
+    the server's accept, which lags on a loaded machine."""
+    before = _open_fds(server_pid) if server_pid is not None else 0
     out = []
     for _ in range(n):
         _, w = await asyncio.open_connection("127.0.0.1", port)
         out.append(w)
+    if server_pid is not None:
+        deadline = time.monotonic() + 20
+        while _open_fds(server_pid) < before + n:
+            assert time.monotonic() < deadline, "the server did not accept the held connections"
+            await asyncio.sleep(0.02)  # another process's accept: no event of ours to await
     return out
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def test_caps_fit_the_fd_limit_and_an_agent_over_them_is_told_busy(tmp_path: Path) -> None:
@@ -330,7 +344,8 @@ def test_caps_fit_the_fd_limit_and_an_agent_over_them_is_told_busy(tmp_path: Pat
     with ShortHeartbeatJob(tmp_path, "--hello-timeout", "30", fd_limit=128) as live:
 
         async def attack() -> None:
-            held = await _hold_idle(live.port, 60)  # past the per-address cap, idle
+            assert live.server is not None
+            held = await _hold_idle(live.port, 60, live.server.p.pid)  # past the per-address cap, idle
             try:
                 peer = await Peer.open(live.port)
                 busy = await peer.recv()
@@ -392,7 +407,8 @@ def test_an_agent_at_a_full_server_with_no_busy_reply_left_waits_and_joins(tmp_p
     with ShortHeartbeatJob(tmp_path, "--hello-timeout", "30", fd_limit=128) as live:
 
         async def attack() -> None:
-            held = await _hold_idle(live.port, 60)  # past the per-address cap, idle
+            assert live.server is not None
+            held = await _hold_idle(live.port, 60, live.server.p.pid)  # past the per-address cap, idle
             stop = asyncio.Event()
             crowd = asyncio.ensure_future(_crowd_out(live.port, stop, 40))
             try:
