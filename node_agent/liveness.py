@@ -77,3 +77,20 @@ class HealthServer:
         finally:
             self._waiting.pop(writer, None)
             writer.close()
+
+
+async def start_liveness(
+    port: int | None, phase: Callable[[], str], log: Callable[..., None]
+) -> HealthServer | None:
+    """The liveness server when TORCHELASTIC_HEALTH_CHECK_PORT names a port (None: none, or
+    the port is taken: torchrun's own server is a stub, and a taken port must not stop the job)."""
+    if port is None:
+        return None
+    server = HealthServer(port, phase)
+    try:
+        await server.start()
+    except OSError as exc:
+        log(f"TORCHELASTIC_HEALTH_CHECK_PORT={port}: cannot serve ({exc.strerror or exc})", "warning")
+        return None
+    log(f"health-check server on port {port} (TORCHELASTIC_HEALTH_CHECK_PORT)")
+    return server

@@ -44,7 +44,7 @@ from .progress.poll import RoundWatch
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .runtime_dir import RuntimeDir
-from .store.host import StoreHost, StoreUnavailable, hosts_round
+from .store.host import StoreHost, StoreUnavailable, hosts_round, start_store
 from .supervisor.group import WorkerGroup
 from .supervisor.spec import WorkerGroupLike, WorkerSpawnError
 from .supervisor.warm import warm_pool
@@ -185,8 +185,12 @@ class Agent:
             except RendezvousError as exc:
                 return self._gave_up(str(exc))
         backend = self.backend
-        health = await self._start_health_server()
-        self.store = await self._start_store()
+        health = None
+        if self.config.health_check_port is not None:
+            from .liveness import start_liveness  # only with TORCHELASTIC_HEALTH_CHECK_PORT (json, HTTP)
+
+            health = await start_liveness(self.config.health_check_port, lambda: self._phase, self.log)
+        self.store = await start_store(self.config, os.environ, self.log, self._store_lost)
         outcome = None
         try:
             outcome = await self._run_connected(backend)
@@ -210,49 +214,6 @@ class Agent:
     def _cpus(self) -> dict[int, frozenset[int]]:
         """--numa-binding's CPUs per local rank (none without it)."""
         return self._gpu.cpus if self._gpu is not None else {}
-
-    async def _start_health_server(self) -> Any:
-        port = self.config.health_check_port
-        if port is None:
-            return None
-        from .liveness import HealthServer
-
-        server = HealthServer(port, lambda: self._phase)
-        try:
-            await server.start()
-        except OSError as exc:
-            # torchrun's own server is a stub; a taken port must not stop the job.
-            self.log(
-                f"TORCHELASTIC_HEALTH_CHECK_PORT={port}: cannot serve ({exc.strerror or exc})", "warning"
-            )
-            return None
-        self.log(f"health-check server on port {port} (TORCHELASTIC_HEALTH_CHECK_PORT)")
-        return server
-
-    async def _start_store(self) -> StoreHost | None:
-        """The workers' TCPStore host (store/host.py), started before the first Join; None with
-        the static backend (no server to agree through), --no-python (no interpreter of ours),
-        or no core to spare beside the workers (CPU affinity: cores <= --nproc-per-node)."""
-        cfg = self.config
-        if cfg.rdzv_backend == "static" or cfg.no_python:
-            return None
-        cores = len(os.sched_getaffinity(0))
-        if cores <= cfg.nproc_per_node:
-            # The store process imports torch while the workers do: with no core to spare it
-            # would slow every worker's start by more than the retry it saves.
-            self.log(
-                f"worker rank 0 hosts the TCPStore: no core to spare for a store process "
-                f"({cores} core(s) for {cfg.nproc_per_node} worker(s))",
-                "debug",
-            )
-            return None
-        try:
-            store = StoreHost(cfg.python_exec, os.environ, log=self.log, on_lost=self._store_lost)
-        except OSError as exc:
-            self.log(f"agent-hosted TCPStore off: {exc}; worker rank 0 hosts the store", "warning")
-            return None
-        await store.start(eager="torch" in cfg.preload)  # --preload torch: the first round's too
-        return store
 
     def _store_lost(self, why: str) -> None:
         a = self._assignment

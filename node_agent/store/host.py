@@ -34,11 +34,16 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol import Assignment
 
 from ..supervisor import procutil
 from ..worker_env import SECRETS
+
+if TYPE_CHECKING:
+    from ..agent_log import AgentLog
+    from ..config import AgentConfig
 
 __all__ = ["StoreHost", "StoreUnavailable", "hosts_round", "listen_socket"]
 
@@ -373,3 +378,30 @@ class StoreHost:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
+
+
+async def start_store(
+    cfg: AgentConfig, environ: Mapping[str, str], log: AgentLog, on_lost: Callable[[str], None]
+) -> StoreHost | None:
+    """The workers' TCPStore host, started before the first Join; None with the static backend
+    (no server to agree through), --no-python (no interpreter of ours), or no core to spare
+    beside the workers (CPU affinity: cores <= --nproc-per-node)."""
+    if cfg.rdzv_backend == "static" or cfg.no_python:
+        return None
+    cores = len(os.sched_getaffinity(0))
+    if cores <= cfg.nproc_per_node:
+        # The store process imports torch while the workers do: with no core to spare it
+        # would slow every worker's start by more than the retry it saves.
+        log(
+            f"worker rank 0 hosts the TCPStore: no core to spare for a store process "
+            f"({cores} core(s) for {cfg.nproc_per_node} worker(s))",
+            "debug",
+        )
+        return None
+    try:
+        store = StoreHost(cfg.python_exec, environ, log=log, on_lost=on_lost)
+    except OSError as exc:
+        log(f"agent-hosted TCPStore off: {exc}; worker rank 0 hosts the store", "warning")
+        return None
+    await store.start(eager="torch" in cfg.preload)  # --preload torch: the first round's too
+    return store
