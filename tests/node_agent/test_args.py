@@ -1090,6 +1090,25 @@ def test_a_standalone_launch_imports_nothing_it_does_not_use(tmp_path: Path) -> 
     assert sorted(loaded & set(NOT_FOR_A_STANDALONE_LAUNCH)) == []
 
 
+def test_the_command_leaves_the_collector_as_it_found_it(tmp_path: Path) -> None:
+    # main() turns the cyclic collector off while it imports, and freezes what it imported.
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    code = (
+        "import gc\n"
+        "from node_agent.cli import main\n"
+        "for enabled in (True, False):\n"
+        "    (gc.enable if enabled else gc.disable)()\n"
+        "    assert main(['--nproc-per-node', '0', 'x.py']) == 2  # a usage error\n"
+        "    assert gc.isenabled() is enabled, enabled\n"
+        f"    assert main(['--standalone', '--nproc-per-node', '1', {str(script)!r}]) == 0\n"
+        "    assert gc.isenabled() is enabled, enabled\n"
+        "    assert gc.get_freeze_count() > 10_000\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> None:
     from node_agent.cli.flags import random_uuid4
     from node_agent.executables import which
