@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import commit_lost, progress_cost
+from . import commit_lost, progress_cost, startup
 from . import launch_cases as lc
 from . import ready_cases as rc
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
@@ -59,6 +59,7 @@ class Metric:
     label: str
     unit: str = "s"
     target: Target | None = None
+    ours_only: bool = False  # measured in every trial, shown for ours alone (a floor, say)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Variant:
     compare_with: str | None = None  # take torchrun's column from this variant (same command for torchrun)
 
 
-def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
+def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant]]:
     c1, c2, c3, c4, c5, c6 = (
         "1. standalone launch",
         "2. N-node rendezvous",
@@ -217,6 +218,7 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
         ],
         "commit": [],
         "ready": [],
+        "startup": [startup_variant(smoke)],
     }
     # Case 9: each change twice, the script without the check (torchrun runs it as it is: its
     # should_stop() is always False) and with it (ours only, compared with torchrun's run).
@@ -476,6 +478,48 @@ def variants(scale_ms: list[int]) -> dict[str, list[Variant]]:
     return out
 
 
+def startup_variant(smoke: bool) -> Variant:
+    """Case 11 (bench/startup.py): a standalone launch against no launcher at all."""
+    budget = at_most(startup.BUDGET, f"<= {startup.BUDGET:g} s over the floor")
+    what = "`--standalone --nproc-per-node 2`, no-import worker"
+    return Variant(
+        "11. start-up budget: a standalone launch against no launcher (medians of paired runs)",
+        "startup",
+        functools.partial(startup.measure, reps=3 if smoke else startup.REPS),
+        [
+            Metric("start", f"{what}: launch → every worker started"),
+            Metric("wall", f"{what}: launch → launcher exited"),
+            Metric(
+                "floor_start",
+                "floor: a bare python parent Popens the 2 workers (no agent, no asyncio): "
+                "launch → both started",
+                ours_only=True,
+            ),
+            Metric("floor_wall", "floor: launch → exited", ours_only=True),
+            Metric("over_floor", "over the floor: launch → every worker started", target=budget),
+            Metric("over_floor_wall", "over the floor: launch → exited", target=budget),
+            Metric(
+                "cpu_over_floor",
+                "over the floor: CPU time of the launcher, its helpers and its workers (wait4)",
+                "s CPU",
+            ),
+            Metric("bare", "`python -c pass`: start → exit", ours_only=True),
+            Metric(
+                "import_ms",
+                "the launcher's imports over `python -c pass` (`import node_agent.runner` and the "
+                "command's own; torchrun: `from torch.distributed.run import main`)",
+                "ms",
+            ),
+            Metric(
+                "imported_ms",
+                "`-X importtime` of a launch: every module it imports beyond `python -c pass`'s",
+                "ms",
+            ),
+        ],
+        smoke=True,
+    )
+
+
 ALL_CASES = (
     "standalone",
     "nnode",
@@ -487,6 +531,7 @@ ALL_CASES = (
     "progress",
     "commit",
     "ready",
+    "startup",
 )
 
 
@@ -534,7 +579,7 @@ def compile_sources() -> None:
     """
     import compileall
 
-    for pkg in ("protocol", "rdzv_server", "node_agent", "bench"):
+    for pkg in ("protocol", "edge", "rdzv_server", "node_agent", "bench"):
         compileall.compile_dir(str(ROOT / pkg), quiet=1)
 
 
@@ -638,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    specs = variants(scale_ms)
+    specs = variants(scale_ms, smoke=args.smoke)
     started = time.time()
     load_before = load_average()
     meta: dict[str, Any] = {
@@ -675,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
                     row.ours = res["ours"]["values"][m.key]
                     if res["ours"]["failures"]:
                         row.failures["ours"] = res["ours"]["failures"]
-                if "torchrun" in res:
+                if m.ours_only:
+                    row.torchrun = None
+                elif "torchrun" in res:
                     row.torchrun = res["torchrun"]["values"][m.key]
                     if res["torchrun"]["failures"]:
                         row.failures["torchrun"] = res["torchrun"]["failures"]
@@ -920,7 +967,18 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
    are idle, the RSS, PSS and USS of each (`/proc/PID/status`, `smaps_rollup`), the mean of the
    two (they share torch's pages, so PSS counts half of those to each).
 
-- The bench byte-compiles `protocol/`, `rdzv_server/`, `node_agent/` and `bench/` before it
+11. Both launchers, `L --standalone --nproc-per-node 2 noimport.py` against the floor: no
+   launcher, a bare `python -c` parent that starts the same two workers with `subprocess.Popen`
+   and waits (no asyncio: the least any launcher in Python costs). `bench/startup.py`: 15
+   pairs per trial (3 in `--smoke`), the order alternating, each process reaped by `wait4` (so
+   its exit is exact, not polled, and its CPU time, workers included, comes with it), with the
+   workers' `start` stamps in an events file per run. "Over the floor" is the median of the
+   paired differences; the budget is 0.03 s. Beside them: `python -c pass`, the launcher's
+   imports (`python -c` importing what the command imports before it starts anything, less
+   `python -c pass`), and one launch under `python -X importtime` per pair, its modules
+   beyond `python -c pass`'s summed (whoever imports them, whenever).
+
+- The bench byte-compiles `protocol/`, `edge/`, `rdzv_server/`, `node_agent/` and `bench/` before it
   starts: this environment sets `PYTHONDONTWRITEBYTECODE=1`, and torch's site-packages comes
   compiled from its wheel, so without it every node-agent start would also compile our sources
   (about 0.1 s), a cost an installed package does not have.

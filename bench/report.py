@@ -79,10 +79,10 @@ NA = "\u2013"  # an en dash: not applicable
 def _num(v: float, unit: str) -> str:
     if unit == "s":
         return f"{v:.3f}"
-    if unit in ("MB", "%"):
+    if unit in ("MB", "%", "ms"):
         return f"{v:.1f}"
     if unit == "s CPU":
-        return f"{v:.2f}"
+        return f"{v:.3f}"
     return f"{v:,.0f}"
 
 

@@ -307,9 +307,20 @@ def _room(size: int) -> int:
     return 1 << (size + size // 4 - 1).bit_length()
 
 
-@functools.cache
+# What computed_frame_limits() gives, written down: computing it builds and encodes the
+# largest legal message of each kind (3 ms), at every server start, an agent's embedded one (a
+# standalone launch) included. tests/protocol/test_codec.py checks that the schema still gives it.
+FRAME_LIMITS = FrameLimits(hello=2048, join=524288, member=524288)
+
+
 def frame_limits() -> FrameLimits:
-    """Frame limits computed from the schema's field limits (once, on first use: ~1 ms)."""
+    """The largest frame the server accepts at each stage (the schema's, as computed below)."""
+    return FRAME_LIMITS
+
+
+@functools.cache
+def computed_frame_limits() -> FrameLimits:
+    """Frame limits computed from the schema's field limits (once, on first use: ~3 ms)."""
     sizes = {cls: len(encode(msg)) for cls, msg in largest_client_messages().items()}
     assert set(sizes) == set(CLIENT_MESSAGES.values()), "a client message has no largest example"
     return FrameLimits(

@@ -9,7 +9,10 @@ dataclass code generation the largest part of a launch after the interpreter its
 ``record`` lets ``dataclasses`` collect the fields (so ``fields``, ``replace`` and ``asdict``
 work as before) and compiles only ``__init__``, the one method whose speed matters (the
 server builds thousands of messages a round).  The others are shared functions that read a
-per-class ``operator.attrgetter`` of the compared fields, which is C code.
+per-class ``operator.attrgetter`` of the compared fields, which is C code.  Even ``__init__``
+is compiled only when the class makes its first instance (its source is written, and
+checked, when the class is declared): most of the classes a launch declares (the messages and
+events of failures, hangs and restarts) never make one, and a compilation is about 0.1 ms.
 
 The methods behave as dataclass's do for what we use: positional or keyword-only parameters,
 defaults and ``default_factory``, ``__post_init__``, per-field ``repr`` and ``compare``;
@@ -87,7 +90,7 @@ def _build(cls: T, *, frozen: bool, kw_only: bool, slots: bool) -> T:
         if not f.init or f._field_type is dataclasses._FIELD_INITVAR:  # type: ignore[attr-defined]
             raise TypeError(f"{cls.__qualname__}.{f.name}: @record supports neither InitVar nor init=False")
 
-    built.__init__ = _init_fn(built, fields, frozen)
+    built.__init__ = _lazy_init(built, fields, frozen)
     built._record_shown = tuple(f.name for f in fields if f.repr)
     built._record_key = _getter([f.name for f in fields if f.compare])
     built.__repr__ = _repr
@@ -112,7 +115,29 @@ def _build(cls: T, *, frozen: bool, kw_only: bool, slots: bool) -> T:
     return built
 
 
-def _init_fn(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool) -> Callable[..., None]:
+def _lazy_init(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool) -> Callable[..., None]:
+    """An ``__init__`` that compiles the real one on the class's first instance, puts it on the
+    class in its place, and runs it. Its source is written now: a bad declaration fails here."""
+    src, env = _init_source(cls, fields, frozen)
+    qualname = f"{cls.__qualname__}.__init__"
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        real = cls.__dict__["__init__"]
+        if real is __init__:  # the first instance (else another thread compiled it meanwhile)
+            exec(src, env)  # the source is built from field names only
+            real = env["__init__"]
+            real.__qualname__ = qualname
+            cls.__init__ = real  # type: ignore[misc]
+        real(self, *args, **kwargs)
+
+    __init__.__qualname__ = qualname
+    return __init__
+
+
+def _init_source(
+    cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool
+) -> tuple[str, dict[str, Any]]:
+    """The source of a record class's ``__init__`` and the names it reads."""
     env: dict[str, Any] = {"__builtins__": __builtins__, "_set": object.__setattr__, "_FACTORY": _FACTORY}
     positional: list[str] = []
     keyword: list[str] = []
@@ -141,10 +166,7 @@ def _init_fn(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool
         assign.append("self.__post_init__()")
     params = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])
     src = "\n".join([f"def __init__({params}) -> None:", *(f"    {line}" for line in assign or ["pass"])])
-    exec(src, env)  # the source is built above from field names only
-    fn = env["__init__"]
-    fn.__qualname__ = f"{cls.__qualname__}.__init__"
-    return fn
+    return src, env
 
 
 _FROZEN_METHODS = ("__setattr__", "__delattr__")

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from protocol import Failure
 from protocol.failure_text import HUNG
-from protocol.hang_report import Entry, HangReport, merge, render
 from protocol.messages import clip_text
 
 from .progress import HangState
+
+if TYPE_CHECKING:
+    from protocol.hang_report import HangReport
+# protocol.hang_report (1.5 ms of record classes and patterns) is imported only when a hang is
+# reported: a job that never hangs (an agent's embedded server's, most often) never pays for it.
 
 # The most a hang's verdict waits for the other nodes' stacks after the hung node's failure:
 # every agent collects its ranks' within 5 s of the server's CollectStacks
@@ -30,6 +35,8 @@ SOURCE = "node-agent"  # who collected each rank's stacks (py-spy or the signal:
 
 def job_report(hang: HangState) -> HangReport:
     """Every kept node's stacks merged, each rank named with its node."""
+    from protocol.hang_report import Entry, merge
+
     entries = [
         Entry(rank=rank, step=step, phase=phase, silent_s=silent, text=text, source=SOURCE, node=node)
         for node, msg in hang.stacks.items()
@@ -61,6 +68,8 @@ def job_cause(
     ``message_len``: the odd ones out and their frames come first."""
     if failure.signal != HUNG or hang is None or not hang.stacks:
         return None
+    from protocol.hang_report import render
+
     report = job_report(hang)
     text = render(report)
     message = clip_text(f"{TITLE}:\n{text}", message_len)

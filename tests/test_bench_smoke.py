@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+STARTUP = "11. start-up budget: a standalone launch against no launcher (medians of paired runs)"
 # (case, a words of the metric label) the smoke run must report with positive numbers
 EXPECTED = [
     ("1. standalone launch", "launch → all workers started"),
@@ -27,6 +28,13 @@ EXPECTED = [
     ("7. scale: 100 simulated agents (ours only)", "every node holds the next round"),
     ("7. scale: 100 simulated agents (ours only)", "hang: Stacks messages"),
     ("8. watching the training (ours only)", "worker.progress(step), attached"),
+    (STARTUP, "launch → every worker started"),
+    (STARTUP, "launch → launcher exited"),
+    (STARTUP, "floor: a bare python parent"),
+    (STARTUP, "`python -c pass`"),
+    (STARTUP, "the launcher's imports"),
+    (STARTUP, "`-X importtime` of a launch"),
+    (STARTUP, "over the floor: CPU time"),
 ]
 
 
@@ -58,6 +66,13 @@ def test_smoke_run_reports_every_case_with_positive_numbers(tmp_path: Path) -> N
     assert 50 <= summaries["median_ours"] <= 150  # one Progress per node a second
     stacks = next(r for r in rows if "hang: Stacks messages" in r["label"])
     assert stacks["median_ours"] >= 100  # every node's stacks (some collect twice)
+    # The budget: ours over the floor, a yes/no in the target column (which, depends on the machine).
+    for words in ("over the floor: launch → every worker started", "over the floor: launch → exited"):
+        row = next(r for r in rows if r["case"] == STARTUP and r["label"] == words)
+        assert row["ours"] and row["target"]["abs_max"] == 0.03 and row["holds"] in (True, False), row
+    floor = next(r for r in rows if r["case"] == STARTUP and r["label"].startswith("floor: a bare"))
+    launch = next(r for r in rows if r["case"] == STARTUP and r["label"].startswith("`--standalone"))
+    assert floor["median_ours"] < launch["median_ours"] < 10.0
     assert "with summaries: server CPU" in md.read_text()  # the side-by-side table
     text = md.read_text()
     assert "| 1. standalone launch |" in text and "cold join storm" in text

@@ -25,19 +25,17 @@ Not covered: torch's privateuse1 backends (``--nproc-per-node <backend name>``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..config import ConfigError
-from ..gpu.devices import NVIDIA_PROC_DIR, physical_gpus, visible_gpu_count
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..gpu.amd_intel import AmdGpu, IntelGpu
-# gpu/amd_intel.py (1 ms) is imported only where AMD or Intel devices are counted: a launch with
-# a number or with NVIDIA GPUs never pays for it.
+# The GPU modules are imported only where devices are counted (--nproc-per-node gpu, auto, xpu):
+# a launch with a number never pays for them (gpu/devices.py 1.5 ms, gpu/amd_intel.py 1 ms).
 
 __all__ = [
-    "NVIDIA_PROC_DIR",
     "count_visible_gpus",
     "count_visible_xpus",
     "cpu_count",
@@ -158,7 +156,19 @@ def physical_intel_gpus() -> list[IntelGpu]:
     return intel_gpus()
 
 
-def physical_gpu_uuids(proc_dir: str | os.PathLike[str] = NVIDIA_PROC_DIR) -> list[str]:
+def physical_gpu_uuids(proc_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """One entry per NVIDIA GPU on this machine, in PCI order: its UUID, or "" when the driver
-    does not say (gpus.physical_gpus; the seam tests replace)."""
-    return [gpu.uuid for gpu in physical_gpus(proc_dir=os.fspath(proc_dir))]
+    does not say (gpu.devices.physical_gpus, in ``proc_dir``, by default the driver's
+    NVIDIA_PROC_DIR; the seam tests replace)."""
+    from ..gpu.devices import NVIDIA_PROC_DIR, physical_gpus
+
+    where = NVIDIA_PROC_DIR if proc_dir is None else os.fspath(proc_dir)
+    return [gpu.uuid for gpu in physical_gpus(proc_dir=where)]
+
+
+def visible_gpu_count(cuda_visible_devices: str | None, physical: Sequence[str]) -> int:
+    """How many of the ``physical`` GPUs (their UUIDs) a worker sees under CUDA_VISIBLE_DEVICES
+    (gpu.devices.visible_gpu_count)."""
+    from ..gpu.devices import visible_gpu_count as count
+
+    return count(cuda_visible_devices, physical)

@@ -33,7 +33,6 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol import Assignment
@@ -54,7 +53,8 @@ FRESH_TIMEOUT = 10.0
 # ``drop`` while torch still imports waits behind the import (a cold torch import on a busy node).
 IMPORT_TIMEOUT = 120.0
 _MAX_LINE = 4096
-_BOOT_SOURCE = Path(__file__).with_name("boot.py")
+# Not pathlib: it imports urllib.parse and ipaddress (3 ms), which a launch needs nowhere else.
+_BOOT_SOURCE = os.path.join(os.path.dirname(__file__), "boot.py")
 # TCPStore serves a socket it is given (master_listen_fd, libuv) from 2.8. store/boot.py, run
 # by the workers' Python, keeps its own copy: it must import nothing of node_agent.
 MIN_TORCH = (2, 8)
@@ -87,7 +87,8 @@ def torch_version_here(python: str, env: Mapping[str, str]) -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     try:
-        text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+        with open(os.path.join(next(iter(spec.submodule_search_locations)), "version.py")) as f:
+            text = f.read()
     except (OSError, StopIteration):
         return None
     for line in text.splitlines():
@@ -100,6 +101,11 @@ def torch_version_here(python: str, env: Mapping[str, str]) -> str | None:
             except ValueError:
                 return None
     return None
+
+
+def _boot_source() -> str:
+    with open(_BOOT_SOURCE) as f:
+        return f.read()
 
 
 def hosts_round(a: Assignment) -> bool:
@@ -193,7 +199,7 @@ class StoreHost:
         fd = self._listener.fileno()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                self.python, "-u", "-c", _BOOT_SOURCE.read_text(), str(fd), str(self.port),
+                self.python, "-u", "-c", _boot_source(), str(fd), str(self.port),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,

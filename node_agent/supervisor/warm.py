@@ -24,7 +24,6 @@ rest of the run.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -33,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ..config import AgentConfig
 from ..worker_env import FR_DUMP_VARS, FR_PIPE_VARS, PAGE_VAR, NodeAssignment, worker_argv, worker_env
-from . import procutil, warm_boot
+from . import procutil
 
 __all__ = [
     "PRELOAD_TIMEOUT",
@@ -57,6 +56,9 @@ HANDOFF_TIMEOUT = 30.0
 MAX_REPLY = 64 * 1024
 REAP_TIMEOUT = 10.0
 PRELUDE_LIMIT = 256 * 1024
+# The script a warm interpreter runs (named, not imported: it imports json, and is the
+# interpreter's, not the agent's).
+WARM_BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_boot.py")
 
 # The worker variables only a round (or an attempt) decides: held back from a warm interpreter
 # and given with the handoff.  tests/node_agent/test_warm.py checks that every other variable of
@@ -105,6 +107,8 @@ def warm_env(cfg: AgentConfig, environ: Mapping[str, str], local_rank: int) -> d
 
 
 def _frame(obj: object) -> bytes:
+    import json  # imported only with --preload: a launch without it has no other use for json
+
     data = json.dumps(obj).encode("utf-8", "surrogatepass")
     return struct.pack(">I", len(data)) + data
 
@@ -126,6 +130,8 @@ async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> d
                 raise WarmHandoffError(f"the interpreter sent {length} bytes (limit {MAX_REPLY})")
             need = 4 + length
             continue
+        import json  # --preload only, as in _frame
+
         try:
             msg = json.loads(bytes(buf[4:need]).decode("utf-8", "replace"))
         except ValueError as e:
@@ -205,7 +211,9 @@ class WarmInterpreter:
                 "argv": list(self.argv),
                 "ignored": list(procutil.STEP_SIGNALS),  # until it becomes the worker
             }
-            argv = [self.argv[0], *python_flags, os.path.abspath(warm_boot.__file__), json.dumps(config)]
+            import json  # --preload only, as in _frame
+
+            argv = [self.argv[0], *python_flags, WARM_BOOT, json.dumps(config)]
             keep = (theirs.fileno(),)  # its control socket; stray descriptors go, as a cold worker's
             transport, _ = await loop.subprocess_exec(
                 lambda: _WarmProtocol(self),

@@ -66,7 +66,7 @@ from protocol import (
     encode_many,
     frame_limits,
 )
-from protocol.codec import MAX_CONTAINERS, MAX_MAP_LEN, largest_client_messages
+from protocol.codec import MAX_CONTAINERS, MAX_MAP_LEN, computed_frame_limits, largest_client_messages
 
 FAILURE = Failure(
     node_id="node-1",
@@ -1144,6 +1144,12 @@ def test_every_client_message_has_a_largest_example_and_it_is_the_largest():
     for cls, msg in examples.items():
         assert type(msg) is cls
         _assert_largest(msg, cls.TYPE)
+
+
+def test_the_written_frame_limits_are_the_schemas():
+    # FRAME_LIMITS is computed_frame_limits() written down (a server start skips computing it):
+    # a schema change that moves a limit must write the new one there.
+    assert frame_limits() == computed_frame_limits()
 
 
 def test_the_largest_legal_message_of_each_stage_fits_its_frame_limit():

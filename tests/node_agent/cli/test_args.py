@@ -1039,6 +1039,77 @@ def test_a_launch_imports_nothing_it_does_not_need():
     assert loaded_in_a_fresh_interpreter(setup, slow) == []
 
 
+# What a standalone launch has no use for; each was imported by one once. The GPU modules
+# (no GPU counted, no --numa-binding), the warm interpreters' (no --preload) and their json,
+# pathlib (and its urllib.parse and ipaddress: the store's boot file is read by os.path), the
+# hang report's (no hang), the error file's (no TORCHELASTIC_ERROR_FILE), the API, the health
+# port, an HTTP stack.
+NOT_FOR_A_STANDALONE_LAUNCH = (
+    "json",
+    "pathlib",
+    "urllib.parse",
+    "ipaddress",
+    "node_agent.gpu.devices",
+    "node_agent.gpu.numa",
+    "node_agent.gpu.amd_intel",
+    "node_agent.gpu.binding",
+    "node_agent.gpu.health",
+    "node_agent.supervisor.warm_boot",
+    "node_agent.gpu.node",
+    "node_agent.store.boot",
+    "protocol.hang_report",
+    "node_agent.progress.stacks",
+    "node_agent.error_file",
+    "node_agent.api",
+    "node_agent.liveness",
+    "rdzv_server.http_app",
+    "aiohttp",
+    "torch",
+)
+
+
+def test_a_standalone_launch_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
+    # The whole launch, run to its end in a fresh interpreter (what it imports on the way
+    # counts: the embedded rendezvous server, the first worker start), then its modules.
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    code = (
+        "import sys\n"
+        "from node_agent.cli import main\n"
+        f"code = main(['--standalone', '--nproc-per-node', '2', {str(script)!r}])\n"
+        "print(repr(sorted(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_ERROR_FILE", "LOGLEVEL")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = set(eval(out.stdout.strip().splitlines()[-1]))  # a list of module names, printed by repr
+    assert {"node_agent.runner", "rdzv_server.service"} <= loaded  # it did launch
+    assert sorted(loaded & set(NOT_FOR_A_STANDALONE_LAUNCH)) == []
+
+
+def test_the_command_leaves_the_collector_as_it_found_it(tmp_path: Path) -> None:
+    # main() turns the cyclic collector off while it imports, and freezes what it imported.
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    code = (
+        "import gc\n"
+        "from node_agent.cli import main\n"
+        "for enabled in (True, False):\n"
+        "    (gc.enable if enabled else gc.disable)()\n"
+        "    assert main(['--nproc-per-node', '0', 'x.py']) == 2  # a usage error\n"
+        "    assert gc.isenabled() is enabled, enabled\n"
+        f"    assert main(['--standalone', '--nproc-per-node', '1', {str(script)!r}]) == 0\n"
+        "    assert gc.isenabled() is enabled, enabled\n"
+        "    assert gc.get_freeze_count() > 10_000\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 def test_own_uuid4_which_and_temp_dir_behave_like_the_stdlib_ones(tmp_path) -> None:
     from node_agent.cli.flags import random_uuid4
     from node_agent.executables import which
