@@ -62,7 +62,7 @@ for step in range(3):
         break
 # One write: both ranks share the console, and print writes its text and newline apart
 # when unbuffered (torchrun's workers are), so two ranks' lines could run together.
-line = f"rank {rank} done step {step} attached={worker.attached()} from {node_agent.__file__}\n"
+line = f"rank {rank} done step {step} attached={worker.attached()} from {node_agent.__file__}\\n"
 sys.stdout.write(line)
 sys.stdout.flush()
 """
