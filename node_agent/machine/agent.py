@@ -23,6 +23,10 @@ Leaving (``leaving.py`` tells it): a drain (SIGTERM in an elastic job, or the se
 server's ``Left`` picks the exit code; SIGTERM to an elastic agent whose ranks all call
 ``worker.should_stop()`` first asks for a commit point (``LeaveAfterCommit``).
 
+Signals (``signals.py`` tells it): a handled one stops the job (SIGTERM in an elastic job
+drains, any other stops the workers and exits 1, as torchrun); a second one insists; one to
+forward goes on to running workers; a worker killed by a signal we got for it is a stop.
+
 Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
 we run goes into the pages (``WriteStop``: arm, go, cancel); the ``Armed`` answer follows once
 every local rank has seen the armed step. Workers that all stopped at the go'd step and exited
@@ -105,7 +109,6 @@ from .events import (
     Effect,
     Event,
     Exit,
-    ForwardSignal,
     HealthCheckDone,
     Log,
     PageWarning,
@@ -130,6 +133,7 @@ from .events import (
 )
 from .leaving import Leaving, notice
 from .link import Link
+from .signals import Signals, Then, received
 from .training import Training, job_hang_report
 
 
@@ -143,21 +147,18 @@ class AgentMachine:
     _after_stop: AfterStop = AfterStop.NOTHING
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
     _last_waiting: tuple[int, int, str, bool] | None = None  # joined, round, reason, spare
-    _signalled: int | None = None
-    _delivered: bool = False  # the workers got _signalled from its sender: stops send no signal
-    # Signals passed on to (or delivered with) this attempt's workers: a worker they kill is
-    # no failure to restart for, but a stop, as if the agent had been sent a handled signal.
-    _passed_on: frozenset[int] = frozenset()
     _checking: bool = False  # our --health-check runs; the join waits for it
     _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
     # Progress summaries and hang verdicts (training.py); None: the agent does not watch them.
     training: Training | None = None
 
     def __post_init__(self) -> None:
-        # The connection's side (link.py) and the way out of the job (leaving.py): composed
-        # helpers, as training is; they return effects, and the machine keeps the phase.
+        # The connection's side (link.py), the way out of the job (leaving.py) and the signals
+        # we get (signals.py): composed helpers, as training is; they return effects, and the
+        # machine keeps the phase.
         self.link = Link(self.settings)
         self.leaving = Leaving(self.settings)
+        self.signals = Signals(self.settings)
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -323,7 +324,7 @@ class AgentMachine:
         self.phase = Phase.STARTING
         self.deadline = None
         self._last_waiting = None
-        self._passed_on = frozenset()  # a new attempt's workers have received nothing yet
+        self.signals.new_attempt()
         if self.training is not None:
             self.training.start(msg)
         return [
@@ -494,21 +495,12 @@ class AgentMachine:
             if self.leaving.commit_leave is not None:
                 effects += self._drain(self.leaving.commit_leave, now)  # finished before any commit point
             return effects
-        signum = self._killed_by_a_signal_we_got(event.failure)
+        signum = self.signals.killed_by(event.failure)
         if signum:
-            name = signal.Signals(signum).name
             if self.leaving.commit_leave is not None:  # our drain's commit point is moot now
                 return self._drain(self.leaving.commit_leave, now)
-            self._signalled, self._delivered = signum, True
-            who = f"local rank {event.failure.local_rank}"
-            return [
-                Log(
-                    "warning",
-                    f"{who} was killed by {name}, a signal sent to this node's workers: the job "
-                    "stops as for a signal this agent handles, without a restart",
-                ),
-                *self._stop_on_signal(f"{who} was killed by {name}", signum),
-            ]
+            note, why = self.signals.witness(signum, event.failure)
+            return [note, *self._stop_on_signal(why, signum)]
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
 
     def _commit_failure(self, why: str, now: float) -> Failure:
@@ -744,44 +736,24 @@ class AgentMachine:
     # -- signals and leaving ---------------------------------------------------------------
 
     def _on_signal(self, signum: int, now: float, delivered: bool = False) -> list[Effect]:
-        if signum not in self.settings.handled_signals:
-            if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
-                return self._pass_on(signum, delivered)
-            return []
-        name = signal.Signals(signum).name
-        if self.leaving.commit_leave is not None:
-            # A second signal while a drain waits for a commit point: the user insists.
-            why = self.leaving.commit_leave
-            return [
-                Log("warning", f"received {name} again; not waiting for a commit point"),
-                *self._drain(why, now),
-            ]
-        if self._signalled is not None:
-            # A second signal while we stop: the user insists.
-            if self.phase is Phase.LEAVING:
-                return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
-            return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
-        self._signalled, self._delivered = signum, delivered
-        if self.leaving.going or self._exit is not None:
-            # Already on our way out (a drain the server asked for, the job's end): a second
-            # signal insists.
-            return [Log("info", f"received {name}; already stopping")]
-        if self.settings.elastic and signum == signal.SIGTERM:
-            return self._drain_after_commit(f"received {name}", now)
-        return self._stop_on_signal(f"received {name}", signum)
-
-    def _pass_on(self, signum: int, delivered: bool) -> list[Effect]:
-        self._passed_on |= {signum}
-        if delivered:
-            name = signal.Signals(signum).name
-            return [
-                Log(
-                    "info",
-                    f"received {name}; the workers have it too, from its sender (it signals every "
-                    "process of the job step), so it is not forwarded again",
-                )
-            ]
-        return [ForwardSignal(signum)]
+        effects, then = self.signals.receive(
+            signum,
+            delivered,
+            self.phase,
+            committing=self.leaving.commit_leave is not None,
+            out=self.leaving.going or self._exit is not None,
+        )
+        if then is Then.DRAIN:
+            assert self.leaving.commit_leave is not None
+            return [*effects, *self._drain(self.leaving.commit_leave, now)]
+        if then is Then.EXIT:
+            why = f"{received(signum)} while leaving"
+            return [*effects, *self._exit_now(self._exit or Exit(EXIT_FAILED, why))]
+        if then is Then.LEAVE:
+            return [*effects, *self._drain_after_commit(received(signum), now)]
+        if then is Then.STOP:
+            return [*effects, *self._stop_on_signal(received(signum), signum)]
+        return effects
 
     def _stop_on_signal(self, why: str, signum: int) -> list[Effect]:
         """Stop as torchrun does on a signal it handles: workers stopped, no restart, exit 1."""
@@ -790,17 +762,8 @@ class AgentMachine:
         self.link.report = None
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             # Workers first; the server hears now that we go, and that we are gone once they are.
-            sig = 0 if self._delivered and self._signalled == signum else signum
-            return [*self._stop_then_exit(exit_, sig), *self._send(notice(leave))]
+            return [*self._stop_then_exit(exit_, self.signals.to_send(signum)), *self._send(notice(leave))]
         return [*self._send(leave), *self._exit_now(exit_)]
-
-    def _killed_by_a_signal_we_got(self, failure: Failure) -> int:
-        """The signal (0: none) behind a worker's death when it is one this agent received for
-        its workers: passed on, or delivered with its own (a scheduler signals every process)."""
-        signum = -failure.exitcode
-        if signum <= 0:
-            return 0
-        return signum if signum in self._passed_on or signum == self._signalled else 0
 
     def _drain_after_commit(self, why: str, now: float) -> list[Effect]:
         """A drain that first asks the server to stop the job at a commit point (leaving.py's
@@ -810,7 +773,7 @@ class AgentMachine:
             self.settings.commit_timeout <= 0
             # The workers have the SIGTERM from its sender (Slurm signals every process of the
             # step): they are stopping already, and Slurm's KillWait is no time to wait in.
-            or self._delivered
+            or self.signals.delivered
             or t is None
             # Early in the training its ranks may not have called should_stop() yet: the
             # server knows (it waits for every node's summary) and drains us at once if not.
@@ -828,7 +791,7 @@ class AgentMachine:
         if self.leaving.commit_leave is not None:
             self.deadline = None  # the commit point's wait is over
         # SIGTERM delivered to the workers by its sender is not sent again (0).
-        sig = 0 if self._delivered and self._signalled == signal.SIGTERM else signal.SIGTERM
+        sig = self.signals.to_send(signal.SIGTERM)
         effects, phase = self.leaving.drain(why, self.phase, self.link.committed, sig, self.link)
         if phase is Phase.LEAVING:
             return [*effects, *self._send_leave(now)]
@@ -842,7 +805,7 @@ class AgentMachine:
         return effects
 
     def _on_left(self, msg: Left) -> list[Effect]:
-        exit_ = self.leaving.left(msg, self._signalled is not None)
+        exit_ = self.leaving.left(msg, self.signals.signalled is not None)
         if exit_ is None:
             if self.leaving.going:
                 return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
