@@ -95,6 +95,7 @@ from protocol import (
 from protocol.records import record
 
 from ..agent_log import shown
+from .assignment import contradiction, doing, node_failure, node_range, round_line
 from .events import (
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
@@ -268,9 +269,8 @@ class AgentMachine:
             why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
             # Our own SIGTERM's drain, once the commit point it waited for is behind us.
             return self._drain(self.leaving.commit_leave or why, now)
-        return self._protocol_error(
-            f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
-        )
+        text = f"{msg.TYPE}, which a server never sends, while this node {doing(self.phase, self.assignment)}"
+        return self._protocol_error(text, fatal=False)
 
     def _on_resume_answer(self, msg: Message, now: float) -> list[Effect]:
         """The server's answer to our Resume, then what waited for it.
@@ -314,10 +314,10 @@ class AgentMachine:
             # We did not join for it: the server counts ranks of ours that will never run.
             text = (
                 f"an assignment for round {msg.round}, but this node did not join for one "
-                f"(it {self._doing()})"
+                f"(it {doing(self.phase, self.assignment)})"
             )
             return self._protocol_error(text, fatal=True)
-        problem = self._contradiction(msg)
+        problem = contradiction(self.settings, msg)
         if problem is not None:
             return self._protocol_error(problem, fatal=True)
         self.assignment = msg
@@ -328,47 +328,9 @@ class AgentMachine:
         if self.training is not None:
             self.training.start(msg)
         return [
-            Log(
-                "info",
-                f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
-                f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
-                f"master {shown(msg.master_addr)}:{msg.master_port}, restart {msg.restart_count}",
-            ),
+            Log("info", round_line(msg, self.settings.nproc)),
             StartWorkers(msg),
         ]
-
-    def _contradiction(self, a: Assignment) -> str | None:
-        """How an assignment contradicts what this node was started with, or None.
-
-        The server counts restarts and sizes the world; the agent does not trust it to: a
-        buggy or hostile one could run this node for another job, restart it for ever past
-        its --max-restarts, or give it ranks that do not exist."""
-        s = self.settings
-        if s.job_id and a.job_id != s.job_id:
-            return f"an assignment for job {shown(a.job_id)!r}, but this node runs job {s.job_id!r}"
-        if s.max_restarts is not None:
-            if a.max_restarts != s.max_restarts:
-                return (
-                    f"an assignment that says --max-restarts {a.max_restarts}, but this node has "
-                    f"--max-restarts {s.max_restarts}"
-                )
-            if a.restart_count > s.max_restarts:
-                return (
-                    f"an assignment for restart {a.restart_count}, past this node's budget "
-                    f"(--max-restarts {s.max_restarts})"
-                )
-        if not s.min_nodes <= a.group_world_size <= s.max_nodes:
-            return (
-                f"an assignment for a round of {a.group_world_size} nodes, but this node has "
-                f"--nnodes {_range(s.min_nodes, s.max_nodes)}"
-            )
-        if a.rank_offset + s.nproc > a.world_size or a.world_size < a.group_world_size:
-            return (
-                f"an assignment whose ranks do not fit its world: {_ranks(a.rank_offset, s.nproc)} "
-                f"of this node's {s.nproc} worker(s) in a world size {a.world_size} of "
-                f"{a.group_world_size} nodes"
-            )
-        return None
 
     def _on_job_failed(self, msg: JobFailed) -> list[Effect]:
         where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
@@ -406,11 +368,11 @@ class AgentMachine:
             return []  # on our way out already, for a reason of its own
         # Our workers run (or failed): the server finished the job without us, which it does
         # only after it dropped this node (frozen, or cut off, past the heartbeat timeout).
-        doing = self._doing()
+        what = doing(self.phase, self.assignment)
         self.link.report, self.leaving.leave = None, None
         return [
-            Log("error", f"the rendezvous server says the job finished while this node {doing}; stopping"),
-            *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {doing})")),
+            Log("error", f"the rendezvous server says the job finished while this node {what}; stopping"),
+            *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {what})")),
         ]
 
     def _on_error(self, msg: Error) -> list[Effect]:
@@ -424,7 +386,7 @@ class AgentMachine:
         if key == self._last_waiting:
             return []
         self._last_waiting = key
-        what = f"waiting for nodes: {msg.joined} of {_range(msg.min_nodes, msg.max_nodes)} joined"
+        what = f"waiting for nodes: {msg.joined} of {node_range(msg.min_nodes, msg.max_nodes)} joined"
         return [Log("info", f"{what} ({shown(msg.reason)})" if msg.reason else what)]
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
@@ -460,16 +422,7 @@ class AgentMachine:
         if self.phase is not Phase.STARTING or self.assignment is None:
             return []
         a = self.assignment
-        failure = Failure(
-            node_id=self.settings.node_id,
-            addr=self.settings.addr,
-            rank=a.rank_offset,
-            local_rank=0,
-            exitcode=127,
-            signal="",
-            timestamp=now + self.settings.wall_offset,
-            message=event.reason,
-        )
+        failure = node_failure(self.settings, a, now, 127, event.reason)
         self.local_failures = (failure,)
         self._await_verdict(now)
         self.link.report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
@@ -485,7 +438,7 @@ class AgentMachine:
                 return self._on_committed(stop, now)
             if isinstance(stop, str):
                 self.phase = Phase.RUNNING  # (no success) a failure of this node's workers
-                return self._fail(self._commit_failure(stop, now), (), now)
+                return self._fail(node_failure(self.settings, self.assignment, now, 0, fit(stop)), (), now)
             self.link.succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
@@ -502,20 +455,6 @@ class AgentMachine:
             note, why = self.signals.witness(signum, event.failure)
             return [note, *self._stop_on_signal(why, signum)]
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
-
-    def _commit_failure(self, why: str, now: float) -> Failure:
-        a = self.assignment
-        assert a is not None
-        return Failure(
-            node_id=self.settings.node_id,
-            addr=self.settings.addr,
-            rank=a.rank_offset,
-            local_rank=0,
-            exitcode=0,
-            signal="",
-            timestamp=now + self.settings.wall_offset,
-            message=fit(why),
-        )
 
     def _on_committed(self, step: int, now: float) -> list[Effect]:
         """Every worker stopped at the commit step and exited 0: not the job's success, a
@@ -660,21 +599,6 @@ class AgentMachine:
     def _nothing_to_say(self) -> None:
         """Our course ended for a reason of its own: no report, no Leave, no Left awaited."""
         self.leaving.awaiting_left, self.link.report, self.leaving.leave = False, None, None
-
-    def _doing(self) -> str:
-        """Our phase in words, for protocol-error messages."""
-        a = self.assignment
-        held = f" round {a.round}" if a is not None else ""
-        return {
-            Phase.JOINING: "was joining",
-            Phase.STARTING: f"was starting its workers of{held}",
-            Phase.RUNNING: f"was running{held}",
-            Phase.STOPPING: "was stopping its workers",
-            Phase.VERDICT: "was waiting for the verdict on its workers' failure",
-            Phase.BARRIER: "was waiting at the exit barrier",
-            Phase.LEAVING: "was leaving",
-            Phase.EXITED: "had exited",
-        }[self.phase]
 
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
         if not self.link.lost():
@@ -908,11 +832,3 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures, exit_.job_done)
         return [exit_]
-
-
-def _ranks(first: int, count: int) -> str:
-    return f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
-
-
-def _range(lo: int, hi: int) -> str:
-    return str(lo) if lo == hi else f"{lo}:{hi}"
