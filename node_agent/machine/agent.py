@@ -50,9 +50,10 @@ come in as ``ProgressRead``; summaries go to the server, and a hang is reported
 then failed as this node's worker failure. The server's ``CollectStacks`` (another node's
 hang) asks for the stacks only. ``JobFailed(code="crash_loop")`` exits ``EXIT_CRASH_LOOP``.
 
-``--health-check`` runs before each round's join as an effect (``RunHealthCheck``), and its
-result comes back as an event (``HealthCheckDone``): the I/O layer never waits on it, so a
-signal during a long check is handled at once (the check is killed when the agent exits).
+Joining (``joining.py`` tells it): ``--health-check`` runs before each round's join as an
+effect (``RunHealthCheck``), and its result comes back as an event (``HealthCheckDone``): the
+I/O layer never waits on it, so a signal during a long check is handled at once (the check is
+killed when the agent exits).
 
 The server's messages. Every message has an outcome in every phase. One that makes no sense in
 ours (an assignment we did not join for, the job "done" while our workers run) is the server's
@@ -95,11 +96,10 @@ from protocol import (
 from protocol.records import record
 
 from ..agent_log import shown
-from .assignment import contradiction, doing, node_failure, node_range, round_line
+from .assignment import contradiction, doing, node_failure, round_line
 from .events import (
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
-    EXIT_NOT_NEEDED,
     EXIT_OK,
     EXIT_RDZV,
     LEAVE_ANSWER_TIMEOUT,
@@ -117,7 +117,6 @@ from .events import (
     ProgressRead,
     Reconnected,
     ReconnectFailed,
-    RunHealthCheck,
     SendJoin,
     ServerSent,
     SignalReceived,
@@ -132,6 +131,7 @@ from .events import (
     WorkersStopped,
     fit,
 )
+from .joining import Joining
 from .leaving import Leaving, notice
 from .link import Link
 from .signals import Signals, Then, received
@@ -147,16 +147,14 @@ class AgentMachine:
     local_failures: tuple[Failure, ...] = ()
     _after_stop: AfterStop = AfterStop.NOTHING
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
-    _last_waiting: tuple[int, int, str, bool] | None = None  # joined, round, reason, spare
-    _checking: bool = False  # our --health-check runs; the join waits for it
-    _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
     # Progress summaries and hang verdicts (training.py); None: the agent does not watch them.
     training: Training | None = None
 
     def __post_init__(self) -> None:
-        # The connection's side (link.py), the way out of the job (leaving.py) and the signals
-        # we get (signals.py): composed helpers, as training is; they return effects, and the
-        # machine keeps the phase.
+        # Joining a round (joining.py), the connection's side (link.py), the way out of the job
+        # (leaving.py) and the signals we get (signals.py): composed helpers, as training is;
+        # they return effects, and the machine keeps the phase.
+        self.joining = Joining(self.settings)
         self.link = Link(self.settings)
         self.leaving = Leaving(self.settings)
         self.signals = Signals(self.settings)
@@ -164,19 +162,7 @@ class AgentMachine:
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
         self.deadline = now + self.settings.join_timeout
-        return self._join()
-
-    def _join(self) -> list[Effect]:
-        """Join, after the health check when there is one (once per round: see ``_checked``).
-
-        The join deadline runs meanwhile, as it did when the check ran inline: a check longer
-        than ``join_timeout`` times the join out."""
-        if not self.settings.health_check or self._checked:
-            return [SendJoin()]
-        if self._checking:
-            return []  # its result sends the join
-        self._checking = True
-        return [RunHealthCheck()]
+        return self.joining.join()
 
     def next_deadline(self) -> float | None:
         return self.deadline
@@ -258,7 +244,7 @@ class AgentMachine:
             # update or a drain request no longer change our course.
             return []
         if isinstance(msg, Waiting):
-            return self._on_waiting(msg)
+            return self.joining.waiting(msg)
         if isinstance(msg, Assignment):
             return self._on_assignment(msg)
         if isinstance(msg, Restart):
@@ -323,7 +309,7 @@ class AgentMachine:
         self.assignment = msg
         self.phase = Phase.STARTING
         self.deadline = None
-        self._last_waiting = None
+        self.joining.assigned()
         self.signals.new_attempt()
         if self.training is not None:
             self.training.start(msg)
@@ -347,18 +333,8 @@ class AgentMachine:
             self.leaving.awaiting_left = False
             return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
-            # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
-            spare = self._last_waiting is not None and self._last_waiting[3]
-            how = "it waited as a spare" if spare else "it had no place in a round yet"
-            note = Log(
-                "warning",
-                f"the job this node waited to join finished without it ({how}; every node of "
-                "the job succeeded)",
-            )
-            return [
-                note,
-                *self._exit_now(Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")),
-            ]
+            note, exit_ = self.joining.not_needed()  # a hot spare (or a newcomer) outlived the job
+            return [note, *self._exit_now(exit_)]
         if self.phase is Phase.STOPPING and self._after_stop is AfterStop.LEAVE:
             # Drained, and the job finished while our workers stop: a success, nothing to leave.
             self.leaving.awaiting_left, self.leaving.leave = False, None
@@ -380,14 +356,6 @@ class AgentMachine:
             return [Log("warning", f"rendezvous server: {shown(msg.message)} ({shown(msg.code)})")]
         self._nothing_to_say()
         return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {shown(msg.message)}"))
-
-    def _on_waiting(self, msg: Waiting) -> list[Effect]:
-        key = (msg.joined, msg.round, msg.reason, msg.spare)
-        if key == self._last_waiting:
-            return []
-        self._last_waiting = key
-        what = f"waiting for nodes: {msg.joined} of {node_range(msg.min_nodes, msg.max_nodes)} joined"
-        return [Log("info", f"{what} ({shown(msg.reason)})" if msg.reason else what)]
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
         budget = self.settings.max_restarts
@@ -621,7 +589,7 @@ class AgentMachine:
             return []
         p = self.phase
         if p is Phase.JOINING:
-            return [Log("info", "reconnected; joining again"), *self._join()]
+            return [Log("info", "reconnected; joining again"), *self.joining.join()]
         if p is Phase.STOPPING and self._after_stop is AfterStop.REJOIN:
             # Not before the workers are down: the next round must not start while they live.
             return [Log("info", "reconnected; this node joins the next round once its workers are down")]
@@ -745,17 +713,7 @@ class AgentMachine:
             return []
         self.deadline = None
         if self.phase is Phase.JOINING:
-            joined = f" ({self._last_waiting[0]} joined)" if self._last_waiting else ""
-            return [
-                *self._send(Leave(reason="join timeout")),
-                *self._exit_now(
-                    Exit(
-                        EXIT_RDZV,
-                        f"timed out after {self.settings.join_timeout:g} s waiting for the rendezvous to "
-                        f"complete{joined} (join_timeout)",
-                    )
-                ),
-            ]
+            return [*self._send(Leave(reason="join timeout")), *self._exit_now(self.joining.timed_out())]
         if self.leaving.commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
             return [self.leaving.no_drain(now), *self._drain(self.leaving.commit_leave, now)]
         if self.phase is Phase.BARRIER and self.link.committed is not None:
@@ -792,13 +750,11 @@ class AgentMachine:
         return []
 
     def _on_health_check_done(self, event: HealthCheckDone) -> list[Effect]:
-        if not self._checking:
+        if not self.joining.checking:
             return []  # we moved on meanwhile (a signal, the job's end, a timeout)
-        self._checking = False
-        if not event.ok:
-            exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.detail}")
-            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
-        self._checked = True
+        failed = self.joining.check_done(event)
+        if failed is not None:
+            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(failed)]
         if self.phase is not Phase.JOINING or self.link.away:
             return []  # not joining any more, or the join goes once reconnected
         return [SendJoin()]
@@ -807,9 +763,9 @@ class AgentMachine:
         self.phase = Phase.JOINING
         self.assignment = None
         self.link.new_round()
-        self._checked = False  # each round's join is checked again
+        self.joining.new_round()  # each round's join is checked again
         self.deadline = now + self.settings.join_timeout
-        return [] if self.link.away else self._join()  # while away: once reconnected
+        return [] if self.link.away else self.joining.join()  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
         self.leaving.awaiting_left = False
