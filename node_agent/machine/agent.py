@@ -72,7 +72,6 @@ from __future__ import annotations
 import signal
 
 from protocol import (
-    Armed,
     Assignment,
     CollectStacks,
     Drain,
@@ -112,7 +111,6 @@ from .events import (
     Exit,
     HealthCheckDone,
     Log,
-    PageWarning,
     Phase,
     ProgressRead,
     Reconnected,
@@ -210,7 +208,7 @@ class AgentMachine:
         if isinstance(msg, Left):
             return self._on_left(msg)
         if isinstance(msg, JobFailed):
-            return [*self._job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
+            return [*job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
         if isinstance(msg, JobDone):
             return self._on_job_done()
         if isinstance(msg, Error):
@@ -248,7 +246,7 @@ class AgentMachine:
         if isinstance(msg, Assignment):
             return self._on_assignment(msg)
         if isinstance(msg, Restart):
-            return [*self._on_restart(msg, now), *self._job_hang_report(msg.report, restart=True)]
+            return [*self._on_restart(msg, now), *job_hang_report(msg.report, restart=True)]
         if isinstance(msg, Drain):
             if self.leaving.going or self._exit is not None:
                 return []  # already on our way out
@@ -478,26 +476,7 @@ class AgentMachine:
         t = self.training
         if t is None or self.phase is not Phase.RUNNING:
             return []  # the workers are not (or no longer) running: their silence is no hang
-        out, line = t.on_read(event, now)
-        effects: list[Effect] = [Log("error", line)] if line else []
-        for item in out:
-            if isinstance(item, PageWarning):
-                effects.append(Log("warning", item.text))
-                continue
-            if isinstance(item, Armed) and self.link.quiet:
-                t.arming = item.step  # not said yet: said on a read once we are back
-                continue
-            effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
-        return effects
-
-    @staticmethod
-    def _job_hang_report(report: str, *, restart: bool) -> list[Effect]:
-        """A hang ended the round, and the server sent the job's report (every node's stacks
-        merged; an older server sends none): filed beside ours, and said on a restart."""
-        if not report:
-            return []
-        filed, line = job_hang_report(report, restart=restart)
-        return [*([Log("warning", line)] if line else []), filed]
+        return t.read(event, now, self.link)
 
     def _on_stop_at(self, msg: StopAt, now: float) -> list[Effect]:
         """A commit point for the round we run: into the pages (training.py decides what)."""
