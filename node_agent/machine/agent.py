@@ -23,6 +23,10 @@ Leaving (``leaving.py`` tells it): a drain (SIGTERM in an elastic job, or the se
 server's ``Left`` picks the exit code; SIGTERM to an elastic agent whose ranks all call
 ``worker.should_stop()`` first asks for a commit point (``LeaveAfterCommit``).
 
+Signals (``signals.py`` tells it): a handled one stops the job (SIGTERM in an elastic job
+drains, any other stops the workers and exits 1, as torchrun); a second one insists; one to
+forward goes on to running workers; a worker killed by a signal we got for it is a stop.
+
 Commit points (issue 20; ``training.py`` has the steps). The server's ``StopAt`` for the round
 we run goes into the pages (``WriteStop``: arm, go, cancel); the ``Armed`` answer follows once
 every local rank has seen the armed step. Workers that all stopped at the go'd step and exited
@@ -46,9 +50,10 @@ come in as ``ProgressRead``; summaries go to the server, and a hang is reported
 then failed as this node's worker failure. The server's ``CollectStacks`` (another node's
 hang) asks for the stacks only. ``JobFailed(code="crash_loop")`` exits ``EXIT_CRASH_LOOP``.
 
-``--health-check`` runs before each round's join as an effect (``RunHealthCheck``), and its
-result comes back as an event (``HealthCheckDone``): the I/O layer never waits on it, so a
-signal during a long check is handled at once (the check is killed when the agent exits).
+Joining (``joining.py`` tells it): ``--health-check`` runs before each round's join as an
+effect (``RunHealthCheck``), and its result comes back as an event (``HealthCheckDone``): the
+I/O layer never waits on it, so a signal during a long check is handled at once (the check is
+killed when the agent exits).
 
 The server's messages. Every message has an outcome in every phase. One that makes no sense in
 ours (an assignment we did not join for, the job "done" while our workers run) is the server's
@@ -67,7 +72,6 @@ from __future__ import annotations
 import signal
 
 from protocol import (
-    Armed,
     Assignment,
     CollectStacks,
     Drain,
@@ -91,10 +95,10 @@ from protocol import (
 from protocol.records import record
 
 from ..agent_log import shown
+from .assignment import contradiction, doing, node_failure, round_line
 from .events import (
     EXIT_CRASH_LOOP,
     EXIT_FAILED,
-    EXIT_NOT_NEEDED,
     EXIT_OK,
     EXIT_RDZV,
     LEAVE_ANSWER_TIMEOUT,
@@ -105,15 +109,12 @@ from .events import (
     Effect,
     Event,
     Exit,
-    ForwardSignal,
     HealthCheckDone,
     Log,
-    PageWarning,
     Phase,
     ProgressRead,
     Reconnected,
     ReconnectFailed,
-    RunHealthCheck,
     SendJoin,
     ServerSent,
     SignalReceived,
@@ -128,8 +129,10 @@ from .events import (
     WorkersStopped,
     fit,
 )
+from .joining import Joining
 from .leaving import Leaving, notice
 from .link import Link
+from .signals import Signals, Then, received
 from .training import Training, job_hang_report
 
 
@@ -142,39 +145,22 @@ class AgentMachine:
     local_failures: tuple[Failure, ...] = ()
     _after_stop: AfterStop = AfterStop.NOTHING
     _exit: Exit | None = None  # decided: the workers stop (if they run), then the agent exits with it
-    _last_waiting: tuple[int, int, str, bool] | None = None  # joined, round, reason, spare
-    _signalled: int | None = None
-    _delivered: bool = False  # the workers got _signalled from its sender: stops send no signal
-    # Signals passed on to (or delivered with) this attempt's workers: a worker they kill is
-    # no failure to restart for, but a stop, as if the agent had been sent a handled signal.
-    _passed_on: frozenset[int] = frozenset()
-    _checking: bool = False  # our --health-check runs; the join waits for it
-    _checked: bool = False  # it passed for the round we are joining (a reconnect does not rerun it)
     # Progress summaries and hang verdicts (training.py); None: the agent does not watch them.
     training: Training | None = None
 
     def __post_init__(self) -> None:
-        # The connection's side (link.py) and the way out of the job (leaving.py): composed
-        # helpers, as training is; they return effects, and the machine keeps the phase.
+        # Joining a round (joining.py), the connection's side (link.py), the way out of the job
+        # (leaving.py) and the signals we get (signals.py): composed helpers, as training is;
+        # they return effects, and the machine keeps the phase.
+        self.joining = Joining(self.settings)
         self.link = Link(self.settings)
         self.leaving = Leaving(self.settings)
+        self.signals = Signals(self.settings)
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
         self.deadline = now + self.settings.join_timeout
-        return self._join()
-
-    def _join(self) -> list[Effect]:
-        """Join, after the health check when there is one (once per round: see ``_checked``).
-
-        The join deadline runs meanwhile, as it did when the check ran inline: a check longer
-        than ``join_timeout`` times the join out."""
-        if not self.settings.health_check or self._checked:
-            return [SendJoin()]
-        if self._checking:
-            return []  # its result sends the join
-        self._checking = True
-        return [RunHealthCheck()]
+        return self.joining.join()
 
     def next_deadline(self) -> float | None:
         return self.deadline
@@ -222,7 +208,7 @@ class AgentMachine:
         if isinstance(msg, Left):
             return self._on_left(msg)
         if isinstance(msg, JobFailed):
-            return [*self._job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
+            return [*job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
         if isinstance(msg, JobDone):
             return self._on_job_done()
         if isinstance(msg, Error):
@@ -256,20 +242,19 @@ class AgentMachine:
             # update or a drain request no longer change our course.
             return []
         if isinstance(msg, Waiting):
-            return self._on_waiting(msg)
+            return self.joining.waiting(msg)
         if isinstance(msg, Assignment):
             return self._on_assignment(msg)
         if isinstance(msg, Restart):
-            return [*self._on_restart(msg, now), *self._job_hang_report(msg.report, restart=True)]
+            return [*self._on_restart(msg, now), *job_hang_report(msg.report, restart=True)]
         if isinstance(msg, Drain):
             if self.leaving.going or self._exit is not None:
                 return []  # already on our way out
             why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
             # Our own SIGTERM's drain, once the commit point it waited for is behind us.
             return self._drain(self.leaving.commit_leave or why, now)
-        return self._protocol_error(
-            f"{msg.TYPE}, which a server never sends, while this node {self._doing()}", fatal=False
-        )
+        text = f"{msg.TYPE}, which a server never sends, while this node {doing(self.phase, self.assignment)}"
+        return self._protocol_error(text, fatal=False)
 
     def _on_resume_answer(self, msg: Message, now: float) -> list[Effect]:
         """The server's answer to our Resume, then what waited for it.
@@ -313,61 +298,23 @@ class AgentMachine:
             # We did not join for it: the server counts ranks of ours that will never run.
             text = (
                 f"an assignment for round {msg.round}, but this node did not join for one "
-                f"(it {self._doing()})"
+                f"(it {doing(self.phase, self.assignment)})"
             )
             return self._protocol_error(text, fatal=True)
-        problem = self._contradiction(msg)
+        problem = contradiction(self.settings, msg)
         if problem is not None:
             return self._protocol_error(problem, fatal=True)
         self.assignment = msg
         self.phase = Phase.STARTING
         self.deadline = None
-        self._last_waiting = None
-        self._passed_on = frozenset()  # a new attempt's workers have received nothing yet
+        self.joining.assigned()
+        self.signals.new_attempt()
         if self.training is not None:
             self.training.start(msg)
         return [
-            Log(
-                "info",
-                f"round {msg.round}: group rank {msg.group_rank} of {msg.group_world_size}, "
-                f"{_ranks(msg.rank_offset, self.settings.nproc)}, world size {msg.world_size}, "
-                f"master {shown(msg.master_addr)}:{msg.master_port}, restart {msg.restart_count}",
-            ),
+            Log("info", round_line(msg, self.settings.nproc)),
             StartWorkers(msg),
         ]
-
-    def _contradiction(self, a: Assignment) -> str | None:
-        """How an assignment contradicts what this node was started with, or None.
-
-        The server counts restarts and sizes the world; the agent does not trust it to: a
-        buggy or hostile one could run this node for another job, restart it for ever past
-        its --max-restarts, or give it ranks that do not exist."""
-        s = self.settings
-        if s.job_id and a.job_id != s.job_id:
-            return f"an assignment for job {shown(a.job_id)!r}, but this node runs job {s.job_id!r}"
-        if s.max_restarts is not None:
-            if a.max_restarts != s.max_restarts:
-                return (
-                    f"an assignment that says --max-restarts {a.max_restarts}, but this node has "
-                    f"--max-restarts {s.max_restarts}"
-                )
-            if a.restart_count > s.max_restarts:
-                return (
-                    f"an assignment for restart {a.restart_count}, past this node's budget "
-                    f"(--max-restarts {s.max_restarts})"
-                )
-        if not s.min_nodes <= a.group_world_size <= s.max_nodes:
-            return (
-                f"an assignment for a round of {a.group_world_size} nodes, but this node has "
-                f"--nnodes {_range(s.min_nodes, s.max_nodes)}"
-            )
-        if a.rank_offset + s.nproc > a.world_size or a.world_size < a.group_world_size:
-            return (
-                f"an assignment whose ranks do not fit its world: {_ranks(a.rank_offset, s.nproc)} "
-                f"of this node's {s.nproc} worker(s) in a world size {a.world_size} of "
-                f"{a.group_world_size} nodes"
-            )
-        return None
 
     def _on_job_failed(self, msg: JobFailed) -> list[Effect]:
         where = " while this node waited to join it" if self.phase is Phase.JOINING else ""
@@ -384,18 +331,8 @@ class AgentMachine:
             self.leaving.awaiting_left = False
             return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
-            # A hot spare (or a newcomer not yet in a round) outlived the job: see EXIT_NOT_NEEDED.
-            spare = self._last_waiting is not None and self._last_waiting[3]
-            how = "it waited as a spare" if spare else "it had no place in a round yet"
-            note = Log(
-                "warning",
-                f"the job this node waited to join finished without it ({how}; every node of "
-                "the job succeeded)",
-            )
-            return [
-                note,
-                *self._exit_now(Exit(EXIT_NOT_NEEDED, f"nothing left to do: exit code {EXIT_NOT_NEEDED}")),
-            ]
+            note, exit_ = self.joining.not_needed()  # a hot spare (or a newcomer) outlived the job
+            return [note, *self._exit_now(exit_)]
         if self.phase is Phase.STOPPING and self._after_stop is AfterStop.LEAVE:
             # Drained, and the job finished while our workers stop: a success, nothing to leave.
             self.leaving.awaiting_left, self.leaving.leave = False, None
@@ -405,11 +342,11 @@ class AgentMachine:
             return []  # on our way out already, for a reason of its own
         # Our workers run (or failed): the server finished the job without us, which it does
         # only after it dropped this node (frozen, or cut off, past the heartbeat timeout).
-        doing = self._doing()
+        what = doing(self.phase, self.assignment)
         self.link.report, self.leaving.leave = None, None
         return [
-            Log("error", f"the rendezvous server says the job finished while this node {doing}; stopping"),
-            *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {doing})")),
+            Log("error", f"the rendezvous server says the job finished while this node {what}; stopping"),
+            *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {what})")),
         ]
 
     def _on_error(self, msg: Error) -> list[Effect]:
@@ -417,14 +354,6 @@ class AgentMachine:
             return [Log("warning", f"rendezvous server: {shown(msg.message)} ({shown(msg.code)})")]
         self._nothing_to_say()
         return self._stop_then_exit(Exit(EXIT_RDZV, f"rendezvous server refused us: {shown(msg.message)}"))
-
-    def _on_waiting(self, msg: Waiting) -> list[Effect]:
-        key = (msg.joined, msg.round, msg.reason, msg.spare)
-        if key == self._last_waiting:
-            return []
-        self._last_waiting = key
-        what = f"waiting for nodes: {msg.joined} of {_range(msg.min_nodes, msg.max_nodes)} joined"
-        return [Log("info", f"{what} ({shown(msg.reason)})" if msg.reason else what)]
 
     def _on_restart(self, msg: Restart, now: float) -> list[Effect]:
         budget = self.settings.max_restarts
@@ -459,16 +388,7 @@ class AgentMachine:
         if self.phase is not Phase.STARTING or self.assignment is None:
             return []
         a = self.assignment
-        failure = Failure(
-            node_id=self.settings.node_id,
-            addr=self.settings.addr,
-            rank=a.rank_offset,
-            local_rank=0,
-            exitcode=127,
-            signal="",
-            timestamp=now + self.settings.wall_offset,
-            message=event.reason,
-        )
+        failure = node_failure(self.settings, a, now, 127, event.reason)
         self.local_failures = (failure,)
         self._await_verdict(now)
         self.link.report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
@@ -484,7 +404,7 @@ class AgentMachine:
                 return self._on_committed(stop, now)
             if isinstance(stop, str):
                 self.phase = Phase.RUNNING  # (no success) a failure of this node's workers
-                return self._fail(self._commit_failure(stop, now), (), now)
+                return self._fail(node_failure(self.settings, self.assignment, now, 0, fit(stop)), (), now)
             self.link.succeeded = True
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
@@ -494,36 +414,13 @@ class AgentMachine:
             if self.leaving.commit_leave is not None:
                 effects += self._drain(self.leaving.commit_leave, now)  # finished before any commit point
             return effects
-        signum = self._killed_by_a_signal_we_got(event.failure)
+        signum = self.signals.killed_by(event.failure)
         if signum:
-            name = signal.Signals(signum).name
             if self.leaving.commit_leave is not None:  # our drain's commit point is moot now
                 return self._drain(self.leaving.commit_leave, now)
-            self._signalled, self._delivered = signum, True
-            who = f"local rank {event.failure.local_rank}"
-            return [
-                Log(
-                    "warning",
-                    f"{who} was killed by {name}, a signal sent to this node's workers: the job "
-                    "stops as for a signal this agent handles, without a restart",
-                ),
-                *self._stop_on_signal(f"{who} was killed by {name}", signum),
-            ]
+            note, why = self.signals.witness(signum, event.failure)
+            return [note, *self._stop_on_signal(why, signum)]
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
-
-    def _commit_failure(self, why: str, now: float) -> Failure:
-        a = self.assignment
-        assert a is not None
-        return Failure(
-            node_id=self.settings.node_id,
-            addr=self.settings.addr,
-            rank=a.rank_offset,
-            local_rank=0,
-            exitcode=0,
-            signal="",
-            timestamp=now + self.settings.wall_offset,
-            message=fit(why),
-        )
 
     def _on_committed(self, step: int, now: float) -> list[Effect]:
         """Every worker stopped at the commit step and exited 0: not the job's success, a
@@ -579,26 +476,7 @@ class AgentMachine:
         t = self.training
         if t is None or self.phase is not Phase.RUNNING:
             return []  # the workers are not (or no longer) running: their silence is no hang
-        out, line = t.on_read(event, now)
-        effects: list[Effect] = [Log("error", line)] if line else []
-        for item in out:
-            if isinstance(item, PageWarning):
-                effects.append(Log("warning", item.text))
-                continue
-            if isinstance(item, Armed) and self.link.quiet:
-                t.arming = item.step  # not said yet: said on a read once we are back
-                continue
-            effects.extend([item] if isinstance(item, DumpStacks) else self._send(item))
-        return effects
-
-    @staticmethod
-    def _job_hang_report(report: str, *, restart: bool) -> list[Effect]:
-        """A hang ended the round, and the server sent the job's report (every node's stacks
-        merged; an older server sends none): filed beside ours, and said on a restart."""
-        if not report:
-            return []
-        filed, line = job_hang_report(report, restart=restart)
-        return [*([Log("warning", line)] if line else []), filed]
+        return t.read(event, now, self.link)
 
     def _on_stop_at(self, msg: StopAt, now: float) -> list[Effect]:
         """A commit point for the round we run: into the pages (training.py decides what)."""
@@ -669,21 +547,6 @@ class AgentMachine:
         """Our course ended for a reason of its own: no report, no Leave, no Left awaited."""
         self.leaving.awaiting_left, self.link.report, self.leaving.leave = False, None, None
 
-    def _doing(self) -> str:
-        """Our phase in words, for protocol-error messages."""
-        a = self.assignment
-        held = f" round {a.round}" if a is not None else ""
-        return {
-            Phase.JOINING: "was joining",
-            Phase.STARTING: f"was starting its workers of{held}",
-            Phase.RUNNING: f"was running{held}",
-            Phase.STOPPING: "was stopping its workers",
-            Phase.VERDICT: "was waiting for the verdict on its workers' failure",
-            Phase.BARRIER: "was waiting at the exit barrier",
-            Phase.LEAVING: "was leaving",
-            Phase.EXITED: "had exited",
-        }[self.phase]
-
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
         if not self.link.lost():
             return []
@@ -705,7 +568,7 @@ class AgentMachine:
             return []
         p = self.phase
         if p is Phase.JOINING:
-            return [Log("info", "reconnected; joining again"), *self._join()]
+            return [Log("info", "reconnected; joining again"), *self.joining.join()]
         if p is Phase.STOPPING and self._after_stop is AfterStop.REJOIN:
             # Not before the workers are down: the next round must not start while they live.
             return [Log("info", "reconnected; this node joins the next round once its workers are down")]
@@ -744,44 +607,24 @@ class AgentMachine:
     # -- signals and leaving ---------------------------------------------------------------
 
     def _on_signal(self, signum: int, now: float, delivered: bool = False) -> list[Effect]:
-        if signum not in self.settings.handled_signals:
-            if signum in self.settings.forward_signals and self.phase in (Phase.RUNNING, Phase.STARTING):
-                return self._pass_on(signum, delivered)
-            return []
-        name = signal.Signals(signum).name
-        if self.leaving.commit_leave is not None:
-            # A second signal while a drain waits for a commit point: the user insists.
-            why = self.leaving.commit_leave
-            return [
-                Log("warning", f"received {name} again; not waiting for a commit point"),
-                *self._drain(why, now),
-            ]
-        if self._signalled is not None:
-            # A second signal while we stop: the user insists.
-            if self.phase is Phase.LEAVING:
-                return self._exit_now(self._exit or Exit(EXIT_FAILED, f"received {name} while leaving"))
-            return [ForwardSignal(signal.SIGKILL)] if self.phase is Phase.STOPPING else []
-        self._signalled, self._delivered = signum, delivered
-        if self.leaving.going or self._exit is not None:
-            # Already on our way out (a drain the server asked for, the job's end): a second
-            # signal insists.
-            return [Log("info", f"received {name}; already stopping")]
-        if self.settings.elastic and signum == signal.SIGTERM:
-            return self._drain_after_commit(f"received {name}", now)
-        return self._stop_on_signal(f"received {name}", signum)
-
-    def _pass_on(self, signum: int, delivered: bool) -> list[Effect]:
-        self._passed_on |= {signum}
-        if delivered:
-            name = signal.Signals(signum).name
-            return [
-                Log(
-                    "info",
-                    f"received {name}; the workers have it too, from its sender (it signals every "
-                    "process of the job step), so it is not forwarded again",
-                )
-            ]
-        return [ForwardSignal(signum)]
+        effects, then = self.signals.receive(
+            signum,
+            delivered,
+            self.phase,
+            committing=self.leaving.commit_leave is not None,
+            out=self.leaving.going or self._exit is not None,
+        )
+        if then is Then.DRAIN:
+            assert self.leaving.commit_leave is not None
+            return [*effects, *self._drain(self.leaving.commit_leave, now)]
+        if then is Then.EXIT:
+            why = f"{received(signum)} while leaving"
+            return [*effects, *self._exit_now(self._exit or Exit(EXIT_FAILED, why))]
+        if then is Then.LEAVE:
+            return [*effects, *self._drain_after_commit(received(signum), now)]
+        if then is Then.STOP:
+            return [*effects, *self._stop_on_signal(received(signum), signum)]
+        return effects
 
     def _stop_on_signal(self, why: str, signum: int) -> list[Effect]:
         """Stop as torchrun does on a signal it handles: workers stopped, no restart, exit 1."""
@@ -790,17 +633,8 @@ class AgentMachine:
         self.link.report = None
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             # Workers first; the server hears now that we go, and that we are gone once they are.
-            sig = 0 if self._delivered and self._signalled == signum else signum
-            return [*self._stop_then_exit(exit_, sig), *self._send(notice(leave))]
+            return [*self._stop_then_exit(exit_, self.signals.to_send(signum)), *self._send(notice(leave))]
         return [*self._send(leave), *self._exit_now(exit_)]
-
-    def _killed_by_a_signal_we_got(self, failure: Failure) -> int:
-        """The signal (0: none) behind a worker's death when it is one this agent received for
-        its workers: passed on, or delivered with its own (a scheduler signals every process)."""
-        signum = -failure.exitcode
-        if signum <= 0:
-            return 0
-        return signum if signum in self._passed_on or signum == self._signalled else 0
 
     def _drain_after_commit(self, why: str, now: float) -> list[Effect]:
         """A drain that first asks the server to stop the job at a commit point (leaving.py's
@@ -810,7 +644,7 @@ class AgentMachine:
             self.settings.commit_timeout <= 0
             # The workers have the SIGTERM from its sender (Slurm signals every process of the
             # step): they are stopping already, and Slurm's KillWait is no time to wait in.
-            or self._delivered
+            or self.signals.delivered
             or t is None
             # Early in the training its ranks may not have called should_stop() yet: the
             # server knows (it waits for every node's summary) and drains us at once if not.
@@ -828,7 +662,7 @@ class AgentMachine:
         if self.leaving.commit_leave is not None:
             self.deadline = None  # the commit point's wait is over
         # SIGTERM delivered to the workers by its sender is not sent again (0).
-        sig = 0 if self._delivered and self._signalled == signal.SIGTERM else signal.SIGTERM
+        sig = self.signals.to_send(signal.SIGTERM)
         effects, phase = self.leaving.drain(why, self.phase, self.link.committed, sig, self.link)
         if phase is Phase.LEAVING:
             return [*effects, *self._send_leave(now)]
@@ -842,7 +676,7 @@ class AgentMachine:
         return effects
 
     def _on_left(self, msg: Left) -> list[Effect]:
-        exit_ = self.leaving.left(msg, self._signalled is not None)
+        exit_ = self.leaving.left(msg, self.signals.signalled is not None)
         if exit_ is None:
             if self.leaving.going:
                 return []  # a Leave whose exit code was decided without the answer (fixed-size SIGTERM)
@@ -858,17 +692,7 @@ class AgentMachine:
             return []
         self.deadline = None
         if self.phase is Phase.JOINING:
-            joined = f" ({self._last_waiting[0]} joined)" if self._last_waiting else ""
-            return [
-                *self._send(Leave(reason="join timeout")),
-                *self._exit_now(
-                    Exit(
-                        EXIT_RDZV,
-                        f"timed out after {self.settings.join_timeout:g} s waiting for the rendezvous to "
-                        f"complete{joined} (join_timeout)",
-                    )
-                ),
-            ]
+            return [*self._send(Leave(reason="join timeout")), *self._exit_now(self.joining.timed_out())]
         if self.leaving.commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
             return [self.leaving.no_drain(now), *self._drain(self.leaving.commit_leave, now)]
         if self.phase is Phase.BARRIER and self.link.committed is not None:
@@ -905,13 +729,11 @@ class AgentMachine:
         return []
 
     def _on_health_check_done(self, event: HealthCheckDone) -> list[Effect]:
-        if not self._checking:
+        if not self.joining.checking:
             return []  # we moved on meanwhile (a signal, the job's end, a timeout)
-        self._checking = False
-        if not event.ok:
-            exit_ = Exit(EXIT_FAILED, f"health check failed, not joining: {event.detail}")
-            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(exit_)]
-        self._checked = True
+        failed = self.joining.check_done(event)
+        if failed is not None:
+            return [*self._send(Leave(reason="health check failed")), *self._stop_then_exit(failed)]
         if self.phase is not Phase.JOINING or self.link.away:
             return []  # not joining any more, or the join goes once reconnected
         return [SendJoin()]
@@ -920,9 +742,9 @@ class AgentMachine:
         self.phase = Phase.JOINING
         self.assignment = None
         self.link.new_round()
-        self._checked = False  # each round's join is checked again
+        self.joining.new_round()  # each round's join is checked again
         self.deadline = now + self.settings.join_timeout
-        return [] if self.link.away else self._join()  # while away: once reconnected
+        return [] if self.link.away else self.joining.join()  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
         self.leaving.awaiting_left = False
@@ -945,11 +767,3 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures, exit_.job_done)
         return [exit_]
-
-
-def _ranks(first: int, count: int) -> str:
-    return f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
-
-
-def _range(lo: int, hi: int) -> str:
-    return str(lo) if lo == hi else f"{lo}:{hi}"

@@ -45,22 +45,37 @@ from protocol.failure_text import HUNG
 from protocol.messages import MAX_HUNG_RANKS, MAX_PHASE_LEN, MAX_TIMEOUT
 from protocol.records import record
 
-from .events import BadPage, DumpStacks, JobHangReport, PageWarning, ProgressRead, RankSample, WriteStop
+from .events import (
+    BadPage,
+    DumpStacks,
+    Effect,
+    JobHangReport,
+    Log,
+    PageWarning,
+    ProgressRead,
+    RankSample,
+    WriteStop,
+)
 
 if TYPE_CHECKING:
     from .events import Hung
+    from .link import Link
     from .watch import HangPolicy, NodeWatch
 
 
-def job_hang_report(report: str, *, restart: bool) -> tuple[JobHangReport, str]:
-    """The server's job-wide hang report (``Restart.report``, ``JobFailed.report``): the
-    effect that files it, and the console's text of it ("": none). A job that failed prints
-    its root cause, which names the rank the report points at, in the failure banner; a
+def job_hang_report(report: str, *, restart: bool) -> list[Effect]:
+    """A hang ended the round, and the server sent the job's report (``Restart.report``,
+    ``JobFailed.report``: every node's stacks merged; an older server sends none): the effect
+    that files it beside ours, after the console's text of it on a restart. A job that failed
+    prints its root cause, which names the rank the report points at, in the failure banner; a
     restart has no banner, so the console gets the report itself."""
+    if not report:
+        return []
     from ..agent_log import shown
 
     text = shown(report.rstrip(), multiline=True)
-    return JobHangReport(text), f"{JOB_REPORT_TITLE}:\n{text}" if restart else ""
+    filed = JobHangReport(text)
+    return [Log("warning", f"{JOB_REPORT_TITLE}:\n{text}"), filed] if restart else [filed]
 
 
 JOB_REPORT_TITLE = "the job-wide hang report (every node's stacks, merged by the rendezvous server)"
@@ -184,6 +199,22 @@ class Training:
     def seconds_to(self, step: int) -> float:
         """The slowest local rank's time to reach ``step``, as its step times go (0: unknown)."""
         return self.watch.seconds_to(step) if self.watch is not None else 0.0
+
+    def read(self, event: ProgressRead, now: float, link: Link) -> list[Effect]:
+        """A page read, as effects: :meth:`on_read`'s messages sent through ``link``, its
+        warnings and line said, the stacks to collect; an ``Armed`` answer that cannot be said
+        now (the connection is down, our Resume unanswered) is said on a read once we are back."""
+        out, line = self.on_read(event, now)
+        effects: list[Effect] = [Log("error", line)] if line else []
+        for item in out:
+            if isinstance(item, PageWarning):
+                effects.append(Log("warning", item.text))
+                continue
+            if isinstance(item, Armed) and link.quiet:
+                self.arming = item.step  # not said yet: said on a read once we are back
+                continue
+            effects.extend([item] if isinstance(item, DumpStacks) else link.send(item))
+        return effects
 
     def on_read(
         self, event: ProgressRead, now: float
