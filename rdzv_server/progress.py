@@ -111,22 +111,37 @@ class JobProgress:
         """Keep ``msg`` as the node's latest (its compute times cut to its ``nproc`` ranks)."""
         compute = msg.compute_ms if len(msg.compute_ms) <= nproc else msg.compute_ms[:nproc]
         max_step = min(msg.max_step, MAX_STEP)
-        np = NodeProgress(
-            round=msg.round,
-            min_step=min(msg.min_step, MAX_STEP),
-            max_step=max_step,
-            step_p50_ms=_step_ms(msg.step_p50_ms),
-            step_p90_ms=_step_ms(msg.step_p90_ms),
-            phase=msg.phase,
-            age_ms=msg.age_ms,
-            received_at=now,
-            compute_ms=compute,
-            rank_offset=self.offsets.get(node_id, 0),
-            checks=msg.checks,
-            first_at=old.first_at if (old := self.nodes.get(node_id)) is not None else now,
-        )
-        self.nodes[node_id] = np
-        self.max_step = max(self.max_step, max_step)
+        np = self.nodes.get(node_id)
+        if np is None:
+            np = self.nodes[node_id] = NodeProgress(
+                round=msg.round,
+                min_step=min(msg.min_step, MAX_STEP),
+                max_step=max_step,
+                step_p50_ms=_step_ms(msg.step_p50_ms),
+                step_p90_ms=_step_ms(msg.step_p90_ms),
+                phase=msg.phase,
+                age_ms=msg.age_ms,
+                received_at=now,
+                compute_ms=compute,
+                rank_offset=self.offsets.get(node_id, 0),
+                checks=msg.checks,
+                first_at=now,
+            )
+        else:
+            # Rewritten in place (every node's, every second: no new record each time); its
+            # first_at stays, as does its rank offset (both the round's, and so is the entry).
+            np.round = msg.round
+            np.min_step = min(msg.min_step, MAX_STEP)
+            np.max_step = max_step
+            np.step_p50_ms = _step_ms(msg.step_p50_ms)
+            np.step_p90_ms = _step_ms(msg.step_p90_ms)
+            np.phase = msg.phase
+            np.age_ms = msg.age_ms
+            np.received_at = now
+            np.compute_ms = compute
+            np.checks = msg.checks
+        if max_step > self.max_step:
+            self.max_step = max_step
         if max_step > self._fastest:
             self._fastest = max_step
             self._observe_rate(now)

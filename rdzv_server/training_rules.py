@@ -88,7 +88,8 @@ class TrainingRules:
         if p.round != job.round:
             p.start_round(job.round, self._rank_offsets(job))
         p.update(member.node_id, msg, member.nproc, now)
-        self._check_stragglers(job, now, out)
+        if self.logged_facts is not None or now - p.checked_at >= STRAGGLER_CHECK_EVERY:
+            self._check_stragglers(job, now, out)  # (due: the common case skips even the call)
 
     def _rank_offsets(self, job: Job) -> dict[str, int]:
         """Each node's first global rank in the running round (its order, as assigned)."""
