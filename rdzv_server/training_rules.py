@@ -327,8 +327,8 @@ class TrainingRules:
     def _hang_waits(self, job: Job, member: Member, failure: Failure, step: int, now: float) -> bool:
         """Whether the verdict on ``member``'s hang ``failure`` waits for the other nodes'
         stacks (kept as ``job.hang_verdict``). It waits while a node of the round has not sent
-        them, and only if the reporter's own came: stacks reach this machine (not through
-        etcd, not from an older agent)."""
+        them, and only if the reporter's own came (kept in the report or not): stacks reach
+        this machine (not through etcd, not from an older agent)."""
         if self.logged_facts is not None:
             waits = any(e[0] == job.id for e in self.logged_facts.get("hang_wait", ()))
         else:
@@ -337,7 +337,7 @@ class TrainingRules:
                 failure.signal == HUNG
                 and hang is not None
                 and hang.round == job.round
-                and member.node_id in hang.stacks
+                and hang.heard(member.node_id)
                 and not all_stacks_in(hang, self._round_nodes(job))
             )
             if waits:
