@@ -33,6 +33,7 @@ from .progress import (
     HangState,
     flagged_by_node,
     flagged_scores,
+    may_flag,
 )
 
 STRAGGLER_RANKS_NOTED = 64  # flagged ranks one STRAGGLER event names
@@ -111,6 +112,8 @@ class TrainingRules:
         if now - p.checked_at < STRAGGLER_CHECK_EVERY:
             return
         p.checked_at = now
+        if not may_flag(p, threshold, p.flagged):
+            return  # (certainly no node to note: the usual second, stragglers known or none)
         for nid, flagged in flagged_by_node(flagged_scores(p, threshold)).items():
             m = job.members.get(nid)
             if nid in p.flagged or m is None:
