@@ -138,8 +138,9 @@ class JobProgress:
             np.round = msg.round
             np.min_step = min(msg.min_step, MAX_STEP)
             np.max_step = max_step
-            np.step_p50_ms = _step_ms(msg.step_p50_ms)
-            np.step_p90_ms = _step_ms(msg.step_p90_ms)
+            p50, p90 = msg.step_p50_ms, msg.step_p90_ms  # _step_ms, written out
+            np.step_p50_ms = 0.0 if p50 <= 0.0 else p50 if p50 >= MIN_STEP_MS else MIN_STEP_MS
+            np.step_p90_ms = 0.0 if p90 <= 0.0 else p90 if p90 >= MIN_STEP_MS else MIN_STEP_MS
             np.phase = msg.phase
             np.age_ms = msg.age_ms
             np.received_at = now

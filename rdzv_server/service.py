@@ -902,7 +902,8 @@ class RendezvousService:
         finally:
             if not quiet:
                 self._schedule()  # whatever happened: every deadline hangs on this timer
-            self._wake_waiters()
+            if self._change_waiters:
+                self._wake_waiters()
         return True
 
     def _escaped(self, event: Event) -> None:

@@ -729,4 +729,8 @@ class _Unit:
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
         if not self.outer:
             return False
-        return self.machine._unit_done(self.rule, exc, self.now, self.out, self.job_id, self.conn)
+        machine = self.machine
+        if exc is None and machine.logged_facts is None:
+            machine._units.pop()  # (the common end: live, and nothing raised)
+            return False
+        return machine._unit_done(self.rule, exc, self.now, self.out, self.job_id, self.conn)
