@@ -486,6 +486,13 @@ class FrameDecoder:
         if self._error is not None:
             raise self._error.with_traceback(None)
         try:
+            if not self._buf and limit != 0 and not self._need_magic and len(data) > HEADER.size:
+                # The common case: nothing buffered (a buffer all taken is emptied) and a read
+                # of exactly one frame, decoded from the read's bytes, not through the buffer.
+                (length,) = HEADER.unpack_from(data)
+                if length + HEADER.size == len(data) and length <= self._max:
+                    self._pos = 0
+                    return [self._decode(data[HEADER.size :])]
             return self._feed(data, limit)
         except ProtocolError as exc:
             # Keep the error but not what it was raised through: the inner frames hold the
@@ -506,13 +513,6 @@ class FrameDecoder:
             # large, so frames taken a few at a time do not copy the tail each time.
             del buf[:pos]
             pos = 0
-        if not buf and limit != 0 and not self._need_magic and len(data) > HEADER.size:
-            # The common case: nothing buffered and a read of exactly one frame. Decoded from
-            # the read's bytes, without copying them into the buffer and out again.
-            (length,) = HEADER.unpack_from(data)
-            if length + HEADER.size == len(data) and length <= self._max:
-                self._pos = 0
-                return [self._decode(data[HEADER.size :])]
         if data:
             buf += data
         if self._need_magic:

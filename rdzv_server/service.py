@@ -351,7 +351,12 @@ class _Connection(asyncio.Protocol):
             self._stall_seen = self.service._stall_total
             cap += stalled * FRAME_RATE
             self._tokens += stalled * FRAME_RATE
-        tokens = min(max(cap, self._tokens), self._tokens + (now - self._tokens_at) * FRAME_RATE)
+        # min(max(cap, tokens), refilled), without the two calls (every frame of every agent)
+        tokens = self._tokens
+        most = cap if cap > tokens else tokens
+        tokens += (now - self._tokens_at) * FRAME_RATE
+        if tokens > most:
+            tokens = most
         self._tokens_at = now
         if tokens < 1.0:
             self._tokens = tokens
