@@ -33,11 +33,12 @@ What a stranger can make the server hold, and for how long, is bounded:
 Faults. The machine contains a fault of its rules itself (``faults.py``); this layer makes
 sure no fault can leave the server without its timer, which every deadline of every job
 (heartbeats, settle windows, commits, handshakes) hangs on. The timer is re-armed after every
-event whatever happens (``_dispatch``, ``_on_timer``); an exception that still escapes the
-machine is logged with its traceback and, with a state log, the machine is snapshotted as it
-is, since the event's record cannot say what the event did; the watchdog re-arms a timer
-found missing while a deadline is pending; and a deadline that a Tick at its time left due
-(a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
+event whatever happens (``_dispatch``, ``_on_timer``), but a training summary or stacks that
+told nobody anything and derived no fact, which can have moved no deadline; an exception that
+still escapes the machine is logged with its traceback and, with a state log, the machine is
+snapshotted as it is, since the event's record cannot say what the event did; the watchdog
+re-arms a timer found missing while a deadline is pending; and a deadline that a Tick at its
+time left due (a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
 
 Everything the machine decides comes back as effects; this module only carries them out.
 """
