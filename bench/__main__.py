@@ -397,8 +397,8 @@ def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant
                     Metric("rss_hang_peak", "hang: server peak RSS (VmHWM) once it is over", "MB"),
                     Metric(
                         "hang_culprit_named",
-                        "hang: the job-wide report names the culprit rank (1 yes, 0 no: it keeps the "
-                        "first 64 nodes' stacks to arrive)",
+                        "hang: the job-wide report names the culprit rank (1 yes, 0 no: it keeps 64 "
+                        "nodes' stacks, favouring those unlike the kept ones)",
                         "yes=1",
                     ),
                 ],

@@ -137,7 +137,7 @@ _ENCODE: dict[type, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}
 _DECODE: dict[type, tuple[tuple[str, bool, type | None], ...]] = {}
 
 
-def _plan(cls: type) -> None:
+def _plan_fields(cls: type) -> None:
     names = tuple(f.name for f in fields(cls))
     nested = tuple(f.name for f in fields(cls) if f.metadata["nested"] is not None)
     _ENCODE[cls] = (getattr(cls, "TYPE", ""), names, nested)
@@ -145,6 +145,20 @@ def _plan(cls: type) -> None:
         (f.name, f.default is MISSING and f.default_factory is MISSING, f.metadata["nested"])
         for f in fields(cls)
     )
+
+
+# For decode, a class with no nested record: (the keys it may have, with "t"; the required
+# ones). A map of those keys only is its constructor's keywords as it is (see _build).
+_FLAT: dict[type, tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _plan(cls: type) -> None:
+    _plan_fields(cls)
+    decode = _DECODE[cls]
+    if all(nested is None for _, _, nested in decode):
+        known = frozenset(name for name, _, _ in decode)
+        assert "t" not in known, f"{cls.__name__} has a field named t"
+        _FLAT[cls] = (known | {"t"}, frozenset(name for name, required, _ in decode if required))
 
 
 _plan(Failure)
@@ -340,18 +354,26 @@ _HEARTBEAT_PAYLOAD = encode(_HEARTBEAT)[HEADER.size :]
 
 
 def _build(cls: type[Any], m: dict[Any, Any], path: str) -> Any:
-    kwargs: dict[str, Any] = {}
-    for name, required, nested in _DECODE[cls]:
-        if name not in m:
-            if required:
-                raise MissingField(f"{path}.{name}")
-            continue  # the constructor supplies the default
-        value = m[name]
-        if nested is not None and value is not None:
-            if not isinstance(value, dict):
-                raise InvalidField(f"{path}.{name}", f"must be a map, got {describe(value)}")
-            value = _build(nested, value, f"{path}.{name}")
-        kwargs[name] = value
+    flat = _FLAT.get(cls)
+    keys = m.keys()
+    if flat is not None and keys <= flat[0] and keys >= flat[1]:
+        # The common case (every Progress, every second from every node): the map holds the
+        # class's fields (all required ones) and nothing else but "t": its keywords as they are.
+        kwargs = m.copy()
+        kwargs.pop("t", None)
+    else:
+        kwargs = {}
+        for name, required, nested in _DECODE[cls]:
+            if name not in m:
+                if required:
+                    raise MissingField(f"{path}.{name}")
+                continue  # the constructor supplies the default
+            value = m[name]
+            if nested is not None and value is not None:
+                if not isinstance(value, dict):
+                    raise InvalidField(f"{path}.{name}", f"must be a map, got {describe(value)}")
+                value = _build(nested, value, f"{path}.{name}")
+            kwargs[name] = value
     try:
         return cls(**kwargs)
     except InvalidField as exc:
@@ -475,6 +497,13 @@ class FrameDecoder:
         if self._error is not None:
             raise self._error.with_traceback(None)
         try:
+            if not self._buf and limit != 0 and not self._need_magic and len(data) > HEADER.size:
+                # The common case: nothing buffered (a buffer all taken is emptied) and a read
+                # of exactly one frame, decoded from the read's bytes, not through the buffer.
+                (length,) = HEADER.unpack_from(data)
+                if length + HEADER.size == len(data) and length <= self._max:
+                    self._pos = 0
+                    return [self._decode(data[HEADER.size :])]
             return self._feed(data, limit)
         except ProtocolError as exc:
             # Keep the error but not what it was raised through: the inner frames hold the
@@ -519,18 +548,23 @@ class FrameDecoder:
             start = pos + size
             if end - start < length:
                 break
-            payload = buf[start : start + length]
-            if payload == _HEARTBEAT_PAYLOAD and self._heartbeat_allowed:
-                out.append(_HEARTBEAT)
-            # bytearray == bytes compares contents; mypy takes the types to be disjoint.
-            elif payload == self._join_payload and self._join is not None:  # type: ignore[comparison-overlap]
-                out.append(self._join)
-            else:
-                msg = decode_payload(payload, allowed=self._allowed)
-                if type(msg) is Join:
-                    self._join_payload, self._join = bytes(payload), msg
-                out.append(msg)
+            out.append(self._decode(buf[start : start + length]))
             pos = start + length
             room -= 1
+        if pos == end and pos:
+            # All of it taken: let it go now, not at the next read (a node's last Stacks frame
+            # would stay with its connection until then: 16 KB a node after a hang).
+            buf.clear()
+            pos = 0
         self._pos = pos
         return out
+
+    def _decode(self, payload: bytes | bytearray) -> Message:
+        if payload == _HEARTBEAT_PAYLOAD and self._heartbeat_allowed:
+            return _HEARTBEAT
+        if payload == self._join_payload and self._join is not None:
+            return self._join
+        msg = decode_payload(payload, allowed=self._allowed)
+        if type(msg) is Join:
+            self._join_payload, self._join = bytes(payload), msg
+        return msg

@@ -35,6 +35,7 @@ __all__ = [
     "HangReport",
     "Thread",
     "compact",
+    "group_key",
     "merge",
     "parse_stacks",
     "ranges",
@@ -253,6 +254,17 @@ class HangReport:
 EntryTuple = tuple[int, int, str, float, str]  # rank, step, phase, silent_s, text
 
 
+def group_key(threads: Sequence[Thread]) -> tuple[Any, ...]:
+    """What :func:`merge` groups a rank's stacks by (``threads``: ``parse_stacks``'s): its main
+    thread's frames (base name of file, function, line), or its text if that did not parse."""
+    main = next((t for t in threads if t.main), None)
+    if main is None:
+        return ("none",)
+    if main.opaque:
+        return ("opaque", _ADDRESS.sub("0x?", main.opaque))
+    return ("frames", main.keys, main.more)
+
+
 def merge(entries: Iterable[Entry | EntryTuple], hung: Collection[int] = ()) -> HangReport:
     """The report of ``entries`` (one per rank, an :class:`Entry` or a tuple (rank, step,
     phase, silent_s, text); a rank given twice counts once, the last); ``hung``: ranks past
@@ -270,15 +282,7 @@ def merge(entries: Iterable[Entry | EntryTuple], hung: Collection[int] = ()) -> 
     for rank in sorted(by_rank):
         e = by_rank[rank]
         threads = parse_stacks(e.text)
-        main = next((t for t in threads if t.main), None)
-        key: tuple[Any, ...]
-        if main is None:
-            key = ("none",)
-        elif main.opaque:
-            key = ("opaque", _ADDRESS.sub("0x?", main.opaque))
-        else:
-            key = ("frames", main.keys, main.more)
-        buckets.setdefault(key, []).append((e, threads))
+        buckets.setdefault(group_key(threads), []).append((e, threads))
     largest = max((len(v) for v in buckets.values()), default=0)
     # Odd ones out first, smallest first (a singleton is the likeliest culprit); then the crowd.
     ordered = sorted(buckets.values(), key=lambda v: (len(v) == largest, len(v), v[0][0].rank))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from operator import attrgetter
+from types import MemberDescriptorType
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 if TYPE_CHECKING:
@@ -161,7 +162,15 @@ def _init_source(
             elif seen_default:
                 raise TypeError(f"{cls.__qualname__}: non-default field {f.name!r} follows a default one")
             positional.append(param)
-        assign.append(f"_set(self, {f.name!r}, {value})" if frozen else f"self.{f.name} = {value}")
+        if not frozen:
+            assign.append(f"self.{f.name} = {value}")
+        elif isinstance(slot := cls.__dict__.get(f.name), MemberDescriptorType):
+            # A slot's own setter: what object.__setattr__ ends in, without its lookup (a
+            # third of a frozen message's construction; the server builds 10,000 a second).
+            env[f"_s_{f.name}"] = slot.__set__
+            assign.append(f"_s_{f.name}(self, {value})")
+        else:
+            assign.append(f"_set(self, {f.name!r}, {value})")
     if hasattr(cls, "__post_init__"):
         assign.append("self.__post_init__()")
     params = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])

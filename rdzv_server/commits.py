@@ -174,7 +174,7 @@ class CommitRules(TrainingRules):
 
     def _on_progress(self, job: Job, member: Member, msg: Progress, now: float, out: list[Effect]) -> None:
         super()._on_progress(job, member, msg, now, out)
-        if not self.unchanged:
+        if not self.unchanged and job.commit is not None:
             self._commit_progress(job, now, out)
 
     def _commit_progress(self, job: Job, now: float, out: list[Effect]) -> None:

@@ -14,7 +14,8 @@ heartbeat interval.
 
 Bounds: a job keeps one :class:`NodeProgress` per member of its round (O(nodes), compute
 times O(world size) floats) and one :class:`HangState` (at most HANG_NODES_KEPT nodes' stacks
-and HANG_TEXT_KEPT characters of them, HANG_RANKS_KEPT hung ranks).
+and HANG_TEXT_KEPT characters of them, HANG_RANKS_KEPT hung ranks, the ids of the nodes whose
+stacks it did not keep, and the groups of HANG_KEYS_KEPT stack texts).
 
 Straggler scores. Ranks spend the same wall time per step in synchronous training (the
 collectives wait for the slowest), so the score is from the time a step spent in the
@@ -35,8 +36,9 @@ step time gives.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import field
 from itertools import chain
 
@@ -46,6 +48,7 @@ from protocol.records import record
 HANG_NODES_KEPT = 64  # nodes whose stacks a hang report keeps (the others are counted)
 HANG_TEXT_KEPT = 1 << 20  # characters of stacks a hang report keeps in all
 HANG_RANKS_KEPT = 256  # hung ranks a hang report names
+HANG_KEYS_KEPT = 256  # different stack texts a hang's choice of stacks to keep tells apart
 RATE_WINDOW = 10.0  # seconds over which steps/s is measured
 STRAGGLER_CHECK_EVERY = 1.0  # seconds between a job's straggler checks (each is O(world size))
 SCORE_MAX = 1000.0  # a rank "a thousand times the median speed" or more: no finer score is real
@@ -93,6 +96,7 @@ class JobProgress:
     # node -> its global ranks flagged as stragglers in ``round`` (a STRAGGLER event was noted)
     flagged: dict[str, tuple[int, ...]] = field(default_factory=dict)
     checked_at: float = float("-inf")  # the last straggler check (machine clock)
+    median_hint: float = 0.0  # the median compute time of the round's last sort (may_flag)
     decided_round: int = -1  # the last forming round stragglers were left out of
     _rate_at: float = 0.0  # the rate's anchor: when, and the fastest step then
     _rate_step: int = -1
@@ -106,27 +110,44 @@ class JobProgress:
         self.flagged.clear()
         self.steps_per_s, self._rate_step, self._fastest = 0.0, -1, -1
         self.checked_at = float("-inf")
+        self.median_hint = 0.0
 
     def update(self, node_id: str, msg: Progress, nproc: int, now: float) -> NodeProgress:
         """Keep ``msg`` as the node's latest (its compute times cut to its ``nproc`` ranks)."""
         compute = msg.compute_ms if len(msg.compute_ms) <= nproc else msg.compute_ms[:nproc]
         max_step = min(msg.max_step, MAX_STEP)
-        np = NodeProgress(
-            round=msg.round,
-            min_step=min(msg.min_step, MAX_STEP),
-            max_step=max_step,
-            step_p50_ms=_step_ms(msg.step_p50_ms),
-            step_p90_ms=_step_ms(msg.step_p90_ms),
-            phase=msg.phase,
-            age_ms=msg.age_ms,
-            received_at=now,
-            compute_ms=compute,
-            rank_offset=self.offsets.get(node_id, 0),
-            checks=msg.checks,
-            first_at=old.first_at if (old := self.nodes.get(node_id)) is not None else now,
-        )
-        self.nodes[node_id] = np
-        self.max_step = max(self.max_step, max_step)
+        np = self.nodes.get(node_id)
+        if np is None:
+            np = self.nodes[node_id] = NodeProgress(
+                round=msg.round,
+                min_step=min(msg.min_step, MAX_STEP),
+                max_step=max_step,
+                step_p50_ms=_step_ms(msg.step_p50_ms),
+                step_p90_ms=_step_ms(msg.step_p90_ms),
+                phase=msg.phase,
+                age_ms=msg.age_ms,
+                received_at=now,
+                compute_ms=compute,
+                rank_offset=self.offsets.get(node_id, 0),
+                checks=msg.checks,
+                first_at=now,
+            )
+        else:
+            # Rewritten in place (every node's, every second: no new record each time); its
+            # first_at stays, as does its rank offset (both the round's, and so is the entry).
+            np.round = msg.round
+            np.min_step = min(msg.min_step, MAX_STEP)
+            np.max_step = max_step
+            p50, p90 = msg.step_p50_ms, msg.step_p90_ms  # _step_ms, written out
+            np.step_p50_ms = 0.0 if p50 <= 0.0 else p50 if p50 >= MIN_STEP_MS else MIN_STEP_MS
+            np.step_p90_ms = 0.0 if p90 <= 0.0 else p90 if p90 >= MIN_STEP_MS else MIN_STEP_MS
+            np.phase = msg.phase
+            np.age_ms = msg.age_ms
+            np.received_at = now
+            np.compute_ms = compute
+            np.checks = msg.checks
+        if max_step > self.max_step:
+            self.max_step = max_step
         if max_step > self._fastest:
             self._fastest = max_step
             self._observe_rate(now)
@@ -218,6 +239,7 @@ def flagged_scores(progress: JobProgress, threshold: float) -> list[RankScore]:
         return []
     mid = first + known // 2
     median = ordered[mid] if known % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    progress.median_hint = median
 
     def flags(ms: float) -> bool:
         return min(median / ms, SCORE_MAX) < threshold
@@ -236,6 +258,31 @@ def flagged_scores(progress: JobProgress, threshold: float) -> list[RankScore]:
                 out.append(RankScore(n.rank_offset + lr, nid, lr, ms, score, score < threshold))
     out.sort(key=lambda s: (s.rank, s.node, s.local_rank, s.compute_ms))
     return out
+
+
+def may_flag(progress: JobProgress, threshold: float, skip: Collection[str]) -> bool:
+    """Whether :func:`flagged_scores` could now flag a rank of a node not in ``skip``; False
+    only when it certainly cannot. A bound from a min and a max over the compute times (C
+    loops, a fifth of the sort they save at 80,000 ranks), so the once-a-second check of a
+    job whose stragglers are all known already (or that has none) sorts nothing.
+
+    The bound: L = the median of the round's last sort (``median_hint``) times
+    sqrt(threshold). With no known time below L, the median now is at least L, and a rank is
+    flagged (median / time < threshold) only if its time is above L / threshold (less a
+    relative 1e-12, for rounding); no such time outside ``skip``: False. A time below L (an
+    unknown one, 0, too), no hint yet, or a threshold past SCORE_MAX: True (sort)."""
+    hint = progress.median_hint
+    if not (hint > 0.0 and 0.0 < threshold <= SCORE_MAX):
+        return True
+    nodes = progress.nodes
+    others = list(chain.from_iterable(n.compute_ms for nid, n in nodes.items() if nid not in skip))
+    known = list(chain.from_iterable(nodes[nid].compute_ms for nid in skip if nid in nodes))
+    if len(others) + len(known) < 2:
+        return False  # fewer than two times, known or not: nobody is scored
+    bound = hint * math.sqrt(threshold)
+    if not min(min(others, default=bound), min(known, default=bound)) >= bound:
+        return True
+    return max(others, default=0.0) > bound / threshold * (1.0 - 1e-12)
 
 
 def flagged_by_node(scores: list[RankScore]) -> dict[str, list[RankScore]]:
@@ -266,6 +313,13 @@ class HangState:
     # node -> its global ranks in the hang's round: the only ranks its Stacks may name (the
     # round may have restarted before they come). Dropped once the job is over.
     spans: Mapping[str, range] = field(default_factory=dict)
+    # What choosing the kept stacks needs (add_stacks), until the job is over: the nodes whose
+    # stacks were not kept (nodes_dropped of them), each kept node's ranks' groups, how many
+    # kept ranks show each group, and the groups of the texts parsed so far.
+    dropped: set[str] = field(default_factory=set, repr=False, compare=False)
+    kept_keys: dict[str, tuple[object, ...]] = field(default_factory=dict, repr=False, compare=False)
+    key_counts: dict[object, int] = field(default_factory=dict, repr=False, compare=False)
+    key_cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def settle(self) -> None:
         """Keep the report of a job that is over at the cost of one stack text per group of
@@ -292,6 +346,7 @@ class HangState:
             )
         self.text_kept = sum(len(t) for t in {id(t): t for t in shared.values()}.values())
         self.spans = {}  # no more stacks come
+        self.dropped, self.kept_keys, self.key_counts, self.key_cache = set(), {}, {}, {}
 
     def add_ranks(self, ranks: tuple[int, ...]) -> bool:
         """Name more hung ranks (bounded); True if any was new."""
@@ -300,18 +355,100 @@ class HangState:
         return bool(new)
 
     def add_stacks(self, node_id: str, msg: Stacks) -> bool:
-        """Keep a node's stacks (its latest replaces an earlier one); False if over the caps."""
+        """Keep a node's stacks (its latest replaces an earlier one); False if they are not kept.
+
+        Past HANG_NODES_KEPT nodes (or HANG_TEXT_KEPT characters), a node's stacks are kept
+        only if they bring evidence the kept ones lack: a rank whose stacks group apart from
+        every kept rank's (``protocol.hang_report.group_key``: the odd one out a job-wide report
+        is for), in place of a kept node whose every rank's group other kept ranks show too
+        (never the node that reported the hang first). Every node counts once, kept or not,
+        however often it sends (``heard``)."""
         size = sum(map(len, msg.stacks))
         old = self.stacks.get(node_id)
         freed = sum(map(len, old.stacks)) if old is not None else 0
-        if (old is None and len(self.stacks) >= HANG_NODES_KEPT) or (
-            self.text_kept - freed + size > HANG_TEXT_KEPT
+        keys = self._keys(msg)
+        if (old is not None or len(self.stacks) < HANG_NODES_KEPT) and (
+            self.text_kept - freed + size <= HANG_TEXT_KEPT
         ):
-            self.nodes_dropped += 1
+            self._keep(node_id, msg, keys, size - freed)
+            return True
+        victim = self._evictable(node_id, keys, size - freed) if old is None else None
+        if victim is None:
+            if old is None:
+                self.dropped.add(node_id)  # (a kept node's earlier stacks stay: it is heard)
+                self.nodes_dropped = len(self.dropped)
             return False
-        self.stacks[node_id] = msg
-        self.text_kept += size - freed
+        self.text_kept -= sum(map(len, self.stacks.pop(victim).stacks))
+        self._unkey(victim)
+        self.dropped.add(victim)
+        self._keep(node_id, msg, keys, size)
         return True
+
+    def heard(self, node_id: str) -> bool:
+        """Whether ``node_id`` sent its stacks of this hang (kept or not)."""
+        return node_id in self.stacks or node_id in self.dropped
+
+    def _keep(self, node_id: str, msg: Stacks, keys: tuple[object, ...], grown: int) -> None:
+        self._unkey(node_id)
+        self.stacks[node_id] = msg
+        self.text_kept += grown
+        self.kept_keys[node_id] = keys
+        counts = self.key_counts
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        self.dropped.discard(node_id)
+        self.nodes_dropped = len(self.dropped)
+
+    def _unkey(self, node_id: str) -> None:
+        """Take a kept node's ranks' groups out of the counts (before they change or go)."""
+        counts = self.key_counts
+        for key in self.kept_keys.pop(node_id, ()):
+            left = counts[key] - 1
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
+
+    def _evictable(self, node_id: str, keys: tuple[object, ...], size: int) -> str | None:
+        """The kept node ``node_id``'s stacks (``keys``, ``size`` characters) may take the
+        place of, or None: they must bring a group no kept rank shows (an unknown one, None,
+        never counts), and the one they replace must lose none (every one of its groups is
+        shown by at least one other kept rank; the most redundant such node goes). O(kept
+        ranks), and only for stacks unlike every kept one: in a hang, a few nodes'."""
+        counts = self.key_counts
+        if not any(key is not None and key not in counts for key in keys):
+            return None
+        best: str | None = None
+        best_spare = 0
+        for nid, held in self.kept_keys.items():
+            if nid == self.node:
+                continue  # the hang's first report: its ranks are the ones named
+            own: dict[object, int] = {}
+            for key in held:
+                own[key] = own.get(key, 0) + 1
+            spare = min((counts[key] - n for key, n in own.items()), default=0)
+            if spare > best_spare and self.text_kept - sum(map(len, self.stacks[nid].stacks)) + size <= (
+                HANG_TEXT_KEPT
+            ):
+                best, best_spare = nid, spare
+        return best
+
+    def _keys(self, msg: Stacks) -> tuple[object, ...]:
+        """Each rank's group (``group_key`` of its main thread), None where it is not known:
+        the stacks of HANG_KEYS_KEPT different texts are parsed per hang, each once (the
+        agents' compacted dumps put the main thread first, so only its part is looked at)."""
+        from protocol.hang_report import group_key, parse_stacks
+
+        cache = self.key_cache
+        out: list[object] = []
+        for text in msg.stacks:
+            cut = text.find("\nThread ") if text.startswith("Thread ") else -1
+            main = text if cut < 0 else text[:cut]
+            key = cache.get(main)
+            if key is None and len(cache) < HANG_KEYS_KEPT:
+                key = cache[main] = group_key(parse_stacks(main))
+            out.append(key)
+        return tuple(out)
 
     def entries(self) -> list[tuple[int, int, str, float, str]]:
         """(rank, step, phase, silent_s, stack text) of every kept rank, by rank: what

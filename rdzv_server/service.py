@@ -33,11 +33,12 @@ What a stranger can make the server hold, and for how long, is bounded:
 Faults. The machine contains a fault of its rules itself (``faults.py``); this layer makes
 sure no fault can leave the server without its timer, which every deadline of every job
 (heartbeats, settle windows, commits, handshakes) hangs on. The timer is re-armed after every
-event whatever happens (``_dispatch``, ``_on_timer``); an exception that still escapes the
-machine is logged with its traceback and, with a state log, the machine is snapshotted as it
-is, since the event's record cannot say what the event did; the watchdog re-arms a timer
-found missing while a deadline is pending; and a deadline that a Tick at its time left due
-(a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
+event whatever happens (``_dispatch``, ``_on_timer``), but a training summary or stacks that
+told nobody anything and derived no fact, which can have moved no deadline; an exception that
+still escapes the machine is logged with its traceback and, with a state log, the machine is
+snapshotted as it is, since the event's record cannot say what the event did; the watchdog
+re-arms a timer found missing while a deadline is pending; and a deadline that a Tick at its
+time left due (a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
 
 Everything the machine decides comes back as effects; this module only carries them out.
 """
@@ -61,7 +62,9 @@ from protocol import (
     FrameDecoder,
     Heartbeat,
     Message,
+    Progress,
     ProtocolError,
+    Stacks,
     classify_preface,
     encode,
     error_message,
@@ -121,6 +124,10 @@ WATCHDOG_INTERVAL = 0.25
 STALL_MIN = 0.2
 STUCK_RETRY = 1.0  # a deadline a Tick left due is delivered again after this long, not at once
 _monotonic = time.monotonic
+_NEVER = -float("inf")
+# Messages that change only the machine's volatile views unless they derive a fact (see
+# journal.py, which does not log them then either).
+_VOLATILE = (Progress, Stacks)
 
 
 class _Connection(asyncio.Protocol):
@@ -138,6 +145,7 @@ class _Connection(asyncio.Protocol):
         "_lost",
         "_magic_due",
         "_paused",
+        "_phase",
         "_stall_seen",
         "_tail",
         "_timer",
@@ -158,6 +166,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._decoder: FrameDecoder | None = None
+        self._phase = ConnPhase.HELLO
         self._http: asyncio.Protocol | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""
@@ -205,6 +214,7 @@ class _Connection(asyncio.Protocol):
                 self._refuse_without_cert(kind)
                 return
             if kind == "rdzv":
+                self._phase = ConnPhase.HELLO  # the stage whose frame limit the decoder has
                 self._decoder = FrameDecoder(
                     max_frame_size=self.service._frame_limit(ConnPhase.HELLO),
                     allowed=CLIENT_MESSAGES,
@@ -290,26 +300,31 @@ class _Connection(asyncio.Protocol):
             if not msgs:
                 return
             frames += 1
-            taken += before - decoder.buffered
+            left = decoder.buffered  # 0, as a read mostly holds one whole frame: no next feed
+            taken += before - left
             if not self._spend():
                 self._flooded()
                 return
             msg = msgs[0]
             # A heartbeat that came in one read with other frames (a busy server reads late).
             if type(msg) is Heartbeat and svc._heartbeat(self.conn_id):
+                if not left:
+                    return
                 continue
             handled = svc._dispatch(Received(self.conn_id, msg))
-            if not handled or self.transport is None or self.transport.is_closing():
+            t = self.transport
+            if not handled or t is None or t.is_closing():
                 return
             self._after(msg)
-            if self.transport is None or self.transport.is_closing():
+            if not left or self.transport is None or self.transport.is_closing():
                 return
 
     def _after(self, msg: Message) -> None:
         """What the machine made of a message: the connection's frame limit (its stage's);
         and whether it keeps sending what changes nothing."""
         svc = self.service
-        if svc.machine.unchanged and type(msg) is not Heartbeat:
+        machine = svc.machine
+        if machine.unchanged and type(msg) is not Heartbeat:
             now = _monotonic()
             level = max(0.0, self._ignored - (now - self._ignored_at) * IGNORED_RATE) + 1
             self._ignored, self._ignored_at = level, now
@@ -320,9 +335,11 @@ class _Connection(asyncio.Protocol):
                     f"nothing (sustained limit {IGNORED_RATE:g} a second); the last was {msg.TYPE}",
                 )
                 return
-        conn = svc.machine.conns.get(self.conn_id)
-        if conn is not None:
+        conn = machine.conns.get(self.conn_id)
+        if conn is not None and conn.phase is not self._phase:
+            # A new stage (the limit depends on nothing else): not every frame of a member's.
             assert self._decoder is not None
+            self._phase = conn.phase
             self._decoder.max_frame_size = svc._frame_limit(conn.phase)
 
     def _spend(self) -> bool:
@@ -335,7 +352,12 @@ class _Connection(asyncio.Protocol):
             self._stall_seen = self.service._stall_total
             cap += stalled * FRAME_RATE
             self._tokens += stalled * FRAME_RATE
-        tokens = min(max(cap, self._tokens), self._tokens + (now - self._tokens_at) * FRAME_RATE)
+        # min(max(cap, tokens), refilled), without the two calls (every frame of every agent)
+        tokens = self._tokens
+        most = cap if cap > tokens else tokens
+        tokens += (now - self._tokens_at) * FRAME_RATE
+        if tokens > most:
+            tokens = most
         self._tokens_at = now
         if tokens < 1.0:
             self._tokens = tokens
@@ -860,6 +882,7 @@ class RendezvousService:
         ):
             return False  # the machine closed it; the Close waits for the batch's fsync
         now = self.clock()
+        quiet = False
         try:
             try:
                 effects = self.machine.handle(event, now)
@@ -867,13 +890,26 @@ class RendezvousService:
                 self._escaped(event)
                 return True
             # A deadline due at a Tick's time must be gone after it (see _schedule).
-            self._ticked_at = now if isinstance(event, Tick) else -float("inf")
+            self._ticked_at = now if type(event) is Tick else _NEVER
             if self.state_log is not None:
                 self.state_log.record(event, effects, now)
-            self._carry_out(effects)
+            if effects or self.state_log is not None:
+                self._carry_out(effects)
+            # A training summary (or stacks) that told nobody anything and derived no fact: it
+            # changed only the machine's volatile views, never a deadline (deadlines are state
+            # the state log replays, and the log keeps no such event), so the timer stays as
+            # it is. Every agent sends one a second: this is most of what the server handles.
+            quiet = (
+                not effects
+                and self.machine.facts is None
+                and type(event) is Received
+                and type(event.msg) in _VOLATILE
+            )
         finally:
-            self._schedule()  # whatever happened: every deadline hangs on this timer
-            self._wake_waiters()
+            if not quiet:
+                self._schedule()  # whatever happened: every deadline hangs on this timer
+            if self._change_waiters:
+                self._wake_waiters()
         return True
 
     def _escaped(self, event: Event) -> None:

@@ -66,8 +66,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
@@ -313,29 +312,37 @@ class Rendezvous(Recovery):
 
     # -- containing a fault (faults.py) ----------------------------------------------------
 
-    @contextmanager
     def _unit(
         self, rule: str, now: float, out: list[Effect], job_id: str | None = None, conn: int | None = None
-    ) -> Iterator[None]:
+    ) -> _Unit:
         """One unit of an event's work, for job ``job_id`` (None: the server): an exception in
         it is contained here (``_contain``), and the event's other units go on. A unit inside
         one for the same job (or inside any, for a server unit) is part of it."""
-        units = self._units
-        if job_id in units or (job_id is None and units):
-            yield
-            return
-        units.append(job_id)
+        return _Unit(self, rule, now, out, job_id, conn)
+
+    def _unit_done(
+        self,
+        rule: str,
+        exc: BaseException | None,
+        now: float,
+        out: list[Effect],
+        job_id: str | None,
+        conn: int | None,
+    ) -> bool:
+        """The end of an outermost unit (``_Unit.__exit__``); True: ``exc`` was contained."""
         try:
-            yield
-        except Exception as exc:
+            if exc is None:
+                if self.logged_facts is not None and job_id is not None and self._logged_fault(job_id, rule):
+                    # Replaying a fault this replay did not meet (a rule of volatile state that
+                    # is not a ``from_volatile`` one): the job ends as it did live.
+                    self._contain(rule, None, now, out, job_id, conn)
+                return False
+            if not isinstance(exc, Exception):
+                return False  # (KeyboardInterrupt and the like go on up)
             self._contain(rule, exc, now, out, job_id, conn)
-        else:
-            if self.logged_facts is not None and job_id is not None and self._logged_fault(job_id, rule):
-                # Replaying a fault this replay did not meet (a rule of volatile state that is
-                # not a ``from_volatile`` one): the job ends as it did live.
-                self._contain(rule, None, now, out, job_id, conn)
+            return True
         finally:
-            units.pop()
+            self._units.pop()
 
     def _logged_fault(self, job_id: str, rule: str, *, take: bool = False) -> str | None:
         """The reason the live server gave for a fault of ``job_id`` in ``rule`` (replaying)."""
@@ -535,14 +542,14 @@ class Rendezvous(Recovery):
     def _on_member_message(
         self, conn: Conn, job: Job, member: Member, msg: Message, now: float, out: list[Effect]
     ) -> None:
-        if isinstance(msg, Join):
+        if isinstance(msg, Progress):  # first: every node sends one a second
+            self._on_progress(job, member, msg, now, out)
+        elif isinstance(msg, Join):
             self._on_rejoin(job, member, msg, now, out)
         elif isinstance(msg, WorkersFailed):
             self._on_failed(job, member, msg, now, out)
         elif isinstance(msg, WorkersSucceeded):
             self._on_succeeded(job, member, msg, now, out)
-        elif isinstance(msg, Progress):
-            self._on_progress(job, member, msg, now, out)
         elif isinstance(msg, Stacks):
             self._on_stacks(job, member, msg, now, out)
             self._stacks_in(job, msg.round, now, out)
@@ -684,3 +691,46 @@ class Rendezvous(Recovery):
         for conn_id, timeout in silent:
             why = f"went silent (no heartbeat for {timeout:g} s)"
             self._drop_unit(conn_id, Departure.LOST, why, now, out, close=True)
+
+
+class _Unit:
+    """``Rendezvous._unit``'s context manager, written out: every member's frame (a Progress
+    from every node every second) runs in one, and a generator-based one costs twice this."""
+
+    __slots__ = ("conn", "job_id", "machine", "now", "out", "outer", "rule")
+
+    def __init__(
+        self,
+        machine: Rendezvous,
+        rule: str,
+        now: float,
+        out: list[Effect],
+        job_id: str | None,
+        conn: int | None,
+    ) -> None:
+        self.machine, self.rule, self.now, self.out, self.job_id, self.conn = (
+            machine,
+            rule,
+            now,
+            out,
+            job_id,
+            conn,
+        )
+        self.outer = False
+
+    def __enter__(self) -> None:
+        units = self.machine._units
+        job_id = self.job_id
+        if job_id in units or (job_id is None and units):
+            return  # part of the unit it is in
+        units.append(job_id)
+        self.outer = True
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if not self.outer:
+            return False
+        machine = self.machine
+        if exc is None and machine.logged_facts is None:
+            machine._units.pop()  # (the common end: live, and nothing raised)
+            return False
+        return machine._unit_done(self.rule, exc, self.now, self.out, self.job_id, self.conn)

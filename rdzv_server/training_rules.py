@@ -33,6 +33,7 @@ from .progress import (
     HangState,
     flagged_by_node,
     flagged_scores,
+    may_flag,
 )
 
 STRAGGLER_RANKS_NOTED = 64  # flagged ranks one STRAGGLER event names
@@ -88,7 +89,8 @@ class TrainingRules:
         if p.round != job.round:
             p.start_round(job.round, self._rank_offsets(job))
         p.update(member.node_id, msg, member.nproc, now)
-        self._check_stragglers(job, now, out)
+        if self.logged_facts is not None or now - p.checked_at >= STRAGGLER_CHECK_EVERY:
+            self._check_stragglers(job, now, out)  # (due: the common case skips even the call)
 
     def _rank_offsets(self, job: Job) -> dict[str, int]:
         """Each node's first global rank in the running round (its order, as assigned)."""
@@ -110,6 +112,8 @@ class TrainingRules:
         if now - p.checked_at < STRAGGLER_CHECK_EVERY:
             return
         p.checked_at = now
+        if not may_flag(p, threshold, p.flagged):
+            return  # (certainly no node to note: the usual second, stragglers known or none)
         for nid, flagged in flagged_by_node(flagged_scores(p, threshold)).items():
             m = job.members.get(nid)
             if nid in p.flagged or m is None:
@@ -326,8 +330,8 @@ class TrainingRules:
     def _hang_waits(self, job: Job, member: Member, failure: Failure, step: int, now: float) -> bool:
         """Whether the verdict on ``member``'s hang ``failure`` waits for the other nodes'
         stacks (kept as ``job.hang_verdict``). It waits while a node of the round has not sent
-        them, and only if the reporter's own came: stacks reach this machine (not through
-        etcd, not from an older agent)."""
+        them, and only if the reporter's own came (kept in the report or not): stacks reach
+        this machine (not through etcd, not from an older agent)."""
         if self.logged_facts is not None:
             waits = any(e[0] == job.id for e in self.logged_facts.get("hang_wait", ()))
         else:
@@ -336,7 +340,7 @@ class TrainingRules:
                 failure.signal == HUNG
                 and hang is not None
                 and hang.round == job.round
-                and member.node_id in hang.stacks
+                and hang.heard(member.node_id)
                 and not all_stacks_in(hang, self._round_nodes(job))
             )
             if waits:

@@ -282,6 +282,27 @@ def test_large_frame_byte_by_byte():
     assert decoder.feed(data[-1:]) == [msg]
 
 
+def test_a_frame_taken_in_pieces_leaves_no_buffer_behind():
+    # After a hang every node's last frame is 16 KB of stacks: it must not stay with its
+    # connection until that connection's next read.
+    msg = dataclasses.replace(JOIN, entrypoint="e" * MAX_TEXT_LEN)
+    data = encode(msg)
+    decoder = FrameDecoder()
+    assert decoder.feed(data[:100]) == []
+    assert decoder.feed(data[100:]) == [msg]
+    assert decoder.buffered == 0 and len(decoder._buf) == 0
+
+
+def test_a_whole_frame_with_a_limit_of_none_is_kept_for_later():
+    data = encode(JOIN)
+    decoder = FrameDecoder()
+    assert decoder.feed(data, limit=0) == []
+    assert decoder.buffered == len(data)
+    assert decoder.feed(b"", limit=1) == [JOIN]
+    assert decoder.feed(data, limit=1) == [JOIN]  # one whole frame alone: the direct path
+    assert decoder.buffered == 0
+
+
 def test_feed_accepts_bytearray_and_memoryview():
     data = encode(JOIN)
     assert FrameDecoder().feed(bytearray(data)) == [JOIN]

@@ -22,9 +22,11 @@ from protocol import (
 from protocol.failure_text import HUNG
 from rdzv_server import tables
 from rdzv_server.hang_cause import HANG_VERDICT_WAIT_S
+from rdzv_server.progress import HANG_NODES_KEPT
 from rdzv_server.state import JobPhase
 
 from .harness import Harness
+from .test_hang_server import first_rank
 from .test_journal import Recording, replays_from_every_cut
 from .test_progress_surfaces import job
 
@@ -213,3 +215,53 @@ def test_status_prints_a_workers_multi_line_error_as_escaped_indented_lines() ->
     assert lines[at + 1].endswith("failed with exit code 1: Traceback (most recent call last):")
     # Each line escaped, and indented under the first: none passes for a line of the table.
     assert lines[at + 2 : at + 4] == ["        boom\\x1b[2J", "      job x: FINISHED"]
+
+
+def test_past_the_nodes_kept_the_culprits_stacks_still_make_the_report() -> None:
+    # Issue 31: the report keeps HANG_NODES_KEPT nodes' stacks. The culprit's come after the
+    # crowd's have filled them: they bring a group no kept rank shows, so they take the place
+    # of a node whose stacks the others repeat, and the verdict names the culprit's rank.
+    h = Harness()
+    n = HANG_NODES_KEPT + 36
+    conns = running(h, max_restarts=3, n=n)
+    a = conns[0]
+    assert first_rank(h, a) == 0
+    node1_hangs(h, a)
+    culprit = conns[n - 10]
+    for c in conns[1:]:
+        if c != culprit:
+            r = first_rank(h, c)
+            h.send(c, stacks((r, r + 1), (WAITING, WAITING)))
+    assert h.last(a, Restart) is None  # the culprit's stacks are not in yet
+    rank = first_rank(h, culprit) + 1
+    h.send(culprit, stacks((rank - 1, rank), (WAITING, STUCK)))
+    restart = h.last(a, Restart)
+    assert isinstance(restart, Restart)
+    node = h.machine.conns[culprit].node_id
+    assert f"worker failure: rank {rank} (local rank 1) on node {node}" in restart.reason
+    assert "stuck_in_data_loader" in restart.report
+    hang = h.machine.jobs["job"].hang
+    assert hang is not None and len(hang.stacks) == HANG_NODES_KEPT
+    assert hang.nodes_dropped == n - HANG_NODES_KEPT and "node1" in hang.stacks  # the first report's stay
+
+
+def test_stacks_a_node_sends_again_count_once_towards_the_verdicts_wait() -> None:
+    # Issue 31: a node past the cap that sent its stacks twice counted twice, so the verdict
+    # took "every node's stacks are in" before the last nodes' came.
+    h = Harness()
+    n = HANG_NODES_KEPT + 4
+    conns = running(h, max_restarts=3, n=n)
+    a = conns[0]
+    node1_hangs(h, a)
+    for c in conns[1:-1]:
+        r = first_rank(h, c)
+        h.send(c, stacks((r, r + 1), (WAITING, WAITING)))
+        h.send(c, stacks((r, r + 1), (WAITING, WAITING)))  # collected again
+    hang = h.machine.jobs["job"].hang
+    assert hang is not None and hang.nodes_dropped == n - 1 - HANG_NODES_KEPT
+    assert h.last(a, Restart) is None  # the last node's are still to come
+    last = conns[-1]
+    r = first_rank(h, last)
+    h.send(last, stacks((r, r + 1), (WAITING, STUCK)))
+    restart = h.last(a, Restart)
+    assert isinstance(restart, Restart) and f"rank {r + 1} (local rank 1)" in restart.reason

@@ -19,6 +19,7 @@ from rdzv_server.progress import (
     NodeProgress,
     flagged_by_node,
     flagged_scores,
+    may_flag,
     straggler_scores,
 )
 from rdzv_server.state import JobPhase
@@ -105,6 +106,43 @@ def test_the_straggler_check_flags_exactly_the_ranks_that_scoring_every_rank_fla
     rank offsets included."""
     p = view(*((f"n{i}", offset, compute) for i, (offset, compute) in enumerate(nodes)))
     assert flagged_scores(p, threshold) == [s for s in straggler_scores(p, threshold) if s.flagged]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    nodes=st.lists(
+        st.tuples(st.integers(0, 64), st.lists(_MS, max_size=9).map(tuple)),  # (offset, compute)
+        max_size=12,
+    ),
+    threshold=st.one_of(
+        st.sampled_from([0.0, 0.5, 0.75, 1.0, SCORE_MAX, 2 * SCORE_MAX]),
+        st.floats(min_value=-1.0, max_value=3 * SCORE_MAX, allow_nan=False),
+    ),
+    hint=st.one_of(_MS, st.sampled_from([100.0, 104.0])),
+    known=st.sets(st.integers(0, 11)),
+)
+def test_the_bound_that_skips_a_straggler_check_never_hides_a_new_straggler(
+    nodes: list[tuple[int, tuple[float, ...]]], threshold: float, hint: float, known: set[int]
+) -> None:
+    """may_flag (issue 31: the once-a-second check sorts nothing when it cannot flag a node
+    not flagged already) is False only if flagged_scores flags no rank of such a node, for
+    any median hint, even a stale or wrong one."""
+    p = view(*((f"n{i}", offset, compute) for i, (offset, compute) in enumerate(nodes)))
+    p.median_hint = hint
+    skip = {f"n{i}" for i in known}
+    if not may_flag(p, threshold, skip):
+        assert {s.node for s in flagged_scores(p, threshold)} <= skip
+
+
+def test_once_its_stragglers_are_flagged_a_jobs_check_sorts_nothing() -> None:
+    times = [(f"n{i}", 8 * i, tuple(300.0 + (i * 7 + r) % 5 for r in range(8))) for i in range(50)]
+    times[13] = ("n13", 104, (300.0,) * 5 + (480.0,) + (300.0,) * 2)  # 0.63 of the median speed
+    p = view(*times)
+    assert may_flag(p, 0.75, set())  # no median yet: the check sorts
+    assert {s.node for s in flagged_scores(p, 0.75)} == {"n13"} and p.median_hint == 302.0
+    assert may_flag(p, 0.75, set()) and not may_flag(p, 0.75, {"n13"})
+    p.nodes["n20"].compute_ms = (300.0,) * 7 + (0.0,)  # a rank that does not mark its compute
+    assert may_flag(p, 0.75, {"n13"})
 
 
 def test_the_straggler_check_follows_every_update_of_the_round() -> None:
