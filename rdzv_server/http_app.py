@@ -43,7 +43,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -57,10 +57,23 @@ from .status import to_json
 if TYPE_CHECKING:
     from protocol.auth import TokenTable
 
-    from .service import RendezvousService
+    from .state import Rendezvous
 
 
-SERVICE: web.AppKey[RendezvousService] = web.AppKey("service")
+class Served(Protocol):
+    """What the HTTP side reads and asks of the server (``service.RendezvousService`` is one):
+    the machine and its clock, the tokens, the access settings, and the drain it may ask for.
+    The HTTP side never imports the service; the service builds it (``make_http_runner``)."""
+
+    machine: Rendezvous
+    clock: Callable[[], float]
+    tokens: TokenTable | None
+    http_access: Access | None
+
+    def drain(self, job_id: str, node_id: str, reason: str = "") -> None: ...
+
+
+SERVICE: web.AppKey[Served] = web.AppKey("service")
 
 # Checks that the request may perform ``action`` ("drain"); raises an HTTPException if not.
 Authorizer = Callable[[web.Request, str], Awaitable[None]]
@@ -232,7 +245,7 @@ async def _json_errors(
 
 
 def build_app(
-    service: RendezvousService, *, authorize: Authorizer = allow_all, access: Access | None = None
+    service: Served, *, authorize: Authorizer = allow_all, access: Access | None = None
 ) -> web.Application:
     access = access or Access()
     app = web.Application(middlewares=[_json_errors])
@@ -324,9 +337,7 @@ async def _drain_reason(request: web.Request) -> str | web.Response:
     return reason
 
 
-async def make_http_runner(
-    service: RendezvousService, *, authorize: Authorizer | None = None
-) -> web.AppRunner:
+async def make_http_runner(service: Served, *, authorize: Authorizer | None = None) -> web.AppRunner:
     """An aiohttp runner whose ``server`` is a protocol factory for handed-over connections."""
     if authorize is None:
         authorize = allow_all if service.tokens is None else token_authorizer(service.tokens)
