@@ -367,8 +367,9 @@ def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant
                     Metric("hb_per_s", "heartbeats per second received during that window", "msg/s"),
                     Metric(
                         "sum_cpu_pct",
-                        f"{LOAD_SUMMARIES}: server CPU, every node heartbeating and sending one 8-rank "
-                        "Progress a second, a straggler among them (5 s window)",
+                        f"{LOAD_SUMMARIES}: server CPU, every node sending one 8-rank Progress a second "
+                        "(its heartbeats replaced by them, as a real agent's), a straggler among them "
+                        "(5 s window)",
                         "%",
                         at_most(20, "< 20 % of a core") if big else None,
                     ),
@@ -379,6 +380,11 @@ def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant
                         at_most(150, "< 150 MB") if big else None,
                     ),
                     Metric("sum_per_s", "summaries per second received during that window", "msg/s"),
+                    Metric(
+                        "sum_hb_per_s",
+                        "heartbeats per second in that window (a tick after a summary sends none)",
+                        "msg/s",
+                    ),
                     Metric("sum_bytes", "bytes per summary frame", "B"),
                     Metric(
                         "hang_verdict",

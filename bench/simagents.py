@@ -38,7 +38,9 @@ Commands:
 Each agent is an ``asyncio.Protocol`` (no task, no stream per connection). Heartbeats go out
 at 1 Hz from every joined agent, in 50 slots of 20 ms so the load is spread over the second
 the way independent agents' timers are; summaries likewise, in a slot of their own (a real
-agent sends them from its page-read loop, whose timer is not its heartbeat's).
+agent sends them from its page-read loop, whose timer is not its heartbeat's). As a real
+agent's heartbeat timer (``node_agent/runner.py``), a tick that finds a summary went since the
+last one sends no heartbeat: while training, the summaries are the nodes' signs of life.
 
 What a summary holds, as a real agent's does (``node_agent/machine/watch.py``): the slowest and
 fastest rank's step (all ranks advance together, one step every ``step_s``), the node's step
@@ -228,6 +230,7 @@ class SimAgent(asyncio.Protocol):
         "pool",
         "rank_offset",
         "round",
+        "said",
         "transport",
         "world_size",
     )
@@ -238,6 +241,7 @@ class SimAgent(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.decoder = FrameDecoder(allowed=SERVER_MESSAGES, expect_magic=True)
         self.round = -1  # the round of the assignment held, -1 for none
+        self.said = False  # sent a summary since its last heartbeat tick (no heartbeat due then)
         self.world_size = 0
         self.rank_offset = 0
         self.closed = False
@@ -386,15 +390,20 @@ class Pool:
             live = [a for a in slot if not a.closed]
             if len(live) != len(slot):
                 slot[:] = live
+            # As a real agent (node_agent/runner.py): a tick after a summary sends no heartbeat.
+            beating = [a for a in live if not a.said]
             for a in live:
+                a.said = False
+            for a in beating:
                 a.send(HEARTBEAT)
-            self.hb_sent += len(live)
+            self.hb_sent += len(beating)
             if self.train is not None and self.frozen_step < 0:
                 now = time.monotonic()
                 for a in self.slots[(tick + SUMMARY_SLOT) % SLOTS]:
                     if not a.closed and a.round >= 0:
                         frame = encode(self.progress(a, now))
                         a.send(frame)
+                        a.said = True
                         self.progress_sent += 1
                         self.progress_bytes += len(frame)
 

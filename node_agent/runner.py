@@ -136,6 +136,7 @@ class Agent:
             stream=self.stderr,
         )
         self._joined_at = 0.0  # when the last join was sent (the rendezvous event's duration)
+        self._sent = 0  # messages sent on the link (a heartbeat is due only after a silent tick)
         self._phase = "starting"
         self._assignment: Assignment | None = None
         self._ranks: dict[int, int] = {}
@@ -359,6 +360,7 @@ class Agent:
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
         self.conn.send(msg)
+        self._sent += 1
 
     def _join(self) -> Join:
         # Not where every agent of the job reads our Join (etcd): a secret there is none.
@@ -509,14 +511,26 @@ class Agent:
             self.events.put_nowait(st.ConnectionLost(f"internal error reading the rendezvous: {exc!r}"))
 
     async def _heartbeat(self) -> None:
-        interval = self.config.rdzv_conf.heartbeat_interval
+        conf = self.config.rdzv_conf
+        interval = conf.heartbeat_interval
+        # Any message is a sign of life to the server (its machine's last_seen): a tick that
+        # finds the link carried something since the last tick sends no heartbeat, so the
+        # training's summaries, one an interval, replace most of them (half the frames a
+        # training node sends). The silence is then at most two intervals: only where that is
+        # well inside heartbeat_timeout (the default's five).
+        may_skip = conf.heartbeat_timeout >= 3 * interval
         beat = Heartbeat()
+        counted = self._sent
         while True:
             await asyncio.sleep(interval)
+            if may_skip and self._sent != counted:
+                counted = self._sent
+                continue
             # A link's send does not raise once the link is lost (its reader reports the loss);
             # a transport error on the write is the same loss.
             with contextlib.suppress(ConnectionError, OSError):
                 self._send(beat)
+            counted = self._sent
 
     # -- the end ---------------------------------------------------------------------------
 
