@@ -293,7 +293,10 @@ def test_auto_starts_eight_workers_on_a_fake_amd_node(tmp_path: Path) -> None:
     node = amd_node(tmp_path / "machine")
     script = tmp_path / "train.py"
     script.write_text(
-        "import os\nprint('worker', os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'])\n"
+        # One write per line: eight ranks share the console, unbuffered (print writes its
+        # pieces apart, and two ranks' lines ran together once).
+        "import os, sys\n"
+        "sys.stdout.write(f\"worker {os.environ['LOCAL_RANK']} {os.environ['LOCAL_WORLD_SIZE']}\\n\")\n"
     )
     launcher = (
         "import sys\n"
