@@ -9,10 +9,11 @@ dataclass code generation the largest part of a launch after the interpreter its
 ``record`` lets ``dataclasses`` collect the fields (so ``fields``, ``replace`` and ``asdict``
 work as before) and compiles only ``__init__``, the one method whose speed matters (the
 server builds thousands of messages a round).  The others are shared functions that read a
-per-class ``operator.attrgetter`` of the compared fields, which is C code.  Even ``__init__``
-is compiled only when the class makes its first instance (its source is written, and
-checked, when the class is declared): most of the classes a launch declares (the messages and
-events of failures, hangs and restarts) never make one, and a compilation is about 0.1 ms.
+per-class ``operator.attrgetter`` of the compared fields, which is C code.  ``__init__`` is
+compiled when the class is declared (at import), not at its first instance: CPython 3.11's
+compiler is not safe to run in two threads at once ("AST constructor recursion depth
+mismatch"), and a first instance may be made in any thread (an embedded server's, a daemon's)
+while another imports.
 
 The methods behave as dataclass's do for what we use: positional or keyword-only parameters,
 defaults and ``default_factory``, ``__post_init__``, per-field ``repr`` and ``compare``;
@@ -91,7 +92,7 @@ def _build(cls: T, *, frozen: bool, kw_only: bool, slots: bool) -> T:
         if not f.init or f._field_type is dataclasses._FIELD_INITVAR:  # type: ignore[attr-defined]
             raise TypeError(f"{cls.__qualname__}.{f.name}: @record supports neither InitVar nor init=False")
 
-    built.__init__ = _lazy_init(built, fields, frozen)
+    built.__init__ = _init_fn(built, fields, frozen)
     built._record_shown = tuple(f.name for f in fields if f.repr)
     built._record_key = _getter([f.name for f in fields if f.compare])
     built.__repr__ = _repr
@@ -116,23 +117,12 @@ def _build(cls: T, *, frozen: bool, kw_only: bool, slots: bool) -> T:
     return built
 
 
-def _lazy_init(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool) -> Callable[..., None]:
-    """An ``__init__`` that compiles the real one on the class's first instance, puts it on the
-    class in its place, and runs it. Its source is written now: a bad declaration fails here."""
+def _init_fn(cls: type, fields: tuple[dataclasses.Field[Any], ...], frozen: bool) -> Callable[..., None]:
     src, env = _init_source(cls, fields, frozen)
-    qualname = f"{cls.__qualname__}.__init__"
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        real = cls.__dict__["__init__"]
-        if real is __init__:  # the first instance (else another thread compiled it meanwhile)
-            exec(src, env)  # the source is built from field names only
-            real = env["__init__"]
-            real.__qualname__ = qualname
-            cls.__init__ = real  # type: ignore[misc]
-        real(self, *args, **kwargs)
-
-    __init__.__qualname__ = qualname
-    return __init__
+    exec(src, env)  # the source is built from field names only
+    fn: Callable[..., None] = env["__init__"]
+    fn.__qualname__ = f"{cls.__qualname__}.__init__"
+    return fn
 
 
 def _init_source(

@@ -151,3 +151,18 @@ def test_refuses_what_it_does_not_generate() -> None:
 
             def __eq__(self, other: object) -> bool:
                 return True
+
+
+def test_init_is_compiled_when_the_class_is_declared() -> None:
+    """Not at the first instance: CPython 3.11's compiler must not run in a server's thread
+    while another thread imports (it raised "AST constructor recursion depth mismatch" in a
+    test's threaded server once)."""
+
+    @record(frozen=True, slots=True)
+    class Point:
+        x: int
+        y: int = 0
+
+    declared = Point.__dict__["__init__"]
+    assert Point(1).y == 0
+    assert Point.__dict__["__init__"] is declared
