@@ -14,6 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from node_agent.supervisor.procutil import pdeathsig_preexec
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -43,6 +45,9 @@ class Proc:
             env=full_env,
             cwd=cwd or ROOT,
             start_new_session=True,
+            # Nothing the suite starts outlives a killed test run (a server is a daemon: it
+            # would). Only from the main thread: the signal follows the spawning thread's end.
+            preexec_fn=pdeathsig_preexec() if threading.current_thread() is threading.main_thread() else None,
         )
         self.out: list[str] = []
         self.err: list[str] = []
