@@ -31,14 +31,25 @@ STARTS = 6
 # Each start's training: long enough for the agents to warm the next interpreters (an import of
 # torch beside two agents and two workers on two cores), so that every replacement starts warm.
 TRAIN_S = "3"
-RETRY_DELAY_S = 0.25  # torch's connect retry sleeps at least this long before it tries again
-TORCH_RETRY_WORDS = ("Failed to recv", "Connection reset", "failed to connect", "Connection refused")
+# What torch's store client writes (at the log level below) when a connect finds nothing
+# listening and retries, or reaches a store that goes away under it.
+TORCH_RETRY_WORDS = (
+    "Failed to recv",
+    "Connection reset",
+    "failed to connect",
+    "Connection refused",
+    "is not yet listening",
+    "will retry",
+)
+# torch's c10d socket traces every connect attempt at this level: evidence, not a clock.
+TORCH_TRACE = {"TORCH_CPP_LOG_LEVEL": "INFO", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
 def _run(tmp_path: Path, endpoint: str, extra_env: dict[str, str] | None = None) -> list[Proc]:
     args = ("--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", str(STARTS - 1))
     args += ("--preload", "torch", "--rdzv-endpoint", endpoint, "--rdzv-id", "race", SCRIPT)
     env = {"DUMP_DIR": str(tmp_path), "STORE_RACE_STARTS": str(STARTS), "STORE_RACE_TRAIN_S": TRAIN_S}
+    env.update(TORCH_TRACE)
     env.update(extra_env or {})
     agents = [Proc(agent_cmd(*args), env=env) for _ in "ab"]
     try:
@@ -59,13 +70,14 @@ def _check(tmp_path: Path, agents: list[Proc]) -> None:
     assert {r["use_agent_store"] for r in records} == {"True"}
     assert all(r["sum"] == 2 for r in records)
     assert all(r["warm"] for r in records if r["restart"] > 0), "the replacements were not warm"
-    slow = sorted(r["init_s"] for r in records)[-3:]
-    assert max(slow) < 10 * RETRY_DELAY_S, slow  # a connect that hung on a dead store shows here
     for a in agents:
+        # Every worker's connects are traced: each one reached the store it was meant for.
+        assert "The client socket is attempting to connect" in a.stderr, a.stderr[-3000:]
         for words in TORCH_RETRY_WORDS:
             assert words not in a.stderr, a.stderr
         assert "agent-hosted TCPStore off" not in a.stderr, a.stderr
-    print(f"{STARTS} back-to-back warm starts; slowest init_process_group {max(slow):.3f} s")
+    slow = max(r["init_s"] for r in records if r["restart"] > 0)
+    print(f"{STARTS} back-to-back warm starts; slowest init_process_group {slow:.3f} s")
 
 
 def test_warm_replacements_never_reach_the_last_rounds_store_with_a_server(tmp_path: Path) -> None:
