@@ -63,12 +63,14 @@ from protocol.messages import (
     MAX_ADDR_LEN,
     MAX_CODE_LEN,
     MAX_COUNT,
+    MAX_HELD,
     MAX_HUNG_RANKS,
     MAX_ID_LEN,
     MAX_NODES,
     MAX_NPROC,
     MAX_PATH_LEN,
     MAX_PHASE_LEN,
+    MAX_RESTORE_SOURCES,
     MAX_STACK_LEN,
     MAX_STACK_RANKS,
     MAX_TEXT_LEN,
@@ -87,6 +89,7 @@ from protocol.messages import (
     Message,
     Progress,
     Resume,
+    SnapshotsHeld,
     Stacks,
     WorkersCommitted,
     WorkersFailed,
@@ -232,6 +235,8 @@ def _largest_join() -> Join:
         commit_timeout=MAX_TIMEOUT,
         commit_steps=1_000_000,
         hosts_store=True,
+        replica_port=65535,
+        replica_key="f" * 128,
     )
 
 
@@ -254,6 +259,12 @@ def largest_client_messages() -> dict[type, Message]:
         restart_count=_BIG_INT,
         max_restarts=_BIG_INT,
         agent_store=True,
+        restore_step=_BIG_INT,
+        restore_source=(MAX_RESTORE_SOURCES - 1,) * MAX_NPROC,
+        restore_addrs=(_WIDE * MAX_ADDR_LEN,) * MAX_RESTORE_SOURCES,
+        restore_keys=("f" * 128,) * MAX_RESTORE_SOURCES,
+        replica_to=_WIDE * MAX_ADDR_LEN,
+        replica_key="f" * 128,
     )
     failure = Failure(
         node_id=_WIDE * MAX_ID_LEN,
@@ -304,6 +315,9 @@ def largest_client_messages() -> dict[type, Message]:
         Armed: Armed(round=_BIG_INT, step=_BIG_INT, late=True, checked=_BIG_INT),
         WorkersCommitted: WorkersCommitted(round=_BIG_INT, step=_BIG_INT),
         LeaveAfterCommit: LeaveAfterCommit(round=_BIG_INT, reason=_WIDE * MAX_TEXT_LEN),
+        SnapshotsHeld: SnapshotsHeld(
+            world_size=_BIG_INT, ranks=(_BIG_INT,) * MAX_HELD, steps=(_BIG_INT,) * MAX_HELD
+        ),
     }
 
 

@@ -103,6 +103,7 @@ MAX_PHASE_LEN = 32
 # limit; the agent's log dir keeps every rank's full stacks.
 MAX_STACK_RANKS = 32
 MAX_STACK_LEN = 2048
+MAX_RESTORE_SOURCES = 64  # the agents one node's ranks restore from (issue 35)
 MAX_HUNG_RANKS = 64  # the hung ranks one HangDetected names (a node has at most MAX_NPROC)
 _MIN_INT64 = -(2**63)
 # Unix seconds; 2**53 is where floats stop holding every integer exactly.
@@ -416,6 +417,12 @@ class Join(_Schema):
     # and its store process has torch, or is importing it. Added within version 1: an older
     # agent sends none (False: worker rank 0 hosts the store, as before).
     hosts_store: bool = field(default=False, metadata=_flag())
+    # In-memory snapshots (issue 35): the port this agent serves its snapshot replicas on (0:
+    # none; the host is the node's address) and the key a peer proves to it, relayed by the
+    # server to the job's other agents only (Assignment.replica_key/restore_keys). Never
+    # shown. Added within version 1: an older server ignores them (no replication).
+    replica_port: int = field(default=0, metadata=_integer(0, 65535))
+    replica_key: str = field(default="", metadata=_SECRET)
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
@@ -527,6 +534,29 @@ class Progress(_Schema):
     def _check_relations(self) -> None:
         if self.max_step < self.min_step:
             raise self._invalid("max_step", f"must be >= min_step ({self.min_step}), got {self.max_step}")
+
+
+MAX_HELD = MAX_NPROC  # (rank, step) pairs one SnapshotsHeld names (newest first when cut)
+
+
+@record(frozen=True, kw_only=True, slots=True)
+class SnapshotsHeld(_Schema):
+    """The complete snapshots this node holds (issue 35): its own ranks' and the replicas it
+    keeps for a peer, as pairs (``ranks[i]`` at step ``steps[i]``), all of a job of
+    ``world_size`` ranks. Sent when they change, at most once a heartbeat; from it the server
+    picks the one step every rank restores from. Sent only by an agent that snapshots: an
+    older server never gets one."""
+
+    TYPE: ClassVar[str] = "snapshots_held"
+    world_size: int = field(metadata=_integer(1, MAX_COUNT))
+    ranks: tuple[int, ...] = field(default=(), metadata=_items(_COUNT["check"], "ranks", MAX_HELD))
+    steps: tuple[int, ...] = field(default=(), metadata=_items(_COUNT["check"], "steps", MAX_HELD))
+
+    def _check_relations(self) -> None:
+        if len(self.steps) != len(self.ranks):
+            raise self._invalid(
+                "steps", f"must have one step per rank ({len(self.ranks)}), got {len(self.steps)}"
+            )
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -657,8 +687,29 @@ class Assignment(_Schema):
     # every worker connects as a client, TORCHELASTIC_USE_AGENT_STORE=True as under torchrun.
     # Added within version 1: an older server sends none (False: worker rank 0 hosts it).
     agent_store: bool = field(default=False, metadata=_flag())
+    # In-memory snapshots (issue 35), all "not given" from an older server. restore_step: the
+    # step every rank of the job restores from (-1: none); restore_source: per local rank, -1
+    # (this node holds its snapshot) or an index into restore_addrs ("host:port" of an agent
+    # holding it) and restore_keys (that agent's key); replica_to/replica_key: the agent this
+    # node replicates its ranks' snapshots to ("": none, a job of one node).
+    restore_step: int = field(default=-1, metadata=_STEP)
+    restore_source: tuple[int, ...] = field(
+        default=(), metadata=_items(_integer(-1, MAX_RESTORE_SOURCES - 1)["check"], "indices", MAX_NPROC)
+    )
+    restore_addrs: tuple[str, ...] = field(
+        default=(), metadata=_items(_ADDR["check"], "addresses", MAX_RESTORE_SOURCES)
+    )
+    restore_keys: tuple[str, ...] = field(
+        default=(), metadata=_items(_SECRET["check"], "keys", MAX_RESTORE_SOURCES)
+    )
+    replica_to: str = field(default="", metadata=_text(MAX_ADDR_LEN, plain=True))
+    replica_key: str = field(default="", metadata=_SECRET)
 
     def _check_relations(self) -> None:
+        if len(self.restore_keys) != len(self.restore_addrs):
+            raise self._invalid("restore_keys", f"must have one key per address ({len(self.restore_addrs)})")
+        if any(i >= len(self.restore_addrs) for i in self.restore_source):
+            raise self._invalid("restore_source", f"indexes past restore_addrs ({len(self.restore_addrs)})")
         if self.group_rank >= self.group_world_size:
             raise self._invalid(
                 "group_rank",
@@ -771,6 +822,16 @@ class StopAt(_Schema):
 
 
 @record(frozen=True, kw_only=True, slots=True)
+class KeepSnapshot(_Schema):
+    """The newest step whose snapshot every rank has on two nodes (issue 35): each agent keeps
+    it (it is never pruned) until a newer one comes, so the loss of any one node leaves a
+    step every rank can restore. Sent only to an agent that sent ``SnapshotsHeld``."""
+
+    TYPE: ClassVar[str] = "keep_snapshot"
+    step: int = field(metadata=_COUNT)
+
+
+@record(frozen=True, kw_only=True, slots=True)
 class Drain(_Schema):
     """Leave the job cleanly: stop the workers with SIGTERM (they may checkpoint), then Leave."""
 
@@ -836,6 +897,7 @@ Message: TypeAlias = (
     | Leave
     | Resume
     | Progress
+    | SnapshotsHeld
     | HangDetected
     | Stacks
     | Armed
@@ -853,6 +915,7 @@ Message: TypeAlias = (
     | CollectStacks
     | GoingAway
     | Left
+    | KeepSnapshot
     | Error
 )
 
@@ -867,6 +930,7 @@ CLIENT_MESSAGES: dict[str, type[Message]] = {
         Leave,
         Resume,
         Progress,
+        SnapshotsHeld,
         HangDetected,
         Stacks,
         Armed,
@@ -890,6 +954,7 @@ SERVER_MESSAGES: dict[str, type[Message]] = {
         Left,
         CollectStacks,
         StopAt,
+        KeepSnapshot,
     )
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}

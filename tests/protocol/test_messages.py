@@ -37,6 +37,7 @@ from protocol import (
     JobDone,
     JobFailed,
     Join,
+    KeepSnapshot,
     Leave,
     LeaveAfterCommit,
     Left,
@@ -48,6 +49,7 @@ from protocol import (
     Restart,
     Resume,
     Resumed,
+    SnapshotsHeld,
     Stacks,
     StopAt,
     UnexpectedMessage,
@@ -105,6 +107,8 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "commit_timeout": 60.0,
         "commit_steps": 4,
         "hosts_store": True,
+        "replica_port": 40123,
+        "replica_key": "9e" * 32,
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE), "step": 41},
@@ -132,6 +136,12 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "restart_count": 0,
         "max_restarts": 3,
         "agent_store": True,
+        "restore_step": 40,
+        "restore_source": (-1, 0),
+        "restore_addrs": ("10.0.0.3:40123",),
+        "restore_keys": ("9e" * 32,),
+        "replica_to": "10.0.0.2:40123",
+        "replica_key": "7a" * 32,
     },
     Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1, "report": "hang: suspect rank 3"},
     JobFailed: {
@@ -165,6 +175,8 @@ VALID: dict[type, dict[str, typing.Any]] = {
     WorkersCommitted: {"round": 3, "step": 72},
     LeaveAfterCommit: {"round": 3, "reason": "received SIGTERM"},
     StopAt: {"round": 3, "step": 72, "state": "go", "deadline_s": 301.5},
+    SnapshotsHeld: {"world_size": 16, "ranks": (8, 9, 0), "steps": (40, 40, 39)},
+    KeepSnapshot: {"step": 40},
     JobDone: {},
     Drain: {"reason": "operator asked"},
     GoingAway: {"reason": "SIGTERM"},
@@ -489,6 +501,7 @@ def test_registries():
         "leave",
         "resume",
         "progress",
+        "snapshots_held",
         "hang_detected",
         "stacks",
         "armed",
@@ -509,6 +522,7 @@ def test_registries():
         "error",
         "collect_stacks",
         "stop_at",
+        "keep_snapshot",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)
     assert MESSAGE_TYPES == {**CLIENT_MESSAGES, **SERVER_MESSAGES}
@@ -713,3 +727,19 @@ def test_clip_text_fits_the_limit_and_says_how_much_was_cut(n: int) -> None:
 
 def test_a_clipped_text_is_valid_in_its_field() -> None:
     assert Restart(round=1, reason=clip_text("é" * 10**6, MAX_TEXT_LEN), restart_count=0)
+
+
+def test_snapshot_fields_hold_together():
+    # Issue 35: a restore plan whose parts disagree, or a holding list of unequal halves, is
+    # the sender's error, refused where it enters.
+    assert_invalid(Assignment, "restore_keys", ("9e" * 32, "7a" * 32))
+    assert_invalid(Assignment, "restore_source", (-1, 1), blamed="restore_source")
+    assert_invalid(Assignment, "restore_source", (-2,))
+    assert_invalid(SnapshotsHeld, "steps", (40, 40))
+    assert_invalid(SnapshotsHeld, "ranks", (-1, 0, 1), blamed="ranks")
+    assert_invalid(KeepSnapshot, "step", -1)
+    # Absent, they mean "nothing": an older server's Assignment restores nothing.
+    plain = Assignment(
+        **{k: v for k, v in VALID[Assignment].items() if not k.startswith(("restore", "replica"))}
+    )
+    assert (plain.restore_step, plain.restore_source, plain.replica_to) == (-1, (), "")
