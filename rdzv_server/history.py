@@ -75,6 +75,7 @@ class EventKind(str, enum.Enum):
     STRAGGLER = "straggler"  # a node's rank computes slower than the job's threshold allows
     CRASH_LOOP = "crash_loop"  # restarts in a row made no step progress: the job fails
     COMMIT = "commit"  # a planned change waits for every rank to stop at one step (issue 20)
+    RESTORE = "restore"  # a round restores every rank from one in-memory snapshot (issue 35)
 
 
 class Departure(str, enum.Enum):
@@ -411,6 +412,18 @@ def committed(now: float, rnd: int, step: int, reason: str, took_s: float) -> Jo
 def commit_abandoned(now: float, rnd: int, step: int, why: str) -> JobEvent:
     text = f"round {rnd}: no commit at step {step}: {why}"
     return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
+
+
+def restored(now: float, rnd: int, step: int, reached: int) -> JobEvent:
+    """Round ``rnd`` resumes every rank from the snapshot of ``step``; the job had reached
+    ``reached`` (-1: not reported), so ``reached - step`` steps are done again."""
+    if reached > step:
+        lost = reached - step
+        cost = f"{lost} step{'s' if lost != 1 else ''} lost (the job had reached step {reached})"
+    else:
+        cost = "no step lost"
+    text = f"round {rnd} resumes every rank from the in-memory snapshot of step {step}: {cost}"
+    return JobEvent(time=now, kind=EventKind.RESTORE, text=text, round=rnd, step=step)
 
 
 def crash_loop(now: float, rnd: int, restarts: int, step: int) -> JobEvent:

@@ -23,6 +23,7 @@ from protocol.records import record
 
 from .history import HISTORY_LEN, HISTORY_TEXT_LEN, JobEvent, node_range
 from .progress import HangState, JobProgress
+from .restore_points import RestorePoints
 
 # Bounds on what one job and one server keep, whatever their peers send (the README's
 # per-job memory bound is computed from these; tests/rdzv_server/test_state_bounds.py checks it).
@@ -109,6 +110,12 @@ class Member:
     # Join.hosts_store: this node's agent can host the workers' TCPStore (issue 21); the
     # round's group-rank-0 member's decides Assignment.agent_store.
     hosts_store: bool = False
+    # Join.replica_port/replica_key (issue 35): where this node's agent takes snapshot
+    # replicas (0: nowhere) and the key a peer proves to it; relayed only to the job's members.
+    replica_port: int = 0
+    replica_key: str = ""
+    # It sent SnapshotsHeld: it snapshots, so it gets KeepSnapshot (an older agent never does).
+    snapshots: bool = False
 
 
 @record(frozen=True, slots=True)
@@ -325,6 +332,14 @@ class Job:
     hang: HangState | None = None
     # A commit point under way (commits.py; kept in snapshots); None: none.
     commit: Commit | None = None
+    # In-memory snapshots (issue 35; volatile: the agents say again what they hold after a
+    # server restart): what the nodes hold, the running round's world size, the newest step
+    # every rank has and since when, and the step every agent was last told to keep.
+    restore_points: RestorePoints = field(default_factory=RestorePoints)
+    world_size: int = 0
+    snapshot_step: int = -1
+    snapshot_since: float = 0.0
+    kept_step: int = -1
     # A hang's failure waiting for the other nodes' stacks (kept in snapshots); None: none.
     hang_verdict: HangVerdict | None = None
     # Volatile (not in snapshots): bumped by put_member and pop_member; and each member's
@@ -413,6 +428,7 @@ def put_member(job: Job, m: Member) -> None:
 def pop_member(job: Job, node_id: str) -> Member | None:
     job.not_ready.discard(node_id)
     job.members_version += 1
+    job.restore_points.drop(node_id)  # a node gone is no source of snapshots
     return job.members.pop(node_id, None)
 
 

@@ -77,7 +77,17 @@ from typing import Any
 
 import msgpack
 
-from protocol import HEADER, Heartbeat, Hello, Progress, ProtocolError, Stacks, decode_payload, encode
+from protocol import (
+    HEADER,
+    Heartbeat,
+    Hello,
+    Progress,
+    ProtocolError,
+    SnapshotsHeld,
+    Stacks,
+    decode_payload,
+    encode,
+)
 from protocol.auth import TokenTable
 from protocol.records import record
 
@@ -233,7 +243,7 @@ def event_record(
 # taken from them (a straggler noted, a node left out of a round) is: as the facts of the
 # event that took it; and so is one that was refused (from a connection that had not joined:
 # its connection is dropped).
-_VOLATILE = (Progress, Stacks)
+_VOLATILE = (Progress, Stacks, SnapshotsHeld)
 
 
 def apply_record(machine: Rendezvous, rec: Record) -> None:

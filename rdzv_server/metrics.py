@@ -148,6 +148,8 @@ class _JobNow:
     age: float | None  # its least recent rank's last-progress age (None: no progress this round)
     flagged: int  # ranks below the straggler threshold
     hung: bool  # the running round has a hang report
+    snapshot_step: int  # the newest in-memory snapshot every rank has (-1: none; issue 35)
+    snapshot_age: float  # since the server saw it complete (0: none)
 
 
 def _running(m: Rendezvous, now: float) -> list[_JobNow]:
@@ -169,6 +171,8 @@ def _running(m: Rendezvous, now: float) -> list[_JobNow]:
                 age=oldest.age_s(now) if oldest is not None else None,
                 flagged=sum(1 for sc in scores if sc.flagged),
                 hung=j.hang is not None and j.hang.round == j.round,
+                snapshot_step=j.snapshot_step,
+                snapshot_age=now - j.snapshot_since if j.snapshot_step >= 0 else 0.0,
             )
         )
     return out
@@ -226,6 +230,16 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
     hung = GaugeMetricFamily(
         "rdzv_job_hung", "1 while the job's running round has a hang report.", labels=["job"]
     )
+    snap = GaugeMetricFamily(
+        "rdzv_job_snapshot_step",
+        "The newest in-memory snapshot step every rank of the job has (-1: none).",
+        labels=["job"],
+    )
+    snap_age = GaugeMetricFamily(
+        "rdzv_job_snapshot_age_seconds",
+        "Seconds since the job's newest in-memory snapshot step became complete (0: none).",
+        labels=["job"],
+    )
     for j in sorted(running, key=lambda j: (-j.nodes, j.created_at, j.id))[:limit]:
         label = [j.id]
         step.add_metric(label, j.step)
@@ -233,7 +247,9 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
         age.add_metric(label, j.age if j.age is not None else 0.0)
         slow.add_metric(label, j.flagged)
         hung.add_metric(label, 1 if j.hung else 0)
-    yield from (step, rate, age, slow, hung)
+        snap.add_metric(label, j.snapshot_step)
+        snap_age.add_metric(label, j.snapshot_age)
+    yield from (step, rate, age, slow, hung, snap, snap_age)
 
 
 def make_registry(

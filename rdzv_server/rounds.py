@@ -79,7 +79,6 @@ from protocol.messages import clip_text
 
 from . import history as said
 from .addresses import Seen, is_loopback, peer_host, plain, reachable_addrs
-from .commits import CommitRules
 from .events import Close, Effect, Log, Send
 from .history import LOG_TEXT_LEN, Departure, EventKind, JobEvent, Stats, escape, summarise
 from .jobs import (
@@ -105,9 +104,10 @@ from .jobs import (
 from .progress import (
     JobProgress,
 )
+from .restore_rules import RestoreRules
 
 
-class RoundRules(CommitRules):
+class RoundRules(RestoreRules):
     """The job rules, as the lowest layer of :class:`~rdzv_server.state.Rendezvous`.
 
     A mixin, not a helper object: every rule reads and changes the same few tables (and the
@@ -239,6 +239,8 @@ class RoundRules(CommitRules):
             node_rank=join.node_rank,
             node_secret=join.node_secret,
             hosts_store=join.hosts_store,
+            replica_port=join.replica_port,
+            replica_key=join.replica_key,
         )
         if join.node_rank >= 0 and not job.elastic:
             job.rank_holders[join.node_rank] = join.node_id
@@ -261,6 +263,7 @@ class RoundRules(CommitRules):
             self.unchanged = (member.addr, member.master_port) == (msg.addr, msg.master_port)
             member.addr, member.master_port = msg.addr, msg.master_port
             member.hosts_store = msg.hosts_store
+            member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
             return
         if member.state is not MemberState.WAITING:
             # Only a member told to restart re-joins; anything else is a confused agent.
@@ -269,6 +272,7 @@ class RoundRules(CommitRules):
             return
         member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
         member.hosts_store = msg.hosts_store
+        member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
         set_state(job, member, MemberState.READY)
         self._maybe_complete(job, now, out)
 
@@ -311,6 +315,13 @@ class RoundRules(CommitRules):
             job.order = survivors + [m.node_id for m in newcomers]
         world_size = sum(job.members[nid].nproc for nid in job.order)
         master = job.members[job.order[0]]
+        offsets = []
+        at = 0
+        for nid in job.order:
+            offsets.append(at)
+            at += job.members[nid].nproc
+        step = self._restore_step(job, world_size, job.order)
+        plans = self._restore_fields(job, step, world_size, job.order, offsets, now, out)
         job.phase = JobPhase.RUNNING
         job.running_since = now
         job.last_call_deadline = None
@@ -333,14 +344,21 @@ class RoundRules(CommitRules):
             max_restarts=job.settings.max_restarts,
             # Every node must agree on who hosts the store: the one whose workers rank 0 are.
             agent_store=master.hosts_store,
+            **plans[0],  # type: ignore[arg-type]
         )
-        offset = 0
         for group_rank, nid in enumerate(job.order):
             m = job.members[nid]
             set_state(job, m, MemberState.RUNNING)
-            msg = first if group_rank == 0 else first._copy_with(group_rank=group_rank, rank_offset=offset)
+            if group_rank == 0:
+                msg = first
+            elif plans[group_rank] or plans[0]:  # every field of node 0's plan is set again
+                base = {"restore_step": -1, "restore_source": (), "restore_addrs": (), "restore_keys": ()}
+                base |= {"replica_to": "", "replica_key": ""}
+                fields = base | plans[group_rank]
+                msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank], **fields)
+            else:
+                msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank])
             out.append(Send(m.conn, msg))
-            offset += m.nproc
         event = said.round_complete(
             now, job.round, len(job.order), world_size, master, job.restart_count, by_node_rank is not None
         )

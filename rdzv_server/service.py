@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 from protocol import (
     MAX_FRAME_SIZE,
     Progress,
+    SnapshotsHeld,
     Stacks,
     encode,
     frame_limits,
@@ -101,7 +102,7 @@ _monotonic = time.monotonic
 _NEVER = -float("inf")
 # Messages that change only the machine's volatile views unless they derive a fact (see
 # journal.py, which does not log them then either).
-_VOLATILE = (Progress, Stacks)
+_VOLATILE = (Progress, Stacks, SnapshotsHeld)
 
 
 class RendezvousService:

@@ -127,6 +127,8 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "node_rank": m.node_rank,
         "node_secret": m.node_secret,  # the state dir is private (only the server reads it)
         "hosts_store": m.hosts_store,
+        "replica_port": m.replica_port,
+        "replica_key": m.replica_key,  # private, as node_secret
     }
 
 
@@ -326,6 +328,8 @@ def _load_member(d: dict[str, Any]) -> Member:
         node_rank=_int(d.get("node_rank", -1)),  # absent from snapshots before node ranks
         node_secret=str(d.get("node_secret", "")),  # absent before node secrets
         hosts_store=d.get("hosts_store", False) is True,  # absent before agent stores
+        replica_port=_int(d.get("replica_port", 0)),  # absent before snapshots (issue 35)
+        replica_key=str(d.get("replica_key", "")),
     )
 
 

@@ -85,6 +85,7 @@ from protocol import (
     Message,
     Progress,
     Resume,
+    SnapshotsHeld,
     Stacks,
     VersionMismatch,
     Welcome,
@@ -550,6 +551,8 @@ class Rendezvous(Recovery):
             self._on_failed(job, member, msg, now, out)
         elif isinstance(msg, WorkersSucceeded):
             self._on_succeeded(job, member, msg, now, out)
+        elif isinstance(msg, SnapshotsHeld):
+            self._on_held(job, member, msg, now, out)
         elif isinstance(msg, Stacks):
             self._on_stacks(job, member, msg, now, out)
             self._stacks_in(job, msg.round, now, out)

@@ -179,6 +179,7 @@ def job_summary(job: Job, clock: Clock, *, forgotten: bool) -> dict[str, Any]:
         # O(1) per job: the highest step ever reported, and the round of the latest hang.
         "step": _step(job.progress.max_step),
         "hang_round": _step(job.hang_round),
+        "snapshot": _snapshot_view(job, clock),
     }
 
 
@@ -266,6 +267,18 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         "stragglers": _stragglers(job, scores),
         "hang": _hang_view(job, clock),
         "commit": _commit_view(job, clock),
+    }
+
+
+def _snapshot_view(job: Job, clock: Clock) -> dict[str, Any] | None:
+    """The newest in-memory snapshot step every rank of the running round has (issue 35),
+    since when, and the step every agent keeps (two copies of every rank); None: none."""
+    if job.phase is not JobPhase.RUNNING or job.snapshot_step < 0:
+        return None
+    return {
+        "step": job.snapshot_step,
+        "age_s": round(clock.mono_now - job.snapshot_since, 3),
+        "kept_step": _step(job.kept_step),
     }
 
 

@@ -37,6 +37,8 @@ SERVER_MACHINE = (
     "state",
     "recovery",
     "rounds",
+    "restore_rules",
+    "restore_points",
     "commits",
     "training_rules",
     "jobs",

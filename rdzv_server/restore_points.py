@@ -1,0 +1,103 @@
+"""Which snapshot steps a job can restore from (issue 35): the agents' holdings, indexed.
+
+Every agent that snapshots tells the server which complete snapshots it holds, its own ranks'
+and the replicas it keeps for a peer, as (global rank, step) pairs of a job of ``world`` ranks
+(``SnapshotsHeld``). This index keeps, per (world, step), the nodes holding each rank, so that
+
+- ``newest(world)``: the newest step every rank has on some node: what a restart restores;
+- ``newest(world, twice=True)``: the newest step every rank has on two nodes: what survives the
+  loss of any one node, so every agent keeps it (``KeepSnapshot``) until a newer one comes;
+- ``holders(world, step, rank)``: where a node that lacks a rank's snapshot fetches it.
+
+An update costs O(the node's pairs), a query O(the steps held), whatever the job's size: a
+node's summary comes with its heartbeats, one a second at most. Pure and volatile: nothing
+here is in the state log (a restarted server learns it again from the agents' next summaries;
+the restore a round was given is a logged fact, ``restore_rules.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+Pairs = frozenset[tuple[int, int]]  # (global rank, step)
+
+
+class RestorePoints:
+    """The snapshots a job's nodes hold, by (world, step) and rank."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[int, Pairs]] = {}  # node -> (world, its pairs)
+        # (world, step) -> rank -> the nodes holding it
+        self._index: dict[tuple[int, int], dict[int, set[str]]] = {}
+        # (world, step) -> how many of its ranks two nodes or more hold: kept as pairs come and
+        # go, so that ``newest`` never walks a job's ranks
+        self._twice: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def update(self, node_id: str, world: int, pairs: Iterable[tuple[int, int]]) -> bool:
+        """``node_id`` holds ``pairs`` now (what it held before is forgotten); ranks at or past
+        ``world`` are ignored. Whether anything changed."""
+        new = frozenset((r, s) for r, s in pairs if 0 <= r < world and s >= 0)
+        old = self._held.get(node_id)
+        if old is not None and old == (world, new):
+            return False
+        self.drop(node_id)
+        if new:
+            self._held[node_id] = (world, new)
+            for rank, step in new:
+                nodes = self._index.setdefault((world, step), {}).setdefault(rank, set())
+                nodes.add(node_id)
+                if len(nodes) == 2:
+                    self._twice[(world, step)] = self._twice.get((world, step), 0) + 1
+        return True
+
+    def drop(self, node_id: str) -> None:
+        """The node left the job: what it held is no longer anyone's to restore from."""
+        old = self._held.pop(node_id, None)
+        if old is None:
+            return
+        world, pairs = old
+        for rank, step in pairs:
+            key = (world, step)
+            ranks = self._index[key]
+            nodes = ranks[rank]
+            nodes.discard(node_id)
+            if len(nodes) == 1:
+                self._twice[key] -= 1
+                if not self._twice[key]:
+                    del self._twice[key]
+            elif not nodes:
+                del ranks[rank]
+                if not ranks:
+                    del self._index[key]
+
+    def newest(self, world: int, *, twice: bool = False) -> int:
+        """The newest step every one of ``world`` ranks has on a node (``twice``: on two
+        distinct nodes); -1: none. O(the steps held)."""
+        best = -1
+        for key, ranks in self._index.items():
+            w, step = key
+            if w == world and step > best and len(ranks) >= world:
+                if not twice or self._twice.get(key, 0) >= world:
+                    best = step
+        return best
+
+    def newest_among(self, world: int, among: Collection[str]) -> int:
+        """The newest step every one of ``world`` ranks has on a node of ``among`` (a round
+        being formed); -1: none. O(world) per step held: once a round."""
+        best = -1
+        for (w, step), ranks in self._index.items():
+            if w != world or step <= best or len(ranks) < world:
+                continue
+            if all(any(n in among for n in nodes) for nodes in ranks.values()):
+                best = step
+        return best
+
+    def holders(self, world: int, step: int, rank: int) -> set[str]:
+        """The nodes holding ``rank``'s snapshot at ``step``."""
+        return self._index.get((world, step), {}).get(rank, set())
+
+    def holds(self, node_id: str, world: int, step: int, rank: int) -> bool:
+        return node_id in self.holders(world, step, rank)

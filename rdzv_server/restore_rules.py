@@ -1,0 +1,146 @@
+"""The in-memory snapshot rules (issue 35): one restore step for every rank, and who keeps what.
+
+Agents that snapshot send what they hold (``SnapshotsHeld``: their own ranks' snapshots and the
+replicas they keep for a peer); ``restore_points.py`` indexes it. From it:
+
+- **Keep.** The newest step every rank of the running round has on two nodes (on one, in a job
+  of one node) survives the loss of any one node. Whenever it advances every agent that
+  snapshots is told (``KeepSnapshot``) and keeps it from pruning until a newer one comes: the
+  agents' own pruning keeps only their newest two, which the replicas may lag.
+- **Restore.** A round that forms with the same world size as the snapshots restores every rank
+  from the newest step every rank has on a node of the round. Each node's Assignment says, per
+  local rank, whether it holds that snapshot or which member does (its replica address and
+  key), so a spare that took a lost node's place, or a node whose ranks moved, fetches them
+  before its workers start. The history says from which step and how many steps that lost.
+- **Replicate.** Each node replicates to the next node of the round's order (a ring): every
+  rank's snapshot is then on its own node and on the next one, so losing any one node leaves a
+  copy of each. A job of one node has no peer.
+
+Volatile, like Progress: the holdings are not in the state log (a restarted server learns them
+again from the agents, which send them again after reconnecting). The restore a round was given
+is logged as a fact of the event that formed it, so replay writes the same history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protocol import KeepSnapshot, SnapshotsHeld
+from protocol.messages import MAX_ADDR_LEN, MAX_RESTORE_SOURCES
+
+from . import history as said
+from .commits import CommitRules
+from .events import Effect, Send
+from .faults import from_volatile
+from .jobs import Job, JobPhase, Member
+
+
+def replica_addr(m: Member) -> str:
+    """Where ``m``'s agent takes replicas: "host:port" ("[v6]:port"); "" if it takes none."""
+    if m.replica_port <= 0:
+        return ""
+    host = f"[{m.addr}]" if ":" in m.addr else m.addr
+    addr = f"{host}:{m.replica_port}"
+    return addr if len(addr) <= MAX_ADDR_LEN else ""  # an address the Assignment cannot carry
+
+
+class RestoreRules(CommitRules):
+    def _on_held(self, job: Job, member: Member, msg: SnapshotsHeld, now: float, out: list[Effect]) -> None:
+        member.snapshots = True
+        pairs = zip(msg.ranks, msg.steps, strict=True)
+        if not job.restore_points.update(member.node_id, msg.world_size, pairs):
+            return
+        self._snapshot_news(job, now, out)
+
+    def _snapshot_news(self, job: Job, now: float, out: list[Effect]) -> None:
+        """The holdings changed: the job's newest restorable step, and the step to keep."""
+        if job.phase is not JobPhase.RUNNING or job.world_size <= 0:
+            return
+        points = job.restore_points
+        newest = points.newest(job.world_size)
+        if newest != job.snapshot_step:
+            job.snapshot_step, job.snapshot_since = newest, now
+        keep = points.newest(job.world_size, twice=len(job.order) > 1)
+        if keep > job.kept_step:
+            job.kept_step = keep
+            msg = KeepSnapshot(step=keep)
+            for nid in job.order:
+                m = job.members.get(nid)
+                if m is not None and m.snapshots:
+                    out.append(Send(m.conn, msg))
+
+    @from_volatile("restore")
+    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> int:
+        """The step the round being formed restores from (-1: none). Live, from the holdings
+        (logged as a fact); replaying, from the fact."""
+        if self.logged_facts is not None:
+            logged = self.logged_facts.get("restore", [])
+            mine = [e for e in logged if e[0] == job.id]
+            if not mine:
+                return -1
+            self.logged_facts["restore"] = [e for e in logged if e is not mine[0]]  # used once
+            return int(mine[0][1])
+        step = job.restore_points.newest_among(world, set(order))
+        if step >= 0:
+            self._add_fact("restore", [job.id, step])
+        return step
+
+    def _restore_fields(
+        self,
+        job: Job,
+        step: int,
+        world: int,
+        order: Sequence[str],
+        offsets: Sequence[int],
+        now: float,
+        out: list[Effect],
+    ) -> list[dict[str, object]]:
+        """Each node's restore plan and ring peer, as Assignment fields (in ``order``)."""
+        n = len(order)
+        members = [job.members[nid] for nid in order]
+        plans: list[dict[str, object]] = []
+        for i, m in enumerate(members):
+            fields: dict[str, object] = {}
+            peer = members[(i + 1) % n] if n > 1 else None
+            if peer is not None and m.replica_port > 0 and replica_addr(peer):
+                fields["replica_to"], fields["replica_key"] = replica_addr(peer), peer.replica_key
+            if step >= 0:
+                fields.update(self._sources(job, step, world, m, offsets[i], set(order)))
+            plans.append(fields)
+        if step >= 0:
+            said.note(job, said.restored(now, job.round, step, job.progress.max_step), out)
+        job.world_size = world
+        job.kept_step = -1  # the agents prune by the new round's holdings
+        return plans
+
+    def _sources(
+        self, job: Job, step: int, world: int, m: Member, offset: int, among: set[str]
+    ) -> dict[str, object]:
+        """Where each of ``m``'s ranks restores from: itself (-1) or a member's replica store."""
+        points = job.restore_points
+        addrs: list[str] = []
+        keys: list[str] = []
+        source: list[int] = []
+        for rank in range(offset, offset + m.nproc):
+            if points.holds(m.node_id, world, step, rank):
+                source.append(-1)
+                continue
+            holders = sorted(h for h in points.holders(world, step, rank) if h in among)
+            holder = next((job.members[h] for h in holders if replica_addr(job.members[h])), None)
+            if holder is None:
+                source.append(-1)  # held where nobody can fetch it: the worker says it is missing
+                continue
+            addr = replica_addr(holder)
+            if addr not in addrs:
+                if len(addrs) >= MAX_RESTORE_SOURCES:
+                    source.append(-1)
+                    continue
+                addrs.append(addr)
+                keys.append(holder.replica_key)
+            source.append(addrs.index(addr))
+        return {
+            "restore_step": step,
+            "restore_source": tuple(source),
+            "restore_addrs": tuple(addrs),
+            "restore_keys": tuple(keys),
+        }
