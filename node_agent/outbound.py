@@ -12,10 +12,19 @@ from .worker_env import free_port
 
 
 def join_message(
-    cfg: AgentConfig, *, node_id: str, addr: str, proof: str, node_secret: str, store_port: int = 0
+    cfg: AgentConfig,
+    *,
+    node_id: str,
+    addr: str,
+    proof: str,
+    node_secret: str,
+    store_port: int = 0,
+    replica_port: int = 0,
+    replica_key: str = "",
 ) -> Join:
     """This node's Join for the next round, with a master port free right now, or
-    ``store_port``: the port this node's agent hosts the workers' store on (store/host.py)."""
+    ``store_port``: the port this node's agent hosts the workers' store on (store/host.py);
+    ``replica_port``/``replica_key``: where it takes snapshot replicas (snapshots/node.py)."""
     return Join(
         job_id=cfg.rdzv_id,
         node_id=node_id,
@@ -40,6 +49,8 @@ def join_message(
         # Given explicitly, it orders a fixed-size job's group ranks (the server's rule).
         node_rank=cfg.node_rank if cfg.node_rank_given else -1,
         node_secret=node_secret,
+        replica_port=replica_port,
+        replica_key=replica_key,
     )
 
 

@@ -80,6 +80,7 @@ from protocol import (
     GoingAway,
     JobDone,
     JobFailed,
+    KeepSnapshot,
     Leave,
     Left,
     Message,
@@ -118,6 +119,7 @@ from .events import (
     SendJoin,
     ServerSent,
     SignalReceived,
+    SnapshotsRead,
     StacksDumped,
     StartWorkers,
     StopWorkers,
@@ -133,6 +135,7 @@ from .joining import Joining
 from .leaving import Leaving, notice
 from .link import Link
 from .signals import Signals, Then, received
+from .snapshots import Snapshots
 from .training import Training, job_hang_report
 
 
@@ -156,6 +159,7 @@ class AgentMachine:
         self.link = Link(self.settings)
         self.leaving = Leaving(self.settings)
         self.signals = Signals(self.settings)
+        self.snapshots = Snapshots()
 
     def start(self, now: float) -> list[Effect]:
         """The connection is up and the hello exchanged: join the first round."""
@@ -194,6 +198,8 @@ class AgentMachine:
             return self._on_progress(event, now)
         if isinstance(event, StacksDumped):
             return self._on_stacks_dumped(event, now)
+        if isinstance(event, SnapshotsRead):
+            return self.snapshots.read(event, self.phase, self.link)
         raise UnexpectedEvent(f"unknown event {event!r} in phase {self.phase.value}")
 
     # -- server messages -------------------------------------------------------------------
@@ -237,6 +243,8 @@ class AgentMachine:
             return [Log("warning", f"the server asks for our ranks' stacks: {shown(msg.reason)}"), dump]
         if isinstance(msg, StopAt):
             return self._on_stop_at(msg, now)
+        if isinstance(msg, KeepSnapshot):
+            return self.snapshots.keep(msg)
         if self.phase is Phase.LEAVING:
             # Workers down, our Leave out: an assignment or restart that crossed it, a waiting
             # update or a drain request no longer change our course.
@@ -564,6 +572,7 @@ class AgentMachine:
         """Back on a new connection: pick up what we were doing (link.py's header)."""
         if not self.link.back():
             return []
+        self.snapshots.reconnected()
         if self._exit is not None:
             return []
         p = self.phase

@@ -227,6 +227,22 @@ class Tick:
     pass
 
 
+@record(frozen=True, slots=True)
+class SnapshotsRead:
+    """The I/O layer's read of this node's holdings: (global rank, step) pairs, newest first,
+    of a job of ``world_size`` ranks."""
+
+    world_size: int
+    pairs: tuple[tuple[int, int], ...]
+
+
+@record(frozen=True, slots=True)
+class KeepSteps:
+    """Keep ``step``'s snapshots from pruning (every rank has it on two nodes)."""
+
+    step: int
+
+
 Event = (
     ServerSent
     | WorkersStarted
@@ -241,6 +257,7 @@ Event = (
     | Tick
     | ProgressRead
     | StacksDumped
+    | SnapshotsRead
 )
 
 
@@ -328,6 +345,7 @@ Effect = (
     | DumpStacks
     | WriteStop
     | JobHangReport
+    | KeepSteps
 )
 
 

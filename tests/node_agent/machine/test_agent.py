@@ -140,7 +140,7 @@ def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
 
 
 def server_messages() -> list[object]:
-    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, Resumed, StopAt, Welcome
+    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, KeepSnapshot, Resumed, StopAt, Welcome
 
     msgs = [
         Welcome(version=1, software="s"),
@@ -164,6 +164,7 @@ def server_messages() -> list[object]:
         StopAt(round=0, step=50, state="go"),
         StopAt(round=0, step=50, state="cancel"),
         StopAt(round=7, step=50, state="arm"),
+        KeepSnapshot(step=50),
     ]
     assert {type(m) for m in msgs} == set(SERVER_MESSAGES.values())  # none forgotten
     return msgs
@@ -179,7 +180,14 @@ def test_every_server_message_in_every_phase_has_a_defined_outcome(phase: str, l
         for e in eff:
             assert isinstance(
                 e,
-                st.SendJoin | st.Send | st.SendResume | st.StartWorkers | st.StopWorkers | st.Log | st.Exit,
+                st.SendJoin
+                | st.Send
+                | st.SendResume
+                | st.StartWorkers
+                | st.StopWorkers
+                | st.Log
+                | st.Exit
+                | st.KeepSteps,
             ) or (isinstance(e, WriteStop | DumpStacks) and before is st.Phase.RUNNING), (phase, msg, e)
             if isinstance(e, st.Exit):
                 assert e.reason and m.phase is st.Phase.EXITED
