@@ -44,6 +44,9 @@ UTF-8 at a character boundary, and a character that is not printable (a tab, a n
 control character) is written as "?" (two names equal once so cleaned share a slot). Phases are
 per process: use them from the training thread.
 
+``snapshot(step)`` and ``restore()`` keep a rank's state in node-local memory across a restart
+(:mod:`.snapshots`, ``docs/snapshots.md``); they are imported at their first use.
+
 ``should_stop()`` lets a planned change of the job (a node joins, drains or is replaced) cost
 no work: instead of being killed wherever it is, every rank stops at the same step S, saves a
 checkpoint and returns, and the next round resumes from S. Call it every step, right after
@@ -73,7 +76,23 @@ except ImportError:  # not CPython
 
 from . import layout as _layout
 
-__all__ = ["attached", "phase", "progress", "should_stop"]
+TYPE_CHECKING = False  # typing's would import typing; type checkers know the name
+if TYPE_CHECKING:
+    from .snapshots import Restored, SnapshotMissing, SnapshotTooLarge, restore, snapshot
+
+__all__ = [
+    "Restored",
+    "SnapshotMissing",
+    "SnapshotTooLarge",
+    "attached",
+    "phase",
+    "progress",
+    "restore",
+    "should_stop",
+    "snapshot",
+]
+# Snapshots (.snapshots) are imported at their first use: a script that takes none pays nothing.
+_SNAPSHOT_NAMES = frozenset({"Restored", "SnapshotMissing", "SnapshotTooLarge", "restore", "snapshot"})
 
 PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
 # A real-time signal nobody else uses: it asks for the stacks of all threads. Its default
@@ -146,13 +165,14 @@ def progress(step: int) -> None:
             progress(step)
 
 
-def _as_step(step: object) -> int:
-    """The slow path: an int subclass or an integer-like object, or the argument's error."""
+def _as_step(step: object, caller: str = "progress") -> int:
+    """The slow path: an int subclass or an integer-like object, or the argument's error
+    naming ``worker.<caller>()``."""
     if isinstance(step, bool) or not hasattr(type(step), "__index__"):
-        raise TypeError(f"worker.progress() takes an int step, not {type(step).__name__}")
+        raise TypeError(f"worker.{caller}() takes an int step, not {type(step).__name__}")
     value = type(step).__index__(step)  # type: ignore[attr-defined]
     if not 0 <= value <= _MAX_STEP:
-        raise ValueError(f"worker.progress() takes a step in 0..2**63-1, not {value}")
+        raise ValueError(f"worker.{caller}() takes a step in 0..2**63-1, not {value}")
     return int(value)
 
 
@@ -437,6 +457,16 @@ def _reset() -> None:
     _outer.clear()
     for p in _phases.values():
         p._slot = 0
+
+
+def __getattr__(name: str) -> object:
+    if name in _SNAPSHOT_NAMES:
+        from . import snapshots
+
+        for n in _SNAPSHOT_NAMES:  # bound here: later uses are plain global lookups
+            globals()[n] = getattr(snapshots, n)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 os.register_at_fork(after_in_child=_detach_in_child)
