@@ -273,21 +273,35 @@ class ReplicaServer:
         self.chunk = chunk
         self.refused_busy = 0  # connections closed at once: max_connections were open
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Each connection's task and writer: close() aborts the writers, and each handler ends
+        # by itself (a cancelled handler task makes asyncio 3.11's stream callback log an error).
+        self._tasks: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        return len(self._tasks)
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen on ``host:port`` (0: a free port); returns the port."""
-        self._server = await asyncio.start_server(self._handle, host, port, ssl=self.ssl)
+        self._server = await asyncio.start_server(
+            self._handle,
+            host,
+            port,
+            ssl=self.ssl,
+            # A TLS handshake comes before our handler runs: bound it by the same timeout.
+            ssl_handshake_timeout=self.handshake_timeout if self.ssl is not None else None,
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         """Stop listening and end the connections in flight (their ``.part`` files go)."""
         if self._server is not None:
             self._server.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        tasks = list(self._tasks.items())
+        for _, writer in tasks:
+            writer.transport.abort()  # its reads end at once; its handler removes its .part
+        await asyncio.gather(*(task for task, _ in tasks), return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -298,7 +312,7 @@ class ReplicaServer:
             self.refused_busy += 1
             writer.transport.abort()  # before the challenge: costs nothing, says nothing
             return
-        self._tasks.add(task)
+        self._tasks[task] = writer
         peer = writer.get_extra_info("peername")
         conn = _Conn(writer, self.key, self.idle_timeout)
         try:
@@ -315,7 +329,7 @@ class ReplicaServer:
         except Exception:  # our own bug: say so loudly, but keep serving the others
             log.exception("snapshot replica: the connection from %s failed", peer)
         finally:
-            self._tasks.discard(task)
+            self._tasks.pop(task, None)
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, conn: _Conn) -> None:

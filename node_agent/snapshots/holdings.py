@@ -116,11 +116,20 @@ class Holdings:
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            pass
-        else:
-            if self.pinned is not None:
-                self._write_pin(path, self.pinned)
+            if self._is_dir(path):
+                return path
+            os.unlink(path)  # a link or a file in its place: never written through
+            os.mkdir(path, 0o700)
+        if self.pinned is not None:
+            self._write_pin(path, self.pinned)
         return path
+
+    @staticmethod
+    def _is_dir(path: Path) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            return False
 
     def _rank_dirs(self) -> list[tuple[int, Path]]:
         found: list[tuple[int, Path]] = []
@@ -175,7 +184,10 @@ class Holdings:
     def path(self, rank: int, step: int) -> Path | None:
         """The complete snapshot of ``rank`` at ``step``, when held as a regular file."""
         _check(rank, step)
-        path = self.root / f"r{rank}" / snap_name(step)
+        folder = self.root / f"r{rank}"
+        if not self._is_dir(folder):
+            return None
+        path = folder / snap_name(step)
         try:
             st = os.lstat(path)
         except OSError:
