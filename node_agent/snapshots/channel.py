@@ -46,7 +46,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from .holdings import MAX_RANK, MAX_STEP, Holdings, HoldingsError
 
@@ -122,7 +122,7 @@ class Request:
     sha256: str = ""  # push only
 
 
-def _is_hex(value: object, lo: int, hi: int) -> bool:
+def _is_hex(value: object, lo: int, hi: int) -> TypeGuard[str]:
     return isinstance(value, str) and lo <= len(value) <= hi and set(value) <= _HEX
 
 
@@ -160,7 +160,6 @@ def parse_request(raw: bytes, file_limit: int) -> Request:
     sha = doc.get("sha256")
     if not _is_hex(sha, 64, 64):
         raise BadRequest("sha256: not 64 lowercase hex digits")
-    assert isinstance(sha, str)
     return Request(op=op, rank=rank, step=step, size=size, sha256=sha)
 
 
