@@ -187,6 +187,24 @@ def parse_float(text: str, *, what: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, *, what: str) -> int:
+    """A byte count: digits with an optional K, M, G or T (powers of 1024; "B", "iB" allowed
+    after it: "8G", "8GiB", "512MB"), never negative."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS else ""
+    number = t[: len(t) - len(unit)].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ConfigError(f"{what}={text!r} is not a size (bytes, or a number with K, M, G or T)") from None
+    if not math.isfinite(value) or value < 0 or value * _SIZE_UNITS[unit] >= 2**63:
+        raise ConfigError(f"{what}={text!r} must be a size from 0 to 8 EiB")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def parse_int(text: str, *, what: str) -> int:
     try:
         return int(text)
@@ -468,6 +486,11 @@ class AgentConfig:
     # memory to fall to gpu_release_mib per visible GPU (0: no wait); gpu/binding.py.
     gpu_release_timeout: float = 50.0
     gpu_release_mib: int = 512
+    # In-memory snapshots (issue 35; node_agent/snapshots/): the bytes this node's snapshots
+    # and the replicas it keeps for a peer may take (None: a quarter of /dev/shm's size; 0: no
+    # snapshots), and the rate a replication may send at (bytes/s; 0: no limit).
+    snapshot_memory: int | None = None
+    snapshot_replication_rate: int = 256 << 20
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
     token: str | None = field(default=None, repr=False)
     # TLS to the rendezvous server (--tls-ca, else RDZV_TLS_CA; None: plain TCP), and an

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import field
+from dataclasses import field, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from protocol import Assignment, Failure, Heartbeat, Join, Message, Resume
@@ -54,6 +54,7 @@ from .worker_env import omp_threads_notice, worker_specs
 if TYPE_CHECKING:
     from .gpu.node import GpuNode
     from .rdzv import RendezvousBackend, RendezvousLink
+    from .snapshots.node import SnapshotNode
 
 
 @record(frozen=True, slots=True)
@@ -143,6 +144,8 @@ class Agent:
         # Watching the training (progress/poll.py): this round's pages, their poll, a stack dump.
         self.watch = RoundWatch(self._spawn, self.events.put_nowait, self.log)
         self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store/host.py)
+        # In-memory snapshots (snapshots/node.py); None: --snapshot-memory 0, or no tmpfs.
+        self.snaps: SnapshotNode | None = None
         # GPU nodes (gpu/node.py, built when first needed): --numa-binding's CPUs, the visible
         # GPUs, the GPU check; the wait for the last workers' GPU memory to be released, which
         # the next start awaits; a start deferred behind that wait.
@@ -204,6 +207,8 @@ class Agent:
                     await health.close()
                 if self.store is not None:
                     await self.store.close()
+                if self.snaps is not None:
+                    await self.snaps.close()
 
     def _gpu_node(self) -> GpuNode:
         if self._gpu is None:
@@ -231,6 +236,12 @@ class Agent:
         if self.store is not None:
             await self.store.verdict()  # overlapped the connect; the first Join must not offer in vain
         self.addr = cfg.local_addr or conn.local_ip
+        if cfg.snapshot_memory != 0 and backend.snapshots:
+            from .snapshots.node import start_snapshots  # not imported by a run without snapshots
+
+            self.snaps = await start_snapshots(
+                cfg, self.runtime.path, self.addr, self.log, self.events.put_nowait
+            )
         machine = AgentMachine(
             settings=machine_settings(
                 cfg,
@@ -356,6 +367,9 @@ class Agent:
                 self.watch.write_stop(eff)
             elif isinstance(eff, JobHangReport):
                 self.watch.file_job_report(eff)
+            elif isinstance(eff, st.KeepSteps):
+                if self.snaps is not None:
+                    self.snaps.keep(eff.step)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -369,6 +383,7 @@ class Agent:
             self.config, node_id=self.node_id, addr=self.addr, proof=self._proof(),
             node_secret="" if shared else self.node_secret,
             store_port=self.store.port if self.store is not None and self.store.hosting else 0,
+            **_replica(self.snaps),
         )  # fmt: skip
 
     def _proof(self) -> str:
@@ -403,6 +418,11 @@ class Agent:
         self.events_log.round_started(a, rendezvous_ms)
         attempt = self.logs.new_attempt()
         specs = worker_specs(self.config, a, os.environ, attempt, self._cpus())
+        if self.snaps is not None:
+            await self.snaps.prepare(a, self.config.nproc_per_node)
+            specs = [
+                replace(s, env={**s.env, **self.snaps.worker_env(s.rank, a.restore_step)}) for s in specs
+            ]
         if self._gpu is not None and self._gpu.binding_table:
             self._gpu.write_binding(attempt.numa_binding_path())
         self._ranks = {spec.local_rank: spec.rank for spec in specs}
@@ -433,6 +453,7 @@ class Agent:
         if read is not None:
             # The steps reported since the last poll: the failure report carries the highest.
             self.events.put_nowait(read)
+        self._read_snapshots()
         self.events.put_nowait(st.WorkersExited(first, failures))
 
     def _stop_workers(self, signum: int, grace: float) -> None:
@@ -453,9 +474,18 @@ class Agent:
             waiting = self._gpus_released is not None and not self._gpus_released.done()
             if result.exits and self.config.gpu_release_timeout > 0 and not waiting:
                 self._gpus_released = self._spawn(self._gpu_node().wait_released())
+            self._read_snapshots()
             self.events.put_nowait(st.WorkersStopped())
 
         self._spawn(stop())
+
+    def _read_snapshots(self) -> None:
+        """The holdings as the workers left them: the server hears them before our failure
+        report or our next Join, so the round it forms restores the newest step."""
+        if self.snaps is not None:
+            read = self.snaps.read()
+            if read is not None:
+                self.events.put_nowait(read)
 
     # -- background tasks ------------------------------------------------------------------
 
@@ -556,6 +586,14 @@ class Agent:
         """The rendezvous could not be set up or reached: no run, so no summary and no event."""
         self.log(reason, "error")
         return AgentOutcome(st.EXIT_RDZV, reason)
+
+
+def _replica(snaps: SnapshotNode | None) -> dict[str, Any]:
+    """The Join's replica fields: where this node takes snapshot replicas (none: nothing)."""
+    if snaps is None:
+        return {}
+    port, key = snaps.join_fields()
+    return {"replica_port": port, "replica_key": key}
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> tuple[Agent, AgentOutcome]:

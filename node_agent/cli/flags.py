@@ -284,6 +284,22 @@ FLAGS: tuple[Flag, ...] = (
         "released; 0: do not wait",
     ),
     _f(
+        "snapshot_memory",
+        "--snapshot-memory",
+        default="auto",
+        metavar="SIZE",
+        help="memory (e.g. 16G) for this node's in-memory snapshots (node_agent.worker.snapshot) "
+        "and the replicas it keeps for a peer; auto: a quarter of /dev/shm; 0: no snapshots",
+    ),
+    _f(
+        "snapshot_replication_rate",
+        "--snapshot-replication-rate",
+        default="256M",
+        metavar="BYTES_PER_S",
+        help="the most a snapshot's replication to the peer node sends per second (e.g. 256M), "
+        "so that it takes a bounded share of the training's network; 0: no limit",
+    ),
+    _f(
         "gpu_release_mib",
         "--gpu-release-mib",
         default="512",

@@ -15,6 +15,7 @@ from ..config import (
     StdSpec,
     parse_float,
     parse_int,
+    parse_size,
 )
 from .flags import BY_DEST, SWITCH, Flag
 
@@ -76,6 +77,15 @@ def read_int(inputs: Inputs, dest: str, *, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{what}={given.value!r} must be >= {minimum}")
     return value
+
+
+def read_size(inputs: Inputs, dest: str, *, auto: bool) -> int | None:
+    """A byte count (K, M, G, T suffixes); None for "auto" where ``auto`` allows it."""
+    given = inputs.get(dest)
+    text = (given.value or "").strip()
+    if auto and text.lower() == "auto":
+        return None
+    return parse_size(text, what=given.what(BY_DEST[dest]))
 
 
 def read_seconds(inputs: Inputs, dest: str, *, positive: bool) -> float:

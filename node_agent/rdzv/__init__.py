@@ -98,6 +98,10 @@ class RendezvousBackend(Protocol):
         """Whether a lost link is worth opening again (False: the loss ends the run)."""
         ...
 
+    # Whether the backend's server picks restore steps and relays replica keys (issue 35): our
+    # rendezvous server does; the static backend has no server, etcd's is not covered yet.
+    snapshots: bool
+
     @property
     def shares_joins(self) -> bool:
         """Whether every agent of the job can read our ``Join`` (then it carries no node secret)."""

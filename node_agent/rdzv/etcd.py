@@ -215,6 +215,7 @@ class EtcdBackend:
     reconnects = True
     # The Join is stored in etcd for every agent of the job to read, and nothing there can be
     # resumed by a secret (any agent may write any entry).
+    snapshots = False
     shares_joins = True
 
     def __init__(

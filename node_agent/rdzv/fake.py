@@ -190,6 +190,7 @@ class FakeLink:
 class FakeBackend:
     """Links to a :class:`FakeRendezvous` (a :class:`~node_agent.rdzv.RendezvousBackend`)."""
 
+    snapshots = False
     shares_joins = False
 
     def __init__(self, hub: FakeRendezvous, *, local_ip: str, reconnects: bool) -> None:

@@ -110,6 +110,7 @@ class ServerBackend:
 
     reconnects = True
     shares_joins = False
+    snapshots = True
 
     def __init__(
         self,

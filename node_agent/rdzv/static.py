@@ -78,6 +78,7 @@ class StaticBackend:
     """One link for the whole run: there is nothing to reconnect to."""
 
     reconnects = False
+    snapshots = False
     shares_joins = False
 
     def __init__(

@@ -110,7 +110,9 @@ async def test_a_hanging_nvidia_smi_times_out_and_is_killed(tmp_path: Path) -> N
     with pytest.raises(GpuQueryError, match=r"did not answer within 0\.5 s"):
         await read_gpus(machine.smi, timeout=0.5)
 
-    assert time.monotonic() - start < 5.0  # the timeout, the kill, the reaping (slack for a busy machine); never the hour
+    assert (
+        time.monotonic() - start < 5.0
+    )  # the timeout, the kill, the reaping (slack for a busy machine); never the hour
     assert machine.calls() == [QUERY]  # it had started
     assert smi_processes(machine) == []
 
