@@ -3,7 +3,8 @@
 The I/O layer reads the node's holdings (its ranks' snapshots and the replicas it keeps for a
 peer) after every poll and hands them in as :class:`SnapshotsRead`; the server hears them only
 when they changed since it last did, and again after a reconnect (a restarted server knows
-nothing of them). Only while this node is in a round (from its assignment to its verdict):
+nothing of them); never while they are empty and were never said (a job that does not snapshot
+sends what it sent before). Only while this node is in a round (from its assignment to its verdict):
 before its first join a connection may send nothing else, and between rounds nothing changes.
 ``KeepSnapshot`` from the server becomes :class:`KeepSteps`: the step every agent keeps.
 """
@@ -28,6 +29,8 @@ class Snapshots:
         if phase not in _IN_ROUND or event.world_size < 1:
             return []
         pairs = event.pairs[:MAX_HELD]  # newest first: what a cut loses is the oldest
+        if not pairs and self.sent is None:
+            return []  # a job that never snapshots says nothing new on the wire
         msg = SnapshotsHeld(
             world_size=event.world_size, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs)
         )

@@ -41,3 +41,11 @@ def test_a_node_holding_more_than_a_message_carries_says_its_newest() -> None:
 def test_keep_snapshot_becomes_keep_steps() -> None:
     m = running()
     assert m.handle(st.ServerSent(KeepSnapshot(step=10)), 2.0) == [st.KeepSteps(10)]
+
+
+def test_a_job_that_never_snapshots_sends_nothing_new_but_an_emptied_node_says_so() -> None:
+    m = running()
+    assert m.handle(st.SnapshotsRead(world_size=4, pairs=()), 2.0) == []
+    m.handle(READ, 2.25)
+    (msg,) = sent(m.handle(st.SnapshotsRead(world_size=4, pairs=()), 2.5))
+    assert msg == SnapshotsHeld(world_size=4, ranks=(), steps=())
