@@ -237,7 +237,7 @@ class Agent:
             await self.store.verdict()  # overlapped the connect; the first Join must not offer in vain
         self.addr = cfg.local_addr or conn.local_ip
         if cfg.snapshot_memory != 0 and backend.snapshots:
-            from .snapshots.node import start_snapshots  # not imported by a run without snapshots
+            from .snapshots.node import start_snapshots  # light: see its header
 
             self.snaps = await start_snapshots(
                 cfg, self.runtime.path, self.addr, self.log, self.events.put_nowait
@@ -369,7 +369,7 @@ class Agent:
                 self.watch.file_job_report(eff)
             elif isinstance(eff, st.KeepSteps):
                 if self.snaps is not None:
-                    self.snaps.keep(eff.step)
+                    self.snaps.keep(eff.step, eff.replicate)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -593,7 +593,7 @@ def _replica(snaps: SnapshotNode | None) -> dict[str, Any]:
     if snaps is None:
         return {}
     port, key = snaps.join_fields()
-    return {"replica_port": port, "replica_key": key}
+    return {"replica_port": port, "replica_key": key} if port else {}
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> tuple[Agent, AgentOutcome]:

@@ -57,6 +57,12 @@ PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
 # spellings: torch reads one or the other depending on the release.
 FR_DUMP_VARS = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
 FR_PIPE_VARS = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_DEBUG_INFO_PIPE_FILE")
+# In-memory snapshots (node_agent/snapshots/node.py sets them, node_agent/worker/snapshots.py
+# reads them): the rank's folder, one file's size limit, the step every rank restores.
+SNAPSHOT_DIR_VAR = "NODE_AGENT_SNAPSHOT_DIR"
+SNAPSHOT_LIMIT_VAR = "NODE_AGENT_SNAPSHOT_LIMIT"
+RESTORE_STEP_VAR = "NODE_AGENT_RESTORE_STEP"
+SNAPSHOT_VARS = (SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR, RESTORE_STEP_VAR)
 
 # What torchrun prints when it sets OMP_NUM_THREADS for the workers, word for word, so logs and
 # the scripts that grep them look the same.

@@ -823,12 +823,18 @@ class StopAt(_Schema):
 
 @record(frozen=True, kw_only=True, slots=True)
 class KeepSnapshot(_Schema):
-    """The newest step whose snapshot every rank has on two nodes (issue 35): each agent keeps
-    it (it is never pruned) until a newer one comes, so the loss of any one node leaves a
-    step every rank can restore. Sent only to an agent that sent ``SnapshotsHeld``."""
+    """Which snapshots every agent keeps from pruning (issue 35); sent only to an agent that
+    sent ``SnapshotsHeld``, whenever either changes.
+
+    ``step``: the newest step every rank has on two nodes (-1: none yet), so the loss of any
+    one node leaves a step every rank can restore. ``replicate``: the step every agent copies to
+    its ring peer now (-1: none), one that every rank has on one node: all copy the same step,
+    so it becomes the next ``step`` however often the ranks snapshot and however far the copies
+    lag their snapshots."""
 
     TYPE: ClassVar[str] = "keep_snapshot"
-    step: int = field(metadata=_COUNT)
+    step: int = field(metadata=_STEP)
+    replicate: int = field(default=-1, metadata=_STEP)
 
 
 @record(frozen=True, kw_only=True, slots=True)

@@ -340,6 +340,7 @@ class Job:
     snapshot_step: int = -1
     snapshot_since: float = 0.0
     kept_step: int = -1
+    replicate_step: int = -1  # the step every agent copies to its peer now (-1: none)
     # A hang's failure waiting for the other nodes' stacks (kept in snapshots); None: none.
     hang_verdict: HangVerdict | None = None
     # Volatile (not in snapshots): bumped by put_member and pop_member; and each member's

@@ -84,6 +84,13 @@ class RestorePoints:
                     best = step
         return best
 
+    def complete(self, world: int, step: int, *, twice: bool = False) -> bool:
+        """Every one of ``world`` ranks has ``step`` on a node (``twice``: on two)."""
+        key = (world, step)
+        if len(self._index.get(key, ())) < world:
+            return False
+        return not twice or self._twice.get(key, 0) >= world
+
     def newest_among(self, world: int, among: Collection[str]) -> int:
         """The newest step every one of ``world`` ranks has on a node of ``among`` (a round
         being formed); -1: none. O(world) per step held: once a round."""

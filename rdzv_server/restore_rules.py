@@ -4,17 +4,21 @@ Agents that snapshot send what they hold (``SnapshotsHeld``: their own ranks' sn
 replicas they keep for a peer); ``restore_points.py`` indexes it. From it:
 
 - **Keep.** The newest step every rank of the running round has on two nodes (on one, in a job
-  of one node) survives the loss of any one node. Whenever it advances every agent that
-  snapshots is told (``KeepSnapshot``) and keeps it from pruning until a newer one comes: the
-  agents' own pruning keeps only their newest two, which the replicas may lag.
+  of one node) survives the loss of any one node. Every agent that snapshots is told it
+  (``KeepSnapshot.step``) and keeps it from pruning until a newer one comes: the agents' own
+  pruning keeps only their newest two, which the replicas lag.
+- **Replicate.** Each node copies its ranks' snapshots to the next node of the round's order (a
+  ring): every rank's snapshot is then on its own node and on the next one, so losing any one
+  node leaves a copy of each. Which step is copied is chosen here, one for the whole job
+  (``KeepSnapshot.replicate``: the newest step every rank has, kept from pruning too, fixed
+  until every copy is done): if each node copied its own newest, ranks snapshotting every step
+  would have their copies at different steps and no step would ever be on two nodes for all.
+  A job of one node has no peer.
 - **Restore.** A round that forms with the same world size as the snapshots restores every rank
   from the newest step every rank has on a node of the round. Each node's Assignment says, per
   local rank, whether it holds that snapshot or which member does (its replica address and
   key), so a spare that took a lost node's place, or a node whose ranks moved, fetches them
   before its workers start. The history says from which step and how many steps that lost.
-- **Replicate.** Each node replicates to the next node of the round's order (a ring): every
-  rank's snapshot is then on its own node and on the next one, so losing any one node leaves a
-  copy of each. A job of one node has no peer.
 
 Volatile, like Progress: the holdings are not in the state log (a restarted server learns them
 again from the agents, which send them again after reconnecting). The restore a round was given
@@ -53,17 +57,30 @@ class RestoreRules(CommitRules):
         self._snapshot_news(job, now, out)
 
     def _snapshot_news(self, job: Job, now: float, out: list[Effect]) -> None:
-        """The holdings changed: the job's newest restorable step, and the step to keep."""
+        """The holdings changed: the job's newest restorable step, the step kept and the step
+        being replicated."""
         if job.phase is not JobPhase.RUNNING or job.world_size <= 0:
             return
-        points = job.restore_points
-        newest = points.newest(job.world_size)
+        points, world = job.restore_points, job.world_size
+        newest = points.newest(world)
         if newest != job.snapshot_step:
             job.snapshot_step, job.snapshot_since = newest, now
-        keep = points.newest(job.world_size, twice=len(job.order) > 1)
-        if keep > job.kept_step:
-            job.kept_step = keep
-            msg = KeepSnapshot(step=keep)
+        ring = len(job.order) > 1
+        keep, replicate = job.kept_step, job.replicate_step
+        if not ring:
+            keep, replicate = max(keep, newest), -1  # one node: nothing to copy, nowhere to
+        else:
+            if replicate >= 0 and points.complete(world, replicate, twice=True):
+                keep, replicate = max(keep, replicate), -1  # copied everywhere: it is the kept one
+            keep = max(keep, points.newest(world, twice=True))
+            # The step every agent copies: one that every rank has, fixed until it is copied
+            # (a newer one each time would never finish under a snapshot every step), or until
+            # it is no longer held everywhere (a node pruned it before it was pinned).
+            if replicate <= keep or not points.complete(world, replicate):
+                replicate = newest if newest > keep else -1
+        if (keep, replicate) != (job.kept_step, job.replicate_step):
+            job.kept_step, job.replicate_step = keep, replicate
+            msg = KeepSnapshot(step=keep, replicate=replicate)
             for nid in job.order:
                 m = job.members.get(nid)
                 if m is not None and m.snapshots:
@@ -110,7 +127,7 @@ class RestoreRules(CommitRules):
         if step >= 0:
             said.note(job, said.restored(now, job.round, step, job.progress.max_step), out)
         job.world_size = world
-        job.kept_step = -1  # the agents prune by the new round's holdings
+        job.kept_step = job.replicate_step = -1  # the agents prune by the new round's holdings
         return plans
 
     def _sources(

@@ -277,7 +277,11 @@ class AgentMachine:
             return effects
         resumed = isinstance(msg, Resumed)
         # (Our failure report is never due in RUNNING, where a commit point's ask may be.)
-        due = self.link.owed(self.phase, self.assignment) if resumed else []
+        due = (
+            [*self.snapshots.owed(self.phase, self.link), *self.link.owed(self.phase, self.assignment)]
+            if resumed
+            else []
+        )
         due += self.leaving.owed(self.phase, self.assignment, resumed=resumed)
         if self.phase is Phase.LEAVING and self.leaving.leave is not None:
             self.deadline = now + LEAVE_ANSWER_TIMEOUT

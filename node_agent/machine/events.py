@@ -238,9 +238,11 @@ class SnapshotsRead:
 
 @record(frozen=True, slots=True)
 class KeepSteps:
-    """Keep ``step``'s snapshots from pruning (every rank has it on two nodes)."""
+    """Keep ``step``'s snapshots from pruning (every rank has it on two nodes; -1: none yet)
+    and ``replicate``'s, which the node copies to its ring peer now (-1: none)."""
 
     step: int
+    replicate: int = -1
 
 
 Event = (

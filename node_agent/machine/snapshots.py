@@ -6,7 +6,8 @@ when they changed since it last did, and again after a reconnect (a restarted se
 nothing of them); never while they are empty and were never said (a job that does not snapshot
 sends what it sent before). Only while this node is in a round (from its assignment to its verdict):
 before its first join a connection may send nothing else, and between rounds nothing changes.
-``KeepSnapshot`` from the server becomes :class:`KeepSteps`: the step every agent keeps.
+``KeepSnapshot`` from the server becomes :class:`KeepSteps`: the steps every agent keeps (the
+newest on two nodes, and the one being copied to the ring peer).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ _IN_ROUND = frozenset({Phase.STARTING, Phase.RUNNING, Phase.BARRIER, Phase.STOPP
 class Snapshots:
     def __init__(self) -> None:
         self.sent: SnapshotsHeld | None = None  # what the server last heard from us
+        self.last: SnapshotsRead | None = None  # what the I/O layer last read
 
     def read(self, event: SnapshotsRead, phase: Phase, link: Link) -> list[Effect]:
+        self.last = event
         if phase not in _IN_ROUND or event.world_size < 1:
             return []
         pairs = event.pairs[:MAX_HELD]  # newest first: what a cut loses is the oldest
@@ -43,5 +46,10 @@ class Snapshots:
         """A new connection (perhaps a restarted server): say everything again."""
         self.sent = None
 
+    def owed(self, phase: Phase, link: Link) -> list[Effect]:
+        """Back in our round after a reconnect: what we hold, said at once, before a failure
+        report that waited for the connection (the restart it causes restores from it)."""
+        return [] if self.last is None else self.read(self.last, phase, link)
+
     def keep(self, msg: KeepSnapshot) -> list[Effect]:
-        return [KeepSteps(msg.step)]
+        return [KeepSteps(msg.step, msg.replicate)]

@@ -2,7 +2,7 @@
 
     <root>/r<rank>/<step:020d>.snap        complete; made only by an atomic rename, never changed
     <root>/r<rank>/<step:020d>.snap.part   being written (by a worker, or by our receiver)
-    <root>/r<rank>/.pin                    a decimal step the agent wants kept (atomic write)
+    <root>/r<rank>/.pin                    the steps the agent wants kept, decimals (atomic write)
 
 The layout is a contract with the workers (they write and prune their own rank's folder) and
 with the peers' agents (which push replicas of their ranks here). This module is plain file
@@ -103,7 +103,7 @@ class Holdings:
         self.root = Path(root)
         self.memory = memory
         self.file_limit = file_limit
-        self.pinned: int | None = None
+        self.pinned: frozenset[int] = frozenset()
         self._reserved: dict[tuple[int, int], _Reserved] = {}
         os.makedirs(self.root, 0o700, exist_ok=True)
 
@@ -120,7 +120,7 @@ class Holdings:
                 return path
             os.unlink(path)  # a link or a file in its place: never written through
             os.mkdir(path, 0o700)
-        if self.pinned is not None:
+        if self.pinned:
             self._write_pin(path, self.pinned)
         return path
 
@@ -218,24 +218,27 @@ class Holdings:
     # -- keeping and dropping ----------------------------------------------------------------
 
     @staticmethod
-    def _write_pin(folder: Path, step: int) -> None:
+    def _write_pin(folder: Path, steps: frozenset[int]) -> None:
         tmp = folder / f"{PIN}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, str(step).encode())
+                os.write(fd, " ".join(map(str, sorted(steps))).encode())
             finally:
                 os.close(fd)
             os.rename(tmp, folder / PIN)  # a worker reading .pin sees the old step or the new one
         except OSError:
             pass  # the folder went away (cleared): nothing there to keep
 
-    def pin(self, step: int) -> None:
-        """Keep ``step`` in every rank's folder, present and future: the step a restart picked."""
-        _check(0, step)
-        self.pinned = step
+    def pin(self, *steps: int) -> None:
+        """Keep ``steps`` (negative ones: none) in every rank's folder, present and future, in
+        place of those pinned before: the step kept on two nodes and the one being copied."""
+        for step in steps:
+            if step >= 0:
+                _check(0, step)
+        self.pinned = frozenset(s for s in steps if s >= 0)
         for _, folder in self._rank_dirs():
-            self._write_pin(folder, step)
+            self._write_pin(folder, self.pinned)
 
     def prune(self, keep: int = 2, *, rank: int | None = None) -> list[Path]:
         """Remove complete files but each rank's newest ``keep`` and the pinned step; returns
@@ -244,7 +247,7 @@ class Holdings:
         folders = self._rank_dirs() if rank is None else [(rank, self.root / f"r{rank}")]
         for _, folder in folders:
             for step in self._steps(folder)[keep:]:
-                if step == self.pinned:
+                if step in self.pinned:
                     continue
                 path = folder / snap_name(step)
                 try:
@@ -274,7 +277,7 @@ class Holdings:
     def clear(self) -> None:
         """Remove everything under the root (the world size changed: no old snapshot can be
         restored). Links and odd files are unlinked, never followed; the pin is forgotten."""
-        self.pinned = None
+        self.pinned = frozenset()
         try:
             entries = list(os.scandir(self.root))
         except OSError:

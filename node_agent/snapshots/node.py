@@ -8,15 +8,22 @@
 - **Telling.** Every poll the holdings are read and handed to the machine
   (``SnapshotsRead``), which tells the server when they changed; the server's ``KeepSnapshot``
   comes back as :meth:`SnapshotNode.keep` (pinned, never pruned).
-- **Replicating.** Each new complete snapshot of a local rank is offered to the replicator,
-  which pushes the newest one of each rank to the round's ring peer (``Assignment.replica_to``)
-  in the background, at ``--snapshot-replication-rate``: ``channel.py``.
+- **Replicating.** The server names one step for the whole job to copy
+  (``KeepSnapshot.replicate``, see ``rdzv_server/restore_rules.py``); each local rank's
+  snapshot of it is pushed to the round's ring peer (``Assignment.replica_to``) in the
+  background, at ``--snapshot-replication-rate``, and offered again while the copy is missing:
+  ``channel.py``. A job of one node has no peer: no replica server, no channel.
 - **Restoring.** Before a round's workers start (:meth:`SnapshotNode.prepare`): snapshots of a
   job of another world size are dropped (they can never be restored), half-written ones and
   any newer than the round's restore step are removed (another attempt's, which some rank
   lacks), and every local rank the node does not hold at the restore step is fetched from the
   member the Assignment names. The workers' environment then says where to write and which
   step to restore (``worker_env``).
+
+Only what a launch uses is loaded: until a worker writes its first snapshot the agent only
+lists the ranks' empty folders at each poll (the holdings, ``pathlib`` and the channel's
+crypto are imported then, or at the start of a job of several nodes, which serves replicas
+from its first Join).
 """
 
 from __future__ import annotations
@@ -25,28 +32,30 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol import Assignment
 
 from ..agent_log import AgentLog
 from ..config import AgentConfig
 from ..machine.events import SnapshotsRead
-from .channel import ReplicaError, ReplicaServer, Replicator, new_key, pull
-from .holdings import Holdings
+from ..worker_env import RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
+
+if TYPE_CHECKING:
+    from .channel import ReplicaServer, Replicator
+    from .holdings import Holdings
 
 __all__ = ["POLL_S", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
 
-DIR_VAR = "NODE_AGENT_SNAPSHOT_DIR"
-LIMIT_VAR = "NODE_AGENT_SNAPSHOT_LIMIT"
-RESTORE_VAR = "NODE_AGENT_RESTORE_STEP"
 POLL_S = 0.25  # how often the holdings are read (a listing of a few small folders)
 # Files one rank may have at once, worst case: its own two newest, a pinned older one and one
 # being written; a peer's rank's two newest, a pinned one and one arriving.
 FILES_PER_RANK = 8
 PULL_TIMEOUT = 120.0  # one restore fetch (no rate limit: the training waits for it)
 PUSH_TIMEOUT = 600.0
+RETRY_S = 1.0  # a copy that failed is offered again after this long
 
 log_ = logging.getLogger("node_agent.snapshots")
 
@@ -66,29 +75,72 @@ def file_limit(memory: int, nproc: int) -> int:
 
 
 class SnapshotNode:
-    """Holdings, replica server and replicator of one agent."""
+    """Holdings, replica server and replicator of one agent (``replicate``: a job that can
+    have several nodes; otherwise there is nobody to copy to or fetch from)."""
 
     def __init__(
-        self, root: str, *, memory: int, nproc: int, rate: int, log: AgentLog, tls: object | None = None
+        self,
+        root: str,
+        *,
+        memory: int,
+        nproc: int,
+        rate: int,
+        log: AgentLog,
+        replicate: bool = True,
     ) -> None:
+        self.root = root
         self.memory = memory
         self.limit = file_limit(memory, nproc)
-        self.holdings = Holdings(root, memory=memory, file_limit=self.limit)
-        self.key = new_key()
         self.rate = rate
         self.log = log
-        self.server = ReplicaServer(self.holdings, key=self.key)
-        self.replicator = Replicator(rate=float(rate) if rate > 0 else None, timeout=PUSH_TIMEOUT)
+        self._holdings: Holdings | None = None
+        self._seen = False  # a file appeared under the root (then the holdings are read)
+        self.server: ReplicaServer | None = None
+        self.replicator: Replicator | None = None
+        self.key = ""
         self.port = 0
+        if replicate:
+            from .channel import ReplicaServer, Replicator, new_key
+
+            self.key = new_key()
+            self.server = ReplicaServer(self.holdings, key=self.key)
+            self.replicator = Replicator(rate=float(rate) if rate > 0 else None, timeout=PUSH_TIMEOUT)
+        os.makedirs(root, 0o700, exist_ok=True)
         self.world = 0  # the running round's world size (0: none yet)
         self.local: range = range(0)  # its global ranks on this node
-        self._offered: dict[int, int] = {}  # local rank -> newest step offered to the replicator
+        self.copying = -1  # the step the server asked every node to copy (-1: none)
+        self._offered: dict[int, float] = {}  # local rank -> when its copy was last offered
         self._poll: asyncio.Task[None] | None = None
+
+    @property
+    def holdings(self) -> Holdings:
+        if self._holdings is None:
+            from .holdings import Holdings
+
+            self._holdings = Holdings(self.root, memory=self.memory, file_limit=self.limit)
+        return self._holdings
+
+    def _written(self) -> bool:
+        """Whether anything was ever written here (a worker's snapshot, a peer's replica)."""
+        if self._seen:
+            return True
+        try:
+            with os.scandir(self.root) as folders:
+                for folder in folders:
+                    if folder.is_dir(follow_symlinks=False):
+                        with os.scandir(folder.path) as names:
+                            if next(names, None) is not None:
+                                self._seen = True
+                                break
+        except OSError:
+            pass
+        return self._seen
 
     async def start(self, emit: Callable[[SnapshotsRead], None], addr: str) -> None:
         """Serve replicas (on every interface of this node's address family: a peer reaches us
         at the address the server has for this node) and start reading the holdings."""
-        self.port = await self.server.start("::" if ":" in addr else "0.0.0.0", 0)
+        if self.server is not None:
+            self.port = await self.server.start("::" if ":" in addr else "0.0.0.0", 0)
         self._poll = asyncio.get_running_loop().create_task(self._polling(emit))
 
     async def close(self) -> None:
@@ -96,11 +148,13 @@ class SnapshotNode:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
-        await self.replicator.close()
-        await self.server.close()
+        if self.replicator is not None:
+            await self.replicator.close()
+        if self.server is not None:
+            await self.server.close()
 
     def join_fields(self) -> tuple[int, str]:
-        """This node's replica port and key, for its Join."""
+        """This node's replica port and key, for its Join (0, "": it takes none)."""
         return self.port, self.key
 
     # -- a round ---------------------------------------------------------------------------
@@ -108,60 +162,104 @@ class SnapshotNode:
     async def prepare(self, a: Assignment, nproc: int) -> None:
         """Before the round's workers start (none runs): the holdings fit the round, and every
         local rank's restore step is here."""
-        if self.world and a.world_size != self.world:
-            self.holdings.clear()  # another world size: those snapshots can never be restored
-            self.log(f"round {a.round}: the job's world size changed; its in-memory snapshots are dropped")
-        self.world = a.world_size
         self.local = range(a.rank_offset, a.rank_offset + nproc)
         self._offered = {}
-        self.holdings.drop_partials()
+        self.copying = -1
+        if self.replicator is not None:
+            if a.replica_to and a.replica_key:
+                host, port = _split(a.replica_to)
+                self.replicator.set_peer(host, port, a.replica_key)
+            else:
+                self.replicator.set_peer(None)
+        world, self.world = self.world, a.world_size
+        if self._written() or a.restore_step >= 0:  # a spare holds nothing yet: it fetches
+            await self._fit(a, world)
+        for rank in self.local:  # the workers' folders (NODE_AGENT_SNAPSHOT_DIR) exist
+            if self._holdings is not None:
+                self._holdings.rank_dir(rank)  # with the pins
+            else:
+                os.makedirs(self._rank_dir(rank), 0o700, exist_ok=True)
+
+    async def _fit(self, a: Assignment, world: int) -> None:
+        h = self.holdings
+        if world and a.world_size != world:
+            h.clear()  # another world size: those snapshots can never be restored
+            self.log(f"round {a.round}: the job's world size changed; its in-memory snapshots are dropped")
+        h.drop_partials()
         self._drop_after(a.restore_step)
-        if a.replica_to and a.replica_key:
-            host, port = _split(a.replica_to)
-            self.replicator.set_peer(host, port, a.replica_key)
-        else:
-            self.replicator.set_peer(None)
         if a.restore_step < 0:
             return
         fetched = 0
         for i, rank in enumerate(self.local):
             src = a.restore_source[i] if i < len(a.restore_source) else -1
-            if src < 0 or self.holdings.path(rank, a.restore_step) is not None:
+            if src < 0 or h.path(rank, a.restore_step) is not None:
                 continue
-            host, port = _split(a.restore_addrs[src])
-            try:
-                await pull(
-                    host, port, a.restore_keys[src], rank, a.restore_step, self.holdings, timeout=PULL_TIMEOUT
-                )
-                fetched += 1
-            except (ReplicaError, OSError, asyncio.TimeoutError) as exc:
-                # The worker finds no snapshot and says so (SnapshotMissing): the job restarts.
-                self.log(
-                    f"round {a.round}: could not fetch rank {rank}'s snapshot of step {a.restore_step} "
-                    f"from {a.restore_addrs[src]}: {exc}",
-                    "error",
-                )
+            fetched += await self._fetch(a, rank, src)
         how = f"; {fetched} fetched from peers" if fetched else ""
         self.log(f"round {a.round}: every rank restores the in-memory snapshot of step {a.restore_step}{how}")
 
+    async def _fetch(self, a: Assignment, rank: int, src: int) -> int:
+        from .channel import ReplicaError, pull
+
+        host, port = _split(a.restore_addrs[src])
+        try:
+            key, step = a.restore_keys[src], a.restore_step
+            await pull(host, port, key, rank, step, self.holdings, timeout=PULL_TIMEOUT)
+        except (ReplicaError, OSError, asyncio.TimeoutError) as exc:
+            # The worker finds no snapshot and says so (SnapshotMissing): the job restarts.
+            self.log(
+                f"round {a.round}: could not fetch rank {rank}'s snapshot of step {a.restore_step} "
+                f"from {a.restore_addrs[src]}: {exc}",
+                "error",
+            )
+            return 0
+        return 1
+
+    def _rank_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"r{rank}")
+
     def worker_env(self, rank: int, restore_step: int) -> dict[str, str]:
-        env = {DIR_VAR: str(self.holdings.rank_dir(rank)), LIMIT_VAR: str(self.limit)}
+        env = {SNAPSHOT_DIR_VAR: self._rank_dir(rank), SNAPSHOT_LIMIT_VAR: str(self.limit)}
         if restore_step >= 0:
-            env[RESTORE_VAR] = str(restore_step)
+            env[RESTORE_STEP_VAR] = str(restore_step)
         return env
 
-    def keep(self, step: int) -> None:
-        """Every rank has ``step`` on two nodes: keep it until a newer one comes."""
-        self.holdings.pin(step)
-        self.holdings.prune()
+    def keep(self, step: int, replicate: int = -1) -> None:
+        """The server's choice: ``step`` is on two nodes for every rank (kept until a newer one
+        comes), ``replicate`` is the step every node copies now (kept until copied)."""
+        h = self.holdings
+        h.pin(step, replicate)
+        h.prune()
+        self.copying = replicate if self.replicator is not None else -1
+        self._offered = {}
+        self._offer()
+
+    def _offer(self) -> None:
+        """Offer the copy of each local rank's snapshot of the step being copied, again after
+        RETRY_S where a copy failed (the server waits for it)."""
+        rep, step = self.replicator, self.copying
+        if rep is None or step < 0 or rep.peer is None:
+            return
+        now = time.monotonic()
+        pending = rep.pending()
+        for rank in self.local:
+            if rep.replicated.get(rank, -1) >= step or pending.get(rank) == step:
+                continue
+            if now - self._offered.get(rank, -RETRY_S) < RETRY_S:
+                continue
+            path = self.holdings.path(rank, step)
+            if path is not None:
+                self._offered[rank] = now
+                rep.offer(rank, step, path)
 
     def _drop_after(self, step: int) -> None:
         """Complete snapshots newer than the restore step are another attempt's (some rank
         lacks them): never restored, and in the way of this attempt's."""
-        for rank, steps in self.holdings.inventory().items():
+        h = self.holdings
+        for rank, steps in h.inventory().items():
             for s in steps:
                 if s > step:
-                    path = self.holdings.path(rank, s)
+                    path = h.path(rank, s)
                     if path is not None:
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
@@ -180,17 +278,11 @@ class SnapshotNode:
                 emit(read)
 
     def read(self) -> SnapshotsRead | None:
-        """The holdings as the machine takes them; offers new local snapshots for replication."""
-        if not self.world:
+        """The holdings as the machine takes them (None: no round yet, or nothing ever written)."""
+        if not self.world or not self._written():
             return None
+        self._offer()
         inv = self.holdings.inventory()
-        for rank in self.local:
-            steps = inv.get(rank)
-            if steps and steps[0] > self._offered.get(rank, -1):
-                path = self.holdings.path(rank, steps[0])
-                if path is not None:
-                    self._offered[rank] = steps[0]
-                    self.replicator.offer(rank, steps[0], path)
         pairs = sorted(((r, s) for r, steps in inv.items() for s in steps), key=lambda p: (-p[1], p[0]))
         return SnapshotsRead(world_size=self.world, pairs=tuple(pairs))
 
@@ -203,11 +295,12 @@ async def start_snapshots(
     if memory <= 0 or file_limit(memory, config.nproc_per_node) <= 0:
         return None
     node = SnapshotNode(
-        str(Path(runtime) / "snapshots"),
+        os.path.join(runtime, "snapshots"),
         memory=memory,
         nproc=config.nproc_per_node,
         rate=config.snapshot_replication_rate,
         log=log,
+        replicate=config.max_nodes > 1,
     )
     try:
         await node.start(emit, addr)

@@ -31,7 +31,15 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 
 from ..config import AgentConfig
-from ..worker_env import FR_DUMP_VARS, FR_PIPE_VARS, PAGE_VAR, NodeAssignment, worker_argv, worker_env
+from ..worker_env import (
+    FR_DUMP_VARS,
+    FR_PIPE_VARS,
+    PAGE_VAR,
+    SNAPSHOT_VARS,
+    NodeAssignment,
+    worker_argv,
+    worker_env,
+)
 from . import procutil
 
 __all__ = [
@@ -81,6 +89,7 @@ ROUND_VARS: frozenset[str] = frozenset(
         PAGE_VAR,
         *FR_DUMP_VARS,
         *FR_PIPE_VARS,
+        *SNAPSHOT_VARS,  # the rank's folder and the round's restore step
     }
 )
 

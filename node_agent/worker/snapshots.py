@@ -16,7 +16,7 @@ Under node-agent each rank has a private directory in node-local memory (a tmpfs
 ``NODE_AGENT_SNAPSHOT_DIR``. ``snapshot(step)`` writes ``<dir>/%020d.snap.part`` and, when the
 block ends without an exception, renames it to ``<dir>/%020d.snap``: a ``.snap`` file is
 always complete. Then it deletes the older ``.snap`` files of the directory but the newest
-:data:`KEEP` by step, the step named in ``<dir>/.pin`` (written by the agent) and the step just
+:data:`KEEP` by step, the steps named in ``<dir>/.pin`` (written by the agent) and the step just
 written. An exception in the block removes the ``.part`` file and propagates; the snapshots
 already there stay as they were. Writing more than ``NODE_AGENT_SNAPSHOT_LIMIT`` bytes into one
 snapshot raises :class:`SnapshotTooLarge` at the write that crosses it (nothing past the limit
@@ -53,6 +53,7 @@ KEEP = 2  # complete snapshots a rank keeps after writing one (the pinned step a
 SUFFIX = ".snap"
 PART_SUFFIX = ".snap.part"
 PIN_NAME = ".pin"
+MAX_PINS = 4  # steps .pin may name (the agent writes two: the kept one and the one being copied)
 DIGITS = 20  # every step below 2**63 in %020d
 BUFFER_SIZE = 8 << 20  # few system calls for small records; larger writes go straight through
 _NO_LIMIT = 1 << 64  # above any size a file can reach: the limit check never fires
@@ -276,14 +277,16 @@ def restore() -> Restored | None:
 
 def prune(directory: str, written: int | None = None) -> list[int]:
     """Delete the complete snapshots of ``directory`` but the newest :data:`KEEP` by step, the
-    pinned step and ``written``; the steps deleted. Other files are never touched."""
+    pinned steps and ``written``; the steps deleted. Other files are never touched."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
     steps = sorted((s for s in map(snapshot_step, names) if s is not None), reverse=True)
     keep = set(steps[:KEEP])
-    keep.update(s for s in (_pinned(directory), written) if s is not None)
+    keep.update(_pinned(directory))
+    if written is not None:
+        keep.add(written)
     deleted = []
     for s in steps[KEEP:]:
         if s in keep:
@@ -296,14 +299,15 @@ def prune(directory: str, written: int | None = None) -> list[int]:
     return deleted
 
 
-def _pinned(directory: str) -> int | None:
-    """The step in ``<directory>/.pin``; None when there is none or it is unreadable."""
+def _pinned(directory: str) -> set[int]:
+    """The steps in ``<directory>/.pin`` (decimals separated by white space, at most
+    ``MAX_PINS``); none when it is missing or unreadable."""
     try:
         with open(os.path.join(directory, PIN_NAME), "rb") as f:
-            text = f.read(64).strip()
+            words = f.read(MAX_PINS * (DIGITS + 1)).split()
     except OSError:
-        return None
-    return int(text) if text.isdigit() and len(text) <= DIGITS else None
+        return set()
+    return {int(w) for w in words[:MAX_PINS] if w.isdigit() and len(w) <= DIGITS}
 
 
 def _directory() -> str | None:

@@ -28,11 +28,15 @@ LAUNCHERS = {
     "ours": [sys.executable, "-m", "node_agent"],
 }
 
-# Only ours, and why (README "Progress, hangs and stragglers"): every rank's progress page (in
-# the agent's private folder, never in --log-dir) and its environment variable, and torch's
-# flight-recorder dump variables (dumps into the attempt's log folder, only after a hang).
+# Only ours, and why (README "Progress, hangs and stragglers" and "In-memory snapshots"): every
+# rank's progress page (in the agent's private folder, never in --log-dir) and its environment
+# variable, torch's flight-recorder dump variables (dumps into the attempt's log folder, only
+# after a hang), and the rank's snapshot folder and size limit (with our rendezvous server;
+# NODE_AGENT_RESTORE_STEP too, when a restart restores a snapshot).
 ADDED_KEYS = {
     "NODE_AGENT_PROGRESS_PAGE",
+    "NODE_AGENT_SNAPSHOT_DIR",
+    "NODE_AGENT_SNAPSHOT_LIMIT",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "TORCH_FR_DUMP_TEMP_FILE",
     "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",

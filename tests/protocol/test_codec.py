@@ -177,7 +177,7 @@ SAMPLES = [
     StopAt(round=3, step=72, state="arm"),
     StopAt(round=3, step=72, state="cancel"),
     SnapshotsHeld(world_size=16, ranks=(0, 1, 0, 9), steps=(40, 40, 41, 40)),
-    KeepSnapshot(step=40),
+    KeepSnapshot(step=40, replicate=41),
     Left(job_continues=True),
     Left(job_continues=False, reason="this node was the last of the job"),
     Resumed(job_id="job-7", round=2, rebuilt=True),

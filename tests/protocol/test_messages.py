@@ -176,7 +176,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     LeaveAfterCommit: {"round": 3, "reason": "received SIGTERM"},
     StopAt: {"round": 3, "step": 72, "state": "go", "deadline_s": 301.5},
     SnapshotsHeld: {"world_size": 16, "ranks": (8, 9, 0), "steps": (40, 40, 39)},
-    KeepSnapshot: {"step": 40},
+    KeepSnapshot: {"step": 40, "replicate": 41},
     JobDone: {},
     Drain: {"reason": "operator asked"},
     GoingAway: {"reason": "SIGTERM"},
@@ -737,7 +737,8 @@ def test_snapshot_fields_hold_together():
     assert_invalid(Assignment, "restore_source", (-2,))
     assert_invalid(SnapshotsHeld, "steps", (40, 40))
     assert_invalid(SnapshotsHeld, "ranks", (-1, 0, 1), blamed="ranks")
-    assert_invalid(KeepSnapshot, "step", -1)
+    assert_invalid(KeepSnapshot, "step", -2)
+    assert_invalid(KeepSnapshot, "replicate", -2)
     # Absent, they mean "nothing": an older server's Assignment restores nothing.
     plain = Assignment(
         **{k: v for k, v in VALID[Assignment].items() if not k.startswith(("restore", "replica"))}

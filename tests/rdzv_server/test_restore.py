@@ -52,9 +52,11 @@ def test_the_step_every_rank_has_twice_is_kept_and_a_failure_restores_the_newest
     # Node 0 holds ranks 0-1 (its own) and replicas of 2-3; node 1 the other way round. Its
     # newest own snapshots (11) are not replicated yet.
     _held(h, first, 4, [(0, 10), (1, 10), (0, 11), (1, 11), (2, 10), (3, 10)])
-    assert h.last(first, KeepSnapshot) is None  # ranks 2-3 are on one node only
+    # Ranks 2-3 are on one node only: nothing kept yet; step 10, which every rank has, is copied.
+    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=-1, replicate=10)
     _held(h, second, 4, [(2, 10), (3, 10), (2, 11), (3, 11), (0, 10), (1, 10)])
-    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=10) == h.last(second, KeepSnapshot)
+    kept = KeepSnapshot(step=10, replicate=11)  # 10 on two nodes; 11 now on one for every rank
+    assert h.last(first, KeepSnapshot) == kept == h.last(second, KeepSnapshot)
     assert h.machine.jobs["job"].snapshot_step == 11
     h.send(first, Progress(round=rnd, min_step=12, max_step=13))
     h.take(first), h.take(second)
@@ -121,3 +123,30 @@ def test_restore_points_count_copies_and_forget_a_node() -> None:
     assert (p.newest(2), p.newest(2, twice=True), len(p)) == (5, -1, 1)
     p.update("a", 2, [])
     assert (p.newest(2), len(p), p._index, p._twice) == (-1, 0, {}, {})
+
+
+def test_the_step_being_copied_stays_the_same_until_every_copy_is_done() -> None:
+    # Ranks snapshotting every step: each node's newest moves on while the copies are made. The
+    # server names one step for all to copy and keeps naming it until it is on two nodes.
+    h = Harness()
+    first, second = _two_nodes(h)
+    _held(h, first, 4, [(0, 5), (1, 5)])
+    _held(h, second, 4, [(2, 5), (3, 5)])
+    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=-1, replicate=5) == h.last(second, KeepSnapshot)
+    h.take(first), h.take(second)
+    for step in (6, 7, 8):  # newer steps everywhere, and the copy of 5 half done
+        _held(h, first, 4, [(0, step), (1, step), (0, 5), (1, 5), (2, 5)])
+        _held(h, second, 4, [(2, step), (3, step), (2, 5), (3, 5)])
+    assert h.last(first, KeepSnapshot) is None and h.last(second, KeepSnapshot) is None
+    _held(h, second, 4, [(2, 8), (3, 8), (2, 5), (3, 5), (0, 5), (1, 5)])
+    assert h.last(first, KeepSnapshot) is None  # rank 3's copy on node 0 is still missing
+    _held(h, first, 4, [(0, 8), (1, 8), (0, 5), (1, 5), (2, 5), (3, 5)])
+    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=5, replicate=8) == h.last(second, KeepSnapshot)
+    assert h.machine.jobs["job"].snapshot_step == 8
+
+
+def test_a_job_of_one_node_keeps_its_newest_and_copies_nothing() -> None:
+    h = Harness()
+    conn = _join(h, "na", min_nodes=1, max_nodes=1)
+    _held(h, conn, 2, [(0, 3), (1, 3)])
+    assert h.last(conn, KeepSnapshot) == KeepSnapshot(step=3, replicate=-1)

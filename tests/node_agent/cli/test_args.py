@@ -180,6 +180,15 @@ VALUE_FLAGS = [
     ("preload", ["--preload"], "torch, torch.nn,torch", lambda c: c.preload, ("torch", "torch.nn"), []),
     ("gpu_release_timeout", ["--gpu-release-timeout"], "7.5", lambda c: c.gpu_release_timeout, 7.5, []),
     ("gpu_release_mib", ["--gpu-release-mib"], "1024", lambda c: c.gpu_release_mib, 1024, []),
+    ("snapshot_memory", ["--snapshot-memory"], "16G", lambda c: c.snapshot_memory, 16 << 30, []),
+    (
+        "snapshot_replication_rate",
+        ["--snapshot-replication-rate"],
+        "64M",
+        lambda c: c.snapshot_replication_rate,
+        64 << 20,
+        [],
+    ),
 ]
 
 SWITCH_FLAGS = [
@@ -1187,3 +1196,26 @@ def test_health_check_port_is_read(value, expected, script):
 def test_a_bad_health_check_port_is_refused(script):
     with pytest.raises(ConfigError, match="TORCHELASTIC_HEALTH_CHECK_PORT"):
         parse([script], {"TORCHELASTIC_HEALTH_CHECK_PORT": "70000"})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("auto", None),
+        ("AUTO", None),
+        ("0", 0),
+        ("512", 512),
+        ("1.5K", 1536),
+        ("8GiB", 8 << 30),
+        ("2MB", 2 << 20),
+    ],
+)
+def test_snapshot_memory_is_a_size_or_auto(value, expected, script):
+    assert parse(["--snapshot-memory", value, script]).snapshot_memory == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-1G", "1e30", "nan", "", "auto"])
+def test_a_bad_snapshot_size_is_refused_naming_the_flag(value, script):
+    flag = "--snapshot-memory" if value != "auto" else "--snapshot-replication-rate"
+    with pytest.raises(ConfigError, match=flag):
+        parse([f"{flag}={value}", script])

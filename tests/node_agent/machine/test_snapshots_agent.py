@@ -8,7 +8,7 @@ from node_agent.machine.agent import AgentMachine
 from protocol import KeepSnapshot, Resumed, SnapshotsHeld
 from protocol.messages import MAX_HELD
 
-from .harness import running, sent, settings
+from .harness import failure, rejoining, running, sent, settings
 
 READ = st.SnapshotsRead(world_size=4, pairs=((0, 11), (1, 11), (0, 10), (1, 10), (2, 10), (3, 10)))
 
@@ -40,7 +40,7 @@ def test_a_node_holding_more_than_a_message_carries_says_its_newest() -> None:
 
 def test_keep_snapshot_becomes_keep_steps() -> None:
     m = running()
-    assert m.handle(st.ServerSent(KeepSnapshot(step=10)), 2.0) == [st.KeepSteps(10)]
+    assert m.handle(st.ServerSent(KeepSnapshot(step=10, replicate=12)), 2.0) == [st.KeepSteps(10, 12)]
 
 
 def test_a_job_that_never_snapshots_sends_nothing_new_but_an_emptied_node_says_so() -> None:
@@ -49,3 +49,19 @@ def test_a_job_that_never_snapshots_sends_nothing_new_but_an_emptied_node_says_s
     m.handle(READ, 2.25)
     (msg,) = sent(m.handle(st.SnapshotsRead(world_size=4, pairs=()), 2.5))
     assert msg == SnapshotsHeld(world_size=4, ranks=(), steps=())
+
+
+def test_after_a_reconnect_the_holdings_go_before_the_failure_report_that_waited() -> None:
+    # A worker dies while the server is away (restarted): when the round is taken back, the
+    # server hears what we hold before our failure, so the restart it decides restores from it.
+    m = rejoining()
+    m.handle(READ, 2.0)
+    m.handle(st.ConnectionLost("reset"), 3.0)
+    newer = st.SnapshotsRead(world_size=4, pairs=((0, 12), (1, 12), *READ.pairs))
+    assert sent(m.handle(newer, 3.1)) == []
+    m.handle(st.WorkersExited(failure(), (failure(),)), 3.2)
+    m.handle(st.Reconnected(), 4.0)
+    said = sent(m.handle(st.ServerSent(Resumed(job_id="j", round=0)), 4.0))
+    kinds = [type(x).__name__ for x in said]
+    assert kinds[:2] == ["SnapshotsHeld", "WorkersFailed"], kinds
+    assert said[0].steps[:2] == (12, 12)

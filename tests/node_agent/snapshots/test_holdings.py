@@ -103,8 +103,10 @@ def test_pin_reaches_new_rank_dirs_atomically(tmp_path: Path) -> None:
     h.pin(41)
     assert (h.root / "r0" / ".pin").read_text() == "41"
     assert (h.rank_dir(3) / ".pin").read_text() == "41"
-    h.pin(42)
-    assert {p.read_text() for p in h.root.glob("r*/.pin")} == {"42"}
+    h.pin(42, 40)  # the step kept and the one being copied: both, in place of the old
+    assert {p.read_text() for p in h.root.glob("r*/.pin")} == {"40 42"}
+    h.pin(-1, 43)  # nothing kept yet: only the one being copied
+    assert {p.read_text() for p in h.root.glob("r*/.pin")} == {"43"}
     assert not list(h.root.glob("r*/.pin.tmp"))
     assert h.inventory() == {}  # .pin is no snapshot
 
@@ -184,7 +186,7 @@ def test_clear_forgets_the_pin(tmp_path: Path) -> None:
     _snap(h, 0, 1)
     h.pin(1)
     h.clear()
-    assert h.pinned is None
+    assert h.pinned == frozenset()
     assert not (h.rank_dir(0) / ".pin").exists()
 
 
@@ -206,7 +208,7 @@ def test_bad_arguments_are_ours(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         h.path(0, 2**63)
     with pytest.raises(ValueError):
-        h.pin(-1)
+        h.pin(2**63)
     with pytest.raises(ValueError):
         h.admit(True, 1, 1)
     with pytest.raises(ValueError):

@@ -223,6 +223,14 @@ def test_pruning_keeps_the_pinned_step(rank_dir: Path) -> None:
     assert files(rank_dir) == [".pin", name(2), name(4), name(5)]
 
 
+def test_pruning_keeps_every_pinned_step(rank_dir: Path) -> None:
+    # The agent pins two: the step kept on two nodes and the one being copied to the peer.
+    (rank_dir / ".pin").write_text("2 5\n")
+    for step in range(1, 9):
+        write(step, b"%d" % step)
+    assert files(rank_dir) == [".pin", name(2), name(5), name(7), name(8)]
+
+
 @pytest.mark.parametrize("pin", ["", "two", "-2", "2.0", "99999999999999999999999"])
 def test_an_unreadable_pin_is_ignored(rank_dir: Path, pin: str) -> None:
     (rank_dir / ".pin").write_text(pin)
@@ -424,3 +432,9 @@ def test_the_limit_counts_bytes_not_items(rank_dir: Path, monkeypatch: pytest.Mo
         f.write(memoryview(doubles))
     with pytest.raises(worker.SnapshotTooLarge), worker.snapshot(1) as f:
         f.write(doubles)
+
+
+def test_the_agent_sets_the_variables_the_worker_reads() -> None:
+    from node_agent import worker_env
+
+    assert (S.DIR_VAR, S.LIMIT_VAR, S.RESTORE_VAR) == worker_env.SNAPSHOT_VARS
