@@ -267,6 +267,7 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         "stragglers": _stragglers(job, scores),
         "hang": _hang_view(job, clock),
         "commit": _commit_view(job, clock),
+        "snapshot": _snapshot_view(job, clock),
     }
 
 

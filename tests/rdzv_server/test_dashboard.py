@@ -31,6 +31,7 @@ from protocol import (
     JobDone,
     Progress,
     Restart,
+    SnapshotsHeld,
     Stacks,
     WorkersSucceeded,
 )
@@ -382,6 +383,16 @@ async def test_dashboard_shows_step_age_stragglers_and_a_hang_report(
             "return document.querySelector('section.job[data-job-id=\"train\"] .job-step').innerText"
         )
         assert head == "124"
+        # node-a holds all four ranks' snapshots of step 120 (its own and node-b's replicas): the
+        # job's newest consistent snapshot, and its age
+        a.send(SnapshotsHeld(world_size=4, ranks=(0, 1, 2, 3), steps=(120, 120, 120, 120)))
+        await watch.until(lambda: jobs["train"].snapshot_step == 120)
+        clock.now += 7.0
+        snap = await browser.until(
+            "const e = document.querySelector('section.job[data-job-id=\"train\"] .snapshot');"
+            " return e && e.innerText.includes('7s ago') ? e.innerText : null;"
+        )
+        assert snap == "snapshot step 120 (7s ago)"
         await hang_and_check(svc, watch, browser, a, b, tmp_path)
     finally:
         for x in agents:
