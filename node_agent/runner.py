@@ -127,6 +127,7 @@ class Agent:
         self._exit: st.Exit | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self._signal_tasks: set[asyncio.Task[None]] = set()  # signals being classified
+        self._starts = 0  # worker groups started: a signal that came before one never reached it
         self.events_log = EventLog(
             config.event_log_handler,
             run_id=config.rdzv_id,
@@ -316,8 +317,13 @@ class Agent:
         """A signal for the machine, once we know whether the workers have it already from its
         sender (signal_witness.py); with no watchdog to ask, at once."""
 
+        starts = self._starts
+
         async def classify() -> None:
             delivered = await self.group.delivered(signum)
+            # Workers started while we asked (a restart meanwhile) came after the signal: its
+            # sender never reached them.
+            delivered = delivered and self._starts == starts
             self.events.put_nowait(st.SignalReceived(signum, delivered=delivered))
 
         task = asyncio.get_running_loop().create_task(classify())
@@ -433,6 +439,7 @@ class Agent:
         try:
             if self.store is not None:
                 await self.store.for_round(a)
+            self._starts += 1
             await self.group.start(specs)
         except (WorkerSpawnError, StoreUnavailable) as exc:
             self.events.put_nowait(st.WorkersStartFailed(str(exc)))

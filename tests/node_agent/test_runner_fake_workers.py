@@ -88,3 +88,41 @@ def test_a_drain_stops_the_workers_with_sigterm(tmp_path: Path) -> None:
     assert group.stops[0][1] == signal.SIGTERM
     assert outcome.code == st.EXIT_FAILED  # the job does not go on without its only node
     assert len(sent(agent, Join)) == 1
+
+
+class _SlowWitness(FakeWorkerGroup):
+    """Workers a scheduler signals with the agent, whose watchdog's answer comes late."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def delivered(self, sig: int) -> bool:
+        await self.answer.wait()
+        return True
+
+
+def test_workers_started_after_a_signal_came_are_sent_it(tmp_path: Path) -> None:
+    # Slurm's scancel signals every process of the step at once; workers the agent starts while
+    # it still asks the watchdog whether they have it (a restart in between) do not: they are
+    # stopped with the signal, not waited on for a grace they never get the signal for.
+    group = _SlowWitness()
+
+    async def body(hub: FakeRendezvous, agent: Agent, _: FakeWorkerGroup) -> None:
+        await started(hub, group, 1)
+        agent._on_signal(signal.SIGTERM)
+        group.exit(0, 3, "Traceback: ValueError")
+        await started(hub, group, 2)
+        group.answer.set()
+
+    async def scenario() -> list[tuple[float, int]]:
+        hub = FakeRendezvous()
+        cfg = config(tmp_path, "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1")
+        agent = Agent(cfg, stdout=io.StringIO(), stderr=io.StringIO(), backend=hub.backend(), group=group)
+        task = asyncio.ensure_future(agent.run())
+        await body(hub, agent, group)
+        await asyncio.wait_for(task, 30)
+        return group.stops
+
+    stops = asyncio.run(scenario())
+    assert stops[1][1] == signal.SIGTERM, stops  # the restarted worker's stop sends it
