@@ -132,11 +132,13 @@ def test_a_member_repeating_ignored_frames_does_not_grow_the_state_log(tmp_path:
         async def attack() -> None:
             m, _ = await Member.join(live.port, "spam", "s1")
             frame = encode(WorkersSucceeded(round=7))  # a round that is not running: ignored
-            for _ in range(40):
-                m.writer.write(frame * 1000)
-                await m.writer.drain()
-            m.send(Leave(reason="done"))
+            # The server may close the flood before it is all sent (how soon depends on when it
+            # reads): either way its state log must not grow with it.
             with contextlib.suppress(ConnectionError, TimeoutError):
+                for _ in range(40):
+                    m.writer.write(frame * 1000)
+                    await m.writer.drain()
+                m.send(Leave(reason="done"))
                 while True:
                     await m.recv(5.0)
             m.close()
