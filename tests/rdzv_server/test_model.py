@@ -54,12 +54,14 @@ from protocol import (
     Message,
     Progress,
     Resume,
+    SnapshotsHeld,
     Stacks,
     WorkersCommitted,
     WorkersFailed,
     WorkersSucceeded,
 )
 from protocol.failure_text import HUNG
+from protocol.messages import MAX_HELD
 from rdzv_server.journal import StateLog, apply_record, event_record
 from rdzv_server.state import (
     Close,
@@ -96,6 +98,7 @@ WEIGHTS = {
     "heartbeat": 3,
     "progress": 4,
     "train": 5,
+    "snapshots": 2,
     "answer": 3,
     "hang": 1,
     "stacks": 1,
@@ -114,6 +117,7 @@ MEMBER_ACTIONS = {
     "answer",
     "rejoin",
     "progress",
+    "snapshots",
     "hang",
     "stacks",
     "failed",
@@ -344,6 +348,9 @@ class ServerModel(RuleBasedStateMachine):
             node_rank=data.draw(mostly(st.just(-1), st.integers(-1, 3), st.integers(-1, MAX_NODES - 1))),
             node_secret=f"secret-{node}",
             hosts_store=data.draw(st.booleans()),
+            # Most nodes offer replicas (in-memory snapshots, issue 35), some do not.
+            replica_port=data.draw(mostly(st.just(40000 + NODES.index(node)), st.integers(0, 65535))),
+            replica_key=data.draw(mostly(st.just(f"{NODES.index(node):02x}" * 32), st.just(""))),
             **chosen,
         )
         self.agents[c] = Agent(stage="joined", job=job, node=node, join=msg)
@@ -394,6 +401,21 @@ class ServerModel(RuleBasedStateMachine):
             age_ms=data.draw(millis),
             compute_ms=tuple(data.draw(st.lists(millis, max_size=4))),  # (up to MAX_NPROC)
             checks=data.draw(mostly(st.just(True), st.just(False))),
+        )
+        self.send(c, msg)
+
+    def snapshots(self, data: st.DataObject) -> None:
+        """A member says which in-memory snapshots it holds: mostly its job's world and steps
+        near the training's, else anything in range (world sizes, ranks and steps at their edges)."""
+        c = self.pick(data)
+        job = self.machine.jobs.get(self.agents[c].job or "")
+        usual = sum(m.nproc for m in job.members.values()) if job is not None and job.members else 1
+        world = data.draw(mostly(st.just(usual), st.integers(1, MAX_COUNT)), label="world")
+        rank = mostly(st.integers(0, min(world, MAX_HELD) - 1), st.integers(0, MAX_COUNT))
+        step = mostly(st.integers(0, 50), st.integers(0, MAX_COUNT), st.just(MAX_COUNT))
+        pairs = data.draw(st.lists(st.tuples(rank, step), max_size=12), label="held")
+        msg = SnapshotsHeld(
+            world_size=world, ranks=tuple(r for r, _ in pairs), steps=tuple(x for _, x in pairs)
         )
         self.send(c, msg)
 
