@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -610,6 +611,7 @@ ServerModel.TestCase.settings = settings(
 )
 
 
+@pytest.mark.timeout(600)  # bounded by EXAMPLES x STEPS; about 70 s alone, more beside other soak runs
 def test_the_machine_against_random_inputs() -> None:
     started = time.monotonic()
     ServerModel.TestCase().runTest()
