@@ -87,25 +87,29 @@ class RestoreRules(CommitRules):
                     out.append(Send(m.conn, msg))
 
     @from_volatile("restore")
-    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> int:
-        """The step the round being formed restores from (-1: none). Live, from the holdings
-        (logged as a fact); replaying, from the fact."""
+    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> tuple[int, int]:
+        """The step the round being formed restores from (-1: none) and the step the job had
+        reached (for the history; -1: not reported). Live, from the holdings and the
+        progress, both volatile, so logged as a fact; replaying, from the fact."""
         if self.logged_facts is not None:
             logged = self.logged_facts.get("restore", [])
             mine = [e for e in logged if e[0] == job.id]
             if not mine:
-                return -1
+                return -1, -1
             self.logged_facts["restore"] = [e for e in logged if e is not mine[0]]  # used once
-            return int(mine[0][1])
+            fact = mine[0]
+            return int(fact[1]), int(fact[2]) if len(fact) > 2 else -1  # older logs: no reached
         step = job.restore_points.newest_among(world, set(order))
+        reached = job.progress.max_step
         if step >= 0:
-            self._add_fact("restore", [job.id, step])
-        return step
+            self._add_fact("restore", [job.id, step, reached])
+        return step, reached
 
     def _restore_fields(
         self,
         job: Job,
         step: int,
+        reached: int,
         world: int,
         order: Sequence[str],
         offsets: Sequence[int],
@@ -125,7 +129,7 @@ class RestoreRules(CommitRules):
                 fields.update(self._sources(job, step, world, m, offsets[i], set(order)))
             plans.append(fields)
         if step >= 0:
-            said.note(job, said.restored(now, job.round, step, job.progress.max_step), out)
+            said.note(job, said.restored(now, job.round, step, reached), out)
         job.world_size = world
         job.kept_step = job.replicate_step = -1  # the agents prune by the new round's holdings
         return plans

@@ -320,8 +320,8 @@ class RoundRules(RestoreRules):
         for nid in job.order:
             offsets.append(at)
             at += job.members[nid].nproc
-        step = self._restore_step(job, world_size, job.order)
-        plans = self._restore_fields(job, step, world_size, job.order, offsets, now, out)
+        step, reached = self._restore_step(job, world_size, job.order)
+        plans = self._restore_fields(job, step, reached, world_size, job.order, offsets, now, out)
         job.phase = JobPhase.RUNNING
         job.running_since = now
         job.last_call_deadline = None

@@ -150,3 +150,26 @@ def test_a_job_of_one_node_keeps_its_newest_and_copies_nothing() -> None:
     conn = _join(h, "na", min_nodes=1, max_nodes=1)
     _held(h, conn, 2, [(0, 3), (1, 3)])
     assert h.last(conn, KeepSnapshot) == KeepSnapshot(step=3, replicate=-1)
+
+
+def test_a_restore_and_the_steps_it_lost_replay_from_the_state_log() -> None:
+    """The step restored from and the step the job had reached are both volatile live (the
+    holdings, the progress): the history a replay rebuilds says what the live server said.
+    Found by the model test: a replay said "no step lost" where the live server counted them."""
+    from .test_journal import Recording, replays_from_every_cut
+
+    h = Harness(machine=Recording())
+    first, second = _two_nodes(h)
+    rnd = _assignment(h, first).round
+    _held(h, first, 4, [(0, 10), (1, 10), (2, 10), (3, 10)])
+    _held(h, second, 4, [(2, 10), (3, 10), (0, 10), (1, 10)])
+    h.send(first, Progress(round=rnd, min_step=14, max_step=15))
+    h.send(second, WorkersFailed(round=rnd, failure=failure(node="nb")))
+    _join(h, "na", first), _join(h, "nb", second)
+    assert {_assignment(h, c).restore_step for c in (first, second)} == {10}
+    said = [e.text for e in h.machine.jobs["job"].history if e.kind == "restore"]
+    assert said == [
+        f"round {rnd + 1} resumes every rank from the in-memory snapshot of step 10: "
+        "5 steps lost (the job had reached step 15)"
+    ]
+    replays_from_every_cut(h.machine.records, h.machine)
