@@ -491,6 +491,9 @@ class AgentConfig:
     # snapshots), and the rate a replication may send at (bytes/s; 0: no limit).
     snapshot_memory: int | None = None
     snapshot_replication_rate: int = 256 << 20
+    # --snapshot-dir: where the newest consistent snapshot is also persisted (None: nowhere);
+    # snapshots/durable.py.
+    snapshot_dir: str | None = None
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
     token: str | None = field(default=None, repr=False)
     # TLS to the rendezvous server (--tls-ca, else RDZV_TLS_CA; None: plain TCP), and an

@@ -21,10 +21,13 @@ def join_message(
     store_port: int = 0,
     replica_port: int = 0,
     replica_key: str = "",
+    durable_world: int = -1,
+    durable_steps: tuple[int, ...] = (),
 ) -> Join:
     """This node's Join for the next round, with a master port free right now, or
     ``store_port``: the port this node's agent hosts the workers' store on (store/host.py);
-    ``replica_port``/``replica_key``: where it takes snapshot replicas (snapshots/node.py)."""
+    ``replica_port``/``replica_key``: where it takes snapshot replicas (snapshots/node.py);
+    ``durable_world``/``durable_steps``: what its --snapshot-dir offers (snapshots/durable.py)."""
     return Join(
         job_id=cfg.rdzv_id,
         node_id=node_id,
@@ -51,6 +54,8 @@ def join_message(
         node_secret=node_secret,
         replica_port=replica_port,
         replica_key=replica_key,
+        durable_world=durable_world,
+        durable_steps=durable_steps,
     )
 
 

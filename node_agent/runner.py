@@ -209,7 +209,8 @@ class Agent:
                 if self.store is not None:
                     await self.store.close()
                 if self.snaps is not None:
-                    await self.snaps.close()
+                    # The job finished: its persisted snapshots are no fallback any more.
+                    await self.snaps.close(succeeded=self._exit is not None and self._exit.job_done)
 
     def _gpu_node(self) -> GpuNode:
         if self._gpu is None:
@@ -596,11 +597,11 @@ class Agent:
 
 
 def _replica(snaps: SnapshotNode | None) -> dict[str, Any]:
-    """The Join's replica fields: where this node takes snapshot replicas (none: nothing)."""
+    """The Join's snapshot fields: where this node takes replicas, what its --snapshot-dir
+    offers (none: nothing)."""
     if snaps is None:
         return {}
-    port, key = snaps.join_fields()
-    return {"replica_port": port, "replica_key": key} if port else {}
+    return snaps.join_fields()
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> tuple[Agent, AgentOutcome]:

@@ -63,6 +63,7 @@ from protocol.messages import (
     MAX_ADDR_LEN,
     MAX_CODE_LEN,
     MAX_COUNT,
+    MAX_DURABLE_STEPS,
     MAX_HELD,
     MAX_HUNG_RANKS,
     MAX_ID_LEN,
@@ -237,6 +238,8 @@ def _largest_join() -> Join:
         hosts_store=True,
         replica_port=65535,
         replica_key="f" * 128,
+        durable_world=_BIG_INT,
+        durable_steps=(_BIG_INT,) * MAX_DURABLE_STEPS,
     )
 
 
@@ -265,6 +268,7 @@ def largest_client_messages() -> dict[type, Message]:
         restore_keys=("f" * 128,) * MAX_RESTORE_SOURCES,
         replica_to=_WIDE * MAX_ADDR_LEN,
         replica_key="f" * 128,
+        restore_durable=True,
     )
     failure = Failure(
         node_id=_WIDE * MAX_ID_LEN,

@@ -104,6 +104,7 @@ MAX_PHASE_LEN = 32
 MAX_STACK_RANKS = 32
 MAX_STACK_LEN = 2048
 MAX_RESTORE_SOURCES = 64  # the agents one node's ranks restore from (issue 35)
+MAX_DURABLE_STEPS = 4  # the steps one Join offers from its snapshot directory (issue 35)
 MAX_HUNG_RANKS = 64  # the hung ranks one HangDetected names (a node has at most MAX_NPROC)
 _MIN_INT64 = -(2**63)
 # Unix seconds; 2**53 is where floats stop holding every integer exactly.
@@ -423,10 +424,23 @@ class Join(_Schema):
     # shown. Added within version 1: an older server ignores them (no replication).
     replica_port: int = field(default=0, metadata=_integer(0, 65535))
     replica_key: str = field(default="", metadata=_SECRET)
+    # Durable snapshots (issue 35, --snapshot-dir): the newest steps (newest first) whose
+    # snapshots this agent finds complete for every rank of a job of durable_world ranks in its
+    # snapshot directory (-1, (): none, or no directory). The server restores a round from the
+    # newest step every member has, when no newer one is in memory. Added within version 1:
+    # an older server ignores them.
+    durable_world: int = field(default=-1, metadata=_integer(-1, MAX_COUNT))
+    durable_steps: tuple[int, ...] = field(
+        default=(), metadata=_items(_COUNT["check"], "steps", MAX_DURABLE_STEPS)
+    )
 
     def _check_relations(self) -> None:
         if self.max_nodes < self.min_nodes:
             raise self._invalid("max_nodes", f"must be >= min_nodes ({self.min_nodes}), got {self.max_nodes}")
+        if self.durable_world == 0:
+            raise self._invalid("durable_world", "must be -1 (none) or a world size, got 0")
+        if self.durable_steps and self.durable_world < 1:
+            raise self._invalid("durable_steps", "given without a durable_world")
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -704,8 +718,14 @@ class Assignment(_Schema):
     )
     replica_to: str = field(default="", metadata=_text(MAX_ADDR_LEN, plain=True))
     replica_key: str = field(default="", metadata=_SECRET)
+    # restore_step's snapshots are the ones every member's Join offered from its snapshot
+    # directory (durable_steps), not in memory: each node reads its ranks' back before its
+    # workers start. Added within version 1 (False from an older server).
+    restore_durable: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
+        if self.restore_durable and self.restore_step < 0:
+            raise self._invalid("restore_durable", "given without a restore_step")
         if len(self.restore_keys) != len(self.restore_addrs):
             raise self._invalid("restore_keys", f"must have one key per address ({len(self.restore_addrs)})")
         if any(i >= len(self.restore_addrs) for i in self.restore_source):

@@ -414,15 +414,21 @@ def commit_abandoned(now: float, rnd: int, step: int, why: str) -> JobEvent:
     return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
 
 
-def restored(now: float, rnd: int, step: int, reached: int) -> JobEvent:
-    """Round ``rnd`` resumes every rank from the snapshot of ``step``; the job had reached
-    ``reached`` (-1: not reported), so ``reached - step`` steps are done again."""
+def restored(now: float, rnd: int, step: int, reached: int, from_disk: bool = False) -> JobEvent:
+    """Round ``rnd`` resumes every rank from the snapshot of ``step`` (in memory, or persisted
+    in the nodes' --snapshot-dir); the job had reached ``reached`` (-1: not reported), so
+    ``reached - step`` steps are done again."""
     if reached > step:
         lost = reached - step
         cost = f"{lost} step{'s' if lost != 1 else ''} lost (the job had reached step {reached})"
     else:
         cost = "no step lost"
-    text = f"round {rnd} resumes every rank from the in-memory snapshot of step {step}: {cost}"
+    where = (
+        f"snapshot of step {step} persisted in --snapshot-dir"
+        if from_disk
+        else f"in-memory snapshot of step {step}"
+    )
+    text = f"round {rnd} resumes every rank from the {where}: {cost}"
     return JobEvent(time=now, kind=EventKind.RESTORE, text=text, round=rnd, step=step)
 
 

@@ -116,6 +116,17 @@ class Member:
     replica_key: str = ""
     # It sent SnapshotsHeld: it snapshots, so it gets KeepSnapshot (an older agent never does).
     snapshots: bool = False
+    # Join.durable_world/durable_steps (issue 35): the steps its snapshot directory holds
+    # complete for a job of that many ranks (-1, (): none).
+    durable_world: int = -1
+    durable_steps: tuple[int, ...] = ()
+
+    def take_join(self, msg: Join) -> None:
+        """What a re-join (or a spare's) may change: where the agent is and what it offers."""
+        self.addr, self.master_port = msg.addr, msg.master_port
+        self.hosts_store = msg.hosts_store
+        self.replica_port, self.replica_key = msg.replica_port, msg.replica_key
+        self.durable_world, self.durable_steps = msg.durable_world, msg.durable_steps
 
 
 @record(frozen=True, slots=True)

@@ -228,16 +228,13 @@ class Recovery(RoundRules):
             return True
         if member.node_id in job.spares:
             self._rebind(job, member, conn, now)
-            member.addr, member.master_port = msg.addr, msg.master_port
-            member.hosts_store = msg.hosts_store
-            member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
+            member.take_join(msg)
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full", spare=True)))
             return True
         if member.state in (MemberState.WAITING, MemberState.READY):
             self._rebind(job, member, conn, now)
-            member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
-            member.hosts_store = msg.hosts_store
-            member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
+            member.nproc = msg.nproc
+            member.take_join(msg)
             set_state(job, member, MemberState.READY)
             said.note(job, said.rejoined(now, member), out)
             self._maybe_complete(job, now, out)

@@ -48,6 +48,19 @@ def replica_addr(m: Member) -> str:
     return addr if len(addr) <= MAX_ADDR_LEN else ""  # an address the Assignment cannot carry
 
 
+def durable_step(job: Job, world: int, order: Sequence[str]) -> int:
+    """The newest step every member of the round being formed offered from its snapshot
+    directory for a job of ``world`` ranks (Join.durable_steps; -1: none). Deterministic
+    (from the logged Joins), but taken with the volatile holdings, so logged with them."""
+    common: set[int] | None = None
+    for nid in order:
+        m = job.members[nid]
+        if m.durable_world != world or not m.durable_steps:
+            return -1
+        common = set(m.durable_steps) if common is None else common & set(m.durable_steps)
+    return max(common, default=-1) if common else -1
+
+
 class RestoreRules(CommitRules):
     def _on_held(self, job: Job, member: Member, msg: SnapshotsHeld, now: float, out: list[Effect]) -> None:
         member.snapshots = True
@@ -87,29 +100,34 @@ class RestoreRules(CommitRules):
                     out.append(Send(m.conn, msg))
 
     @from_volatile("restore")
-    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> tuple[int, int]:
-        """The step the round being formed restores from (-1: none) and the step the job had
-        reached (for the history; -1: not reported). Live, from the holdings and the
+    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> tuple[int, int, bool]:
+        """The step the round being formed restores from (-1: none), the step the job had
+        reached (for the history; -1: not reported) and whether the step comes from the
+        members' snapshot directories rather than memory. Live, from the holdings and the
         progress, both volatile, so logged as a fact; replaying, from the fact."""
         if self.logged_facts is not None:
             logged = self.logged_facts.get("restore", [])
             mine = [e for e in logged if e[0] == job.id]
             if not mine:
-                return -1, -1
+                return -1, -1, False
             self.logged_facts["restore"] = [e for e in logged if e is not mine[0]]  # used once
-            fact = mine[0]
-            return int(fact[1]), int(fact[2]) if len(fact) > 2 else -1  # older logs: no reached
+            fact = [*mine[0], -1, False]  # older logs: no reached, no durable
+            return int(fact[1]), int(fact[2]), fact[3] is True
         step = job.restore_points.newest_among(world, set(order))
+        durable = durable_step(job, world, order)
+        from_disk = durable > step  # memory wins a tie: no disk read
+        step = max(step, durable)
         reached = job.progress.max_step
         if step >= 0:
-            self._add_fact("restore", [job.id, step, reached])
-        return step, reached
+            self._add_fact("restore", [job.id, step, reached, from_disk])
+        return step, reached, from_disk
 
     def _restore_fields(
         self,
         job: Job,
         step: int,
         reached: int,
+        from_disk: bool,
         world: int,
         order: Sequence[str],
         offsets: Sequence[int],
@@ -125,11 +143,13 @@ class RestoreRules(CommitRules):
             peer = members[(i + 1) % n] if n > 1 else None
             if peer is not None and m.replica_port > 0 and replica_addr(peer):
                 fields["replica_to"], fields["replica_key"] = replica_addr(peer), peer.replica_key
-            if step >= 0:
+            if step >= 0 and from_disk:
+                fields.update(restore_step=step, restore_durable=True)  # each node reads its own
+            elif step >= 0:
                 fields.update(self._sources(job, step, world, m, offsets[i], set(order)))
             plans.append(fields)
         if step >= 0:
-            said.note(job, said.restored(now, job.round, step, reached), out)
+            said.note(job, said.restored(now, job.round, step, reached, from_disk), out)
         job.world_size = world
         job.kept_step = job.replicate_step = -1  # the agents prune by the new round's holdings
         return plans

@@ -241,6 +241,8 @@ class RoundRules(RestoreRules):
             hosts_store=join.hosts_store,
             replica_port=join.replica_port,
             replica_key=join.replica_key,
+            durable_world=join.durable_world,
+            durable_steps=join.durable_steps,
         )
         if join.node_rank >= 0 and not job.elastic:
             job.rank_holders[join.node_rank] = join.node_id
@@ -261,18 +263,15 @@ class RoundRules(RestoreRules):
             return
         if member.node_id in job.spares:
             self.unchanged = (member.addr, member.master_port) == (msg.addr, msg.master_port)
-            member.addr, member.master_port = msg.addr, msg.master_port
-            member.hosts_store = msg.hosts_store
-            member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
+            member.take_join(msg)
             return
         if member.state is not MemberState.WAITING:
             # Only a member told to restart re-joins; anything else is a confused agent.
             what = f"join while {member.state.value} in round {job.round}"
             self._refuse(self.conns[member.conn], "unexpected_message", what, now, out)
             return
-        member.addr, member.nproc, member.master_port = msg.addr, msg.nproc, msg.master_port
-        member.hosts_store = msg.hosts_store
-        member.replica_port, member.replica_key = msg.replica_port, msg.replica_key
+        member.nproc = msg.nproc
+        member.take_join(msg)
         set_state(job, member, MemberState.READY)
         self._maybe_complete(job, now, out)
 
@@ -320,8 +319,8 @@ class RoundRules(RestoreRules):
         for nid in job.order:
             offsets.append(at)
             at += job.members[nid].nproc
-        step, reached = self._restore_step(job, world_size, job.order)
-        plans = self._restore_fields(job, step, reached, world_size, job.order, offsets, now, out)
+        step, reached, from_disk = self._restore_step(job, world_size, job.order)
+        plans = self._restore_fields(job, step, reached, from_disk, world_size, job.order, offsets, now, out)
         job.phase = JobPhase.RUNNING
         job.running_since = now
         job.last_call_deadline = None
@@ -353,7 +352,7 @@ class RoundRules(RestoreRules):
                 msg = first
             elif plans[group_rank] or plans[0]:  # every field of node 0's plan is set again
                 base = {"restore_step": -1, "restore_source": (), "restore_addrs": (), "restore_keys": ()}
-                base |= {"replica_to": "", "replica_key": ""}
+                base |= {"replica_to": "", "replica_key": "", "restore_durable": False}
                 fields = base | plans[group_rank]
                 msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank], **fields)
             else:

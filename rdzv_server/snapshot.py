@@ -129,6 +129,8 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "hosts_store": m.hosts_store,
         "replica_port": m.replica_port,
         "replica_key": m.replica_key,  # private, as node_secret
+        "durable_world": m.durable_world,
+        "durable_steps": list(m.durable_steps),
     }
 
 
@@ -330,6 +332,8 @@ def _load_member(d: dict[str, Any]) -> Member:
         hosts_store=d.get("hosts_store", False) is True,  # absent before agent stores
         replica_port=_int(d.get("replica_port", 0)),  # absent before snapshots (issue 35)
         replica_key=str(d.get("replica_key", "")),
+        durable_world=_int(d.get("durable_world", -1)),  # absent before --snapshot-dir
+        durable_steps=tuple(_int(x) for x in d.get("durable_steps", ())),
     )
 
 

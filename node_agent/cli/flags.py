@@ -300,6 +300,15 @@ FLAGS: tuple[Flag, ...] = (
         "so that it takes a bounded share of the training's network; 0: no limit",
     ),
     _f(
+        "snapshot_dir",
+        "--snapshot-dir",
+        default=None,
+        metavar="DIR",
+        help="also persist each job's newest consistent in-memory snapshot here, in the background "
+        "(a directory the nodes share, like a checkpoint directory), so that a job lost whole "
+        "resumes from it; removed when the job succeeds",
+    ),
+    _f(
         "gpu_release_mib",
         "--gpu-release-mib",
         default="512",

@@ -135,6 +135,22 @@ def read_log_dir(inputs: Inputs) -> str | None:
     return given.value
 
 
+def read_snapshot_dir(inputs: Inputs, snapshot_memory: int | None) -> str | None:
+    """--snapshot-dir: an absolute path (the agent makes it, private, at start); it persists
+    in-memory snapshots, so it needs them on."""
+    given = inputs.get("snapshot_dir")
+    if not given.value:
+        return None
+    what = given.what(BY_DEST["snapshot_dir"])
+    if os.path.exists(given.value) and not os.path.isdir(given.value):
+        raise ConfigError(f"{what}={given.value!r} is a file, not a directory")
+    if snapshot_memory == 0:
+        raise ConfigError(
+            f"{what}={given.value!r} persists in-memory snapshots, which --snapshot-memory 0 turns off"
+        )
+    return os.path.abspath(given.value)
+
+
 def read_std(inputs: Inputs, dest: str) -> StdSpec:
     given = inputs.get(dest)
     return StdSpec.parse(given.value or "", origin=given.what(BY_DEST[dest]))

@@ -68,6 +68,7 @@ from .inputs import (
     read_port,
     read_seconds,
     read_size,
+    read_snapshot_dir,
     read_std,
 )
 from .nproc import resolve_nproc
@@ -184,7 +185,8 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         health_check_port=_health_check_port(environ),
         gpu_release_timeout=read_seconds(inputs, "gpu_release_timeout", positive=False),
         gpu_release_mib=read_int(inputs, "gpu_release_mib", minimum=0),
-        snapshot_memory=read_size(inputs, "snapshot_memory", auto=True),
+        snapshot_memory=(snapshot_memory := read_size(inputs, "snapshot_memory", auto=True)),
+        snapshot_dir=read_snapshot_dir(inputs, snapshot_memory),
         snapshot_replication_rate=read_size(inputs, "snapshot_replication_rate", auto=False) or 0,
         token=_token(inputs.get("token_file").value, environ, rdzv_id),
         tls_ca=tls_ca,

@@ -45,6 +45,7 @@ from ..worker_env import RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
 
 if TYPE_CHECKING:
     from .channel import ReplicaServer, Replicator
+    from .durable import DurableDir, Offer
     from .holdings import Holdings
 
 __all__ = ["POLL_S", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
@@ -87,6 +88,7 @@ class SnapshotNode:
         rate: int,
         log: AgentLog,
         replicate: bool = True,
+        durable: DurableDir | None = None,
     ) -> None:
         self.root = root
         self.memory = memory
@@ -111,6 +113,13 @@ class SnapshotNode:
         self.copying = -1  # the step the server asked every node to copy (-1: none)
         self._offered: dict[int, float] = {}  # local rank -> when its copy was last offered
         self._poll: asyncio.Task[None] | None = None
+        # --snapshot-dir (durable.py): what the next Join offers from it, the newest kept step
+        # asked to be persisted (world, step, local ranks) and the task persisting.
+        self.durable = durable
+        self.offer: Offer | None = None
+        self._persist_asked: tuple[int, int, range] | None = None
+        self._persisted = -1
+        self._persisting: asyncio.Task[None] | None = None
 
     @property
     def holdings(self) -> Holdings:
@@ -141,21 +150,54 @@ class SnapshotNode:
         at the address the server has for this node) and start reading the holdings."""
         if self.server is not None:
             self.port = await self.server.start("::" if ":" in addr else "0.0.0.0", 0)
+        if self.durable is not None:
+            self.offer = await asyncio.to_thread(self._read_offer, self.durable)
         self._poll = asyncio.get_running_loop().create_task(self._polling(emit))
 
-    async def close(self) -> None:
+    def _read_offer(self, durable: DurableDir) -> Offer:
+        from .durable import Offer
+
+        try:
+            durable.job.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            offer = durable.offer()
+        except OSError as exc:
+            self.log(
+                f"--snapshot-dir {durable.root}: cannot read it ({exc}); nothing restored from it", "warning"
+            )
+            return Offer()
+        if offer.steps:
+            self.log(
+                f"--snapshot-dir {durable.job}: snapshots of a {offer.world}-rank job, complete at "
+                f"step{'s' if len(offer.steps) > 1 else ''} {', '.join(map(str, offer.steps))}"
+            )
+        return offer
+
+    async def close(self, *, succeeded: bool = False) -> None:
+        """Stop serving and polling; a persist under way finishes first (it is what a job
+        lost whole falls back to). ``succeeded``: the job is done, its persisted snapshots go."""
         if self._poll is not None:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
+        if self._persisting is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._persisting
+        if succeeded and self.durable is not None:
+            await asyncio.to_thread(self.durable.forget)
         if self.replicator is not None:
             await self.replicator.close()
         if self.server is not None:
             await self.server.close()
 
-    def join_fields(self) -> tuple[int, str]:
-        """This node's replica port and key, for its Join (0, "": it takes none)."""
-        return self.port, self.key
+    def join_fields(self) -> dict[str, object]:
+        """This node's Join fields: its replica port and key (none: it takes none) and the
+        steps its snapshot directory offers (none: nothing complete there)."""
+        fields: dict[str, object] = {}
+        if self.port:
+            fields.update(replica_port=self.port, replica_key=self.key)
+        if self.offer is not None and self.offer.steps:
+            fields.update(durable_world=self.offer.world, durable_steps=self.offer.steps)
+        return fields
 
     # -- a round ---------------------------------------------------------------------------
 
@@ -189,6 +231,9 @@ class SnapshotNode:
         self._drop_after(a.restore_step)
         if a.restore_step < 0:
             return
+        if a.restore_durable:
+            await self._read_back(a)
+            return
         fetched = 0
         for i, rank in enumerate(self.local):
             src = a.restore_source[i] if i < len(a.restore_source) else -1
@@ -215,6 +260,38 @@ class SnapshotNode:
             return 0
         return 1
 
+    async def _read_back(self, a: Assignment) -> None:
+        """Every local rank's snapshot of the restore step, from the snapshot directory."""
+        durable, step = self.durable, a.restore_step
+        if durable is None:  # not offered by us: the workers say what is missing
+            self.log(
+                f"round {a.round}: told to restore step {step} from a --snapshot-dir this node lacks", "error"
+            )
+            return
+        started, size = time.monotonic(), 0
+        for rank in self.local:
+            if self.holdings.path(rank, step) is not None:
+                continue
+            try:
+                size += await asyncio.to_thread(durable.read_into, self.holdings, a.world_size, rank, step)
+            except (OSError, ValueError) as exc:
+                # The worker finds no snapshot and says so (SnapshotMissing); the next Join
+                # offers the step no more, so the job does not come back to it.
+                why = f"could not read rank {rank}'s snapshot of step {step} from {durable.job}: {exc}"
+                self.log(f"round {a.round}: {why}", "error")
+                if self.offer is not None:
+                    from .durable import Offer
+
+                    self.offer = Offer(self.offer.world, tuple(s for s in self.offer.steps if s != step))
+                return
+        self._persisted = max(self._persisted, step)  # it is there already
+        took = time.monotonic() - started
+        self.log(
+            f"round {a.round}: every rank restores the snapshot of step {step} persisted in --snapshot-dir "
+            f"({len(self.local)} rank{'s' if len(self.local) != 1 else ''} read back, "
+            f"{size / 2**20:.1f} MiB in {took:.2f} s)"
+        )
+
     def _rank_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"r{rank}")
 
@@ -233,6 +310,45 @@ class SnapshotNode:
         self.copying = replicate if self.replicator is not None else -1
         self._offered = {}
         self._offer()
+        if self.durable is not None and step > self._persisted and self.world:
+            self._persist_asked = (self.world, step, self.local)
+            if self._persisting is None or self._persisting.done():
+                self._persisting = asyncio.get_running_loop().create_task(self._persist())
+
+    async def _persist(self) -> None:
+        """Persist the newest kept step, one at a time (a newer one asked meanwhile is next;
+        those in between are skipped)."""
+        durable = self.durable
+        assert durable is not None
+        while self._persist_asked is not None:
+            world, step, ranks = self._persist_asked
+            self._persist_asked = None
+            if step <= self._persisted:
+                continue
+            started = time.monotonic()
+            fds: list[int] = []
+            try:
+                # Opened now, while pinned: a newer keep may unpin it, an open file stays readable.
+                for rank in ranks:
+                    path = self.holdings.path(rank, step)
+                    if path is None:
+                        raise FileNotFoundError(f"rank {rank} has no snapshot of step {step} here")
+                    fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+                size = await asyncio.to_thread(self._persist_step, durable, world, step, ranks, fds)
+            except OSError as exc:
+                self.log(f"could not persist the snapshot of step {step} to {durable.job}: {exc}", "warning")
+                continue
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self._persisted = step
+            log_.debug("step %d persisted: %d bytes in %.2f s", step, size, time.monotonic() - started)
+
+    def _persist_step(self, durable: DurableDir, world: int, step: int, ranks: range, fds: list[int]) -> int:
+        size = sum(durable.persist(world, rank, step, fd) for rank, fd in zip(ranks, fds, strict=True))
+        durable.prune(world, ranks)
+        self.offer = durable.offer()
+        return size
 
     def _offer(self) -> None:
         """Offer the copy of each local rank's snapshot of the step being copied, again after
@@ -294,6 +410,14 @@ async def start_snapshots(
     memory = config.snapshot_memory if config.snapshot_memory is not None else default_memory()
     if memory <= 0 or file_limit(memory, config.nproc_per_node) <= 0:
         return None
+    durable = None
+    if config.snapshot_dir:
+        from .durable import DurableDir
+
+        rate = config.snapshot_replication_rate
+        # A standalone job's id is random per launch: its relaunch must find the same folder.
+        job = "standalone" if config.standalone else config.rdzv_id
+        durable = DurableDir(config.snapshot_dir, job, rate=float(rate) if rate > 0 else None)
     node = SnapshotNode(
         os.path.join(runtime, "snapshots"),
         memory=memory,
@@ -301,6 +425,7 @@ async def start_snapshots(
         rate=config.snapshot_replication_rate,
         log=log,
         replicate=config.max_nodes > 1,
+        durable=durable,
     )
     try:
         await node.start(emit, addr)

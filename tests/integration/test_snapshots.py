@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -228,3 +229,70 @@ def _used(pid: int) -> int:
                 except FileNotFoundError:
                     pass
     return total
+
+
+def test_a_job_lost_whole_resumes_from_its_snapshot_dir(tmp_path: Path, uninterrupted: dict) -> None:
+    """--snapshot-dir: the agent persists the kept step in the background; the whole job (the
+    agent and its workers) SIGKILLed, a relaunch of the same line resumes from it, and once
+    the job succeeds its persisted snapshots are gone."""
+    snaps, gate = tmp_path / "snaps", tmp_path / "go"
+    argv = agent_cmd("--standalone", "--nproc-per-node", "2", "--snapshot-dir", str(snaps), SCRIPT)
+    folder = snaps / "standalone" / "w2"
+    first = Proc(argv, env=_env(tmp_path, WAIT_FILE=str(gate), WAIT_STEP="15"))  # holds at step 16
+    try:
+        name = "00000000000000000015.snap"
+        wait_until(
+            "step 15 persisted", lambda: all((folder / f"r{r}" / name).exists() for r in (0, 1)), JOB_BOUND
+        )
+    finally:
+        first.kill()  # the whole job: the agent's session, its workers with it
+    assert "--snapshot-dir" not in first.stderr, first.stderr  # nothing there at the first start
+    second = Proc(argv, env=_env(tmp_path))
+    assert second.wait(timeout=JOB_BOUND) == 0, second.stderr
+    assert re.search(r"snapshots of a 2-rank job, complete at steps? 15\b", second.stderr), second.stderr
+    assert "every rank restores the snapshot of step 15 persisted in --snapshot-dir" in second.stderr
+    for rank in (0, 1):
+        assert [s["start"] for s in _starts(tmp_path, rank)] == [0, 16]
+        assert _same(_final(tmp_path, rank), uninterrupted[rank])
+    assert not (snaps / "standalone").exists()  # the job succeeded: no fallback left behind
+
+
+def test_two_nodes_lost_together_resume_from_their_shared_snapshot_dir(
+    tmp_path: Path, uninterrupted: dict
+) -> None:
+    """Two nodes persist their own ranks' kept step into one shared directory; both SIGKILLed
+    (the job lost whole, the server keeps running), the relaunched nodes both offer it and the
+    server restores every rank from it."""
+    srv, port = start_server()
+    snaps, gate = tmp_path / "snaps", tmp_path / "go"
+    folder = snaps / "snap" / "w2"
+    nodes: dict[str, Proc] = {}
+    try:
+        extra = ("--snapshot-dir", str(snaps))
+        for tag in ("a", "b"):
+            nodes[tag] = _node(port, tmp_path, tag, *extra, WAIT_FILE=str(gate), WAIT_STEP="15")
+        name = "00000000000000000015.snap"
+        wait_until(
+            "step 15 persisted", lambda: all((folder / f"r{r}" / name).exists() for r in (0, 1)), JOB_BOUND
+        )
+        for p in nodes.values():
+            p.kill()
+        for tag in ("a", "b"):
+            nodes[tag] = _node(port, tmp_path, tag, *extra)
+        for p in nodes.values():
+            assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
+            assert "every rank restores the snapshot of step 15 persisted in --snapshot-dir" in p.stderr, (
+                p.stderr
+            )
+        history = "\n".join(_history(port))
+        assert "resumes every rank from the snapshot of step 15 persisted in --snapshot-dir" in history, (
+            history
+        )
+    finally:
+        for p in nodes.values():
+            p.kill()
+        srv.kill()
+    for rank in (0, 1):
+        assert _starts(tmp_path, rank)[-1]["start"] == 16
+        assert _same(_final(tmp_path, rank), uninterrupted[rank])
+    assert not (snaps / "snap").exists()

@@ -109,6 +109,8 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "hosts_store": True,
         "replica_port": 40123,
         "replica_key": "9e" * 32,
+        "durable_world": 16,
+        "durable_steps": (40, 20),
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE), "step": 41},
@@ -142,6 +144,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "restore_keys": ("9e" * 32,),
         "replica_to": "10.0.0.2:40123",
         "replica_key": "7a" * 32,
+        "restore_durable": False,
     },
     Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1, "report": "hang: suspect rank 3"},
     JobFailed: {
@@ -739,8 +742,15 @@ def test_snapshot_fields_hold_together():
     assert_invalid(SnapshotsHeld, "ranks", (-1, 0, 1), blamed="ranks")
     assert_invalid(KeepSnapshot, "step", -2)
     assert_invalid(KeepSnapshot, "replicate", -2)
+    assert_invalid(Join, "durable_steps", (40,), durable_world=-1)
+    assert_invalid(Join, "durable_steps", (1, 2, 3, 4, 5))  # at most MAX_DURABLE_STEPS
+    assert_invalid(Join, "durable_world", 0)  # -1 (none) or a world size
+    assert_invalid(Assignment, "restore_durable", True, restore_step=-1)
     # Absent, they mean "nothing": an older server's Assignment restores nothing.
     plain = Assignment(
         **{k: v for k, v in VALID[Assignment].items() if not k.startswith(("restore", "replica"))}
     )
     assert (plain.restore_step, plain.restore_source, plain.replica_to) == (-1, (), "")
+    assert not plain.restore_durable
+    older = Join(**{k: v for k, v in VALID[Join].items() if not k.startswith("durable")})
+    assert (older.durable_world, older.durable_steps) == (-1, ())

@@ -352,10 +352,20 @@ class ServerModel(RuleBasedStateMachine):
             # Most nodes offer replicas (in-memory snapshots, issue 35), some do not.
             replica_port=data.draw(mostly(st.just(40000 + NODES.index(node)), st.integers(0, 65535))),
             replica_key=data.draw(mostly(st.just(f"{NODES.index(node):02x}" * 32), st.just(""))),
+            **self.durable(data, chosen),
             **chosen,
         )
         self.agents[c] = Agent(stage="joined", job=job, node=node, join=msg)
         self.send(c, msg)
+
+    def durable(self, data: st.DataObject, chosen: dict[str, Any]) -> dict[str, Any]:
+        """Most agents have no --snapshot-dir; some offer steps of a world size of a round of
+        this job (two nodes of ``nproc``), or of any size, so restores from disk happen."""
+        if data.draw(mostly(st.just(False), st.just(True)), label="durable"):
+            world = data.draw(mostly(st.just(2 * chosen["nproc"]), st.integers(1, MAX_COUNT)), label="world")
+            picked = data.draw(st.lists(mostly(st.integers(0, 30), counts), max_size=4, unique=True))
+            return {"durable_world": world, "durable_steps": tuple(sorted(picked, reverse=True))}
+        return {}
 
     def resume(self, data: st.DataObject) -> None:
         """A new connection resumes a round a node held (after a restart, or a lost link)."""

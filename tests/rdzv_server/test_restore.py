@@ -173,3 +173,47 @@ def test_a_restore_and_the_steps_it_lost_replay_from_the_state_log() -> None:
         "5 steps lost (the job had reached step 15)"
     ]
     replays_from_every_cut(h.machine.records, h.machine)
+
+
+def test_a_new_job_restores_the_newest_step_every_member_offers_from_its_snapshot_dir() -> None:
+    """--snapshot-dir: nothing in memory (the whole job was lost), every Join offers the steps
+    its directory holds complete: the round restores the newest one all offer, read back by
+    each node from its directory."""
+    from .test_journal import Recording, replays_from_every_cut
+
+    h = Harness(machine=Recording())
+    a = _join(h, "na", durable_world=4, durable_steps=(30, 20))
+    b = _join(h, "nb", durable_world=4, durable_steps=(20, 10))  # 30 not complete there yet
+    got = [_assignment(h, c) for c in (a, b)]
+    assert [(x.restore_step, x.restore_durable, x.restore_source) for x in got] == [(20, True, ())] * 2
+    said = [e.text for e in h.machine.jobs["job"].history if e.kind == "restore"]
+    assert said == [
+        "round 0 resumes every rank from the snapshot of step 20 persisted in --snapshot-dir: no step lost"
+    ]
+    replays_from_every_cut(h.machine.records, h.machine)
+
+
+def test_no_durable_restore_unless_every_member_offers_a_common_step_of_the_worlds_size() -> None:
+    for first, second in (
+        ({"durable_world": 4, "durable_steps": (30,)}, {}),  # one offers nothing
+        ({"durable_world": 4, "durable_steps": (30,)}, {"durable_world": 4, "durable_steps": (20,)}),
+        ({"durable_world": 2, "durable_steps": (30,)}, {"durable_world": 2, "durable_steps": (30,)}),
+    ):
+        h = Harness()
+        a, b = _join(h, "na", **first), _join(h, "nb", **second)
+        assert [(_assignment(h, c).restore_step, _assignment(h, c).restore_durable) for c in (a, b)] == [
+            (-1, False)
+        ] * 2
+
+
+def test_a_newer_step_in_memory_wins_over_the_snapshot_dir() -> None:
+    h = Harness()
+    first, second = _two_nodes(h)
+    rnd = _assignment(h, first).round
+    _held(h, first, 4, [(0, 40), (1, 40), (2, 40), (3, 40)])
+    _held(h, second, 4, [(2, 40), (3, 40), (0, 40), (1, 40)])
+    h.send(second, WorkersFailed(round=rnd, failure=failure(node="nb")))
+    durable = {"durable_world": 4, "durable_steps": (40, 30)}  # a tie: memory, no disk read
+    _join(h, "na", first, **durable), _join(h, "nb", second, **durable)
+    got = [_assignment(h, c) for c in (first, second)]
+    assert [(x.restore_step, x.restore_durable) for x in got] == [(40, False)] * 2

@@ -189,6 +189,7 @@ VALUE_FLAGS = [
         64 << 20,
         [],
     ),
+    ("snapshot_dir", ["--snapshot-dir"], "/var/snaps", lambda c: c.snapshot_dir, "/var/snaps", []),
 ]
 
 SWITCH_FLAGS = [
@@ -1219,3 +1220,14 @@ def test_a_bad_snapshot_size_is_refused_naming_the_flag(value, script):
     flag = "--snapshot-memory" if value != "auto" else "--snapshot-replication-rate"
     with pytest.raises(ConfigError, match=flag):
         parse([f"{flag}={value}", script])
+
+
+def test_snapshot_dir_is_made_absolute_and_refused_where_it_cannot_work(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse(["--snapshot-dir", "snaps", script]).snapshot_dir == str(tmp_path / "snaps")
+    assert parse([script]).snapshot_dir is None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--snapshot-dir='file' is a file, not a directory"):
+        parse(["--snapshot-dir", "file", script])
+    with pytest.raises(ConfigError, match="--snapshot-memory 0 turns off"):
+        parse(["--snapshot-memory", "0", "--snapshot-dir", "snaps", script])
