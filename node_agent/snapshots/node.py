@@ -119,6 +119,7 @@ class SnapshotNode:
         self.offer: Offer | None = None
         self._persist_asked: tuple[int, int, range] | None = None
         self._persisted = -1
+        self._persist_error = ""
         self._persisting: asyncio.Task[None] | None = None
 
     @property
@@ -162,7 +163,7 @@ class SnapshotNode:
             offer = durable.offer()
         except OSError as exc:
             self.log(
-                f"--snapshot-dir {durable.root}: cannot read it ({exc}); nothing restored from it", "warning"
+                f"--snapshot-dir {durable.root}: unreadable ({exc}); nothing restored from it", "warning"
             )
             return Offer()
         if offer.steps:
@@ -336,12 +337,14 @@ class SnapshotNode:
                     fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
                 size = await asyncio.to_thread(self._persist_step, durable, world, step, ranks, fds)
             except OSError as exc:
-                self.log(f"could not persist the snapshot of step {step} to {durable.job}: {exc}", "warning")
+                if str(exc) != self._persist_error:  # once per cause, not at every kept step
+                    self._persist_error = str(exc)
+                    self.log(f"could not persist step {step}'s snapshot to {durable.job}: {exc}", "warning")
                 continue
             finally:
                 for fd in fds:
                     os.close(fd)
-            self._persisted = step
+            self._persisted, self._persist_error = step, ""
             log_.debug("step %d persisted: %d bytes in %.2f s", step, size, time.monotonic() - started)
 
     def _persist_step(self, durable: DurableDir, world: int, step: int, ranks: range, fds: list[int]) -> int:
