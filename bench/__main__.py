@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import commit_lost, progress_cost, startup
+from . import commit_lost, progress_cost, snapshot_lost, startup
 from . import launch_cases as lc
 from . import ready_cases as rc
 from .procs import ROOT, Trial, TrialFailed, load_average, raise_nofile_limit
@@ -219,6 +219,7 @@ def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant
         "commit": [],
         "ready": [],
         "startup": [startup_variant(smoke)],
+        "snapshots": snapshot_variants(),
     }
     # Case 9: each change twice, the script without the check (torchrun runs it as it is: its
     # should_stop() is always False) and with it (ours only, compared with torchrun's run).
@@ -484,6 +485,71 @@ def variants(scale_ms: list[int], smoke: bool = False) -> dict[str, list[Variant
     return out
 
 
+def snapshot_variants() -> list[Variant]:
+    """Case 12 (bench/snapshot_lost.py): steps lost and time back after a SIGKILL, DCP checkpoints
+    (torchrun and ours) against in-memory snapshots (ours); a snapshot's and a restore's cost."""
+    c12 = "12. unplanned failures: steps lost and time back (in-memory snapshots)"
+    sl = snapshot_lost
+    out: list[Variant] = []
+    kills = (
+        ("worker", sl.worker_kill, "SIGKILL of 1 of 2 ranks (1 node)", "kill → every rank's first step"),
+        (
+            "node",
+            sl.node_kill,
+            "SIGKILL of node 2 of 2 (launcher + worker; ours: a spare waits, torchrun: relaunched at once)",
+            "kill → first step on both nodes",
+        ),
+    )
+    how = (
+        ("dcp", True, 0, f"DCP every {sl.EVERY} steps"),
+        ("snap1", False, 1, "snapshots every step"),
+        ("snap5", False, 5, "snapshots every 5 steps"),
+    )
+    for kill, run, what, timed in kills:
+        for tag, dcp, snap_every, saved in how:
+            name = f"snap-{kill}-{tag}"
+            ours_only = tag != "dcp"
+            out.append(
+                Variant(
+                    c12,
+                    name,
+                    functools.partial(run, dcp=dcp, snap_every=snap_every),
+                    [
+                        Metric("lost", f"{what} after step {sl.KILL_AT}, {saved}: steps run again", "steps"),
+                        Metric("back", f"{what}, {saved}: {timed} of the next attempt"),
+                    ],
+                    launchers=("ours",) if ours_only else LAUNCHERS,
+                    compare_with=f"snap-{kill}-dcp" if ours_only else None,
+                )
+            )
+    t = f"{sl.COST_STEP_T:g} s"
+    pct = f"{100 * sl.COST_BUDGET:g} %"
+    cost_metrics = []
+    for mib, size in ((100, "100 MiB"), (1024, "1 GiB")):
+        cost_metrics += [
+            Metric(f"save_{mib}", f"`snapshot_torch.save` of {size} (1 rank) into the agent's tmpfs"),
+            Metric(f"pct_{mib}", f"{size}: a snapshot every step of {t}, share of the step", "%"),
+            Metric(
+                f"every_{mib}", f"{size}: the shortest interval keeping it <= {pct} of {t} steps", "steps"
+            ),
+        ]
+    one_s = at_most(1.0, "<= 1 s")
+    cost_metrics += [
+        Metric("file_mib", "the 1 GiB state's snapshot file", "MiB"),
+        Metric("restore_tmpfs", "restore 1 GiB: `torch.load` from the tmpfs snapshot", target=one_s),
+        Metric("restore_mmap", "restore 1 GiB: `torch.load(mmap=True)` from the tmpfs (maps, reads nothing)"),
+        Metric(
+            "restore_mmap_copy",
+            "restore 1 GiB: `torch.load(mmap=True)` + `load_state_dict` into the model",
+            target=one_s,
+        ),
+        Metric("restore_disk_cold", "restore 1 GiB: `torch.load` from /var/tmp, page cache dropped"),
+        Metric("restore_disk_warm", "restore 1 GiB: `torch.load` from /var/tmp, in the page cache"),
+    ]
+    out.append(Variant(c12, "snap-cost", sl.cost, cost_metrics, launchers=("ours",)))
+    return out
+
+
 def startup_variant(smoke: bool) -> Variant:
     """Case 11 (bench/startup.py): a standalone launch against no launcher at all."""
     budget = at_most(startup.BUDGET, f"<= {startup.BUDGET:g} s over the floor")
@@ -538,6 +604,7 @@ ALL_CASES = (
     "commit",
     "ready",
     "startup",
+    "snapshots",
 )
 
 
@@ -983,6 +1050,24 @@ Cases and commands (`L` is `torchrun` or `node-agent`; `C10D` is `--rdzv-backend
    imports (`python -c` importing what the command imports before it starts anything, less
    `python -c pass`), and one launch under `python -X importtime` per pair, its modules
    beyond `python -c pass`'s summed (whoever imports them, whenever).
+12. `bench/workers/train_snap.py` (case 9's deterministic loop, 50 ms steps, 90 steps; its
+   docstring and `bench/snapshot_lost.py`'s say the rest): (a) torchrun and (b) ours with a DCP
+   checkpoint every 50 steps, ours with `snapshot_torch.save` (c) every step and (d) every 5
+   steps. Every rank waits after step 73 (its checkpoint or snapshot written); the bench then
+   SIGKILLs and lets them go. Worker: `L --standalone --nproc-per-node 2 --max-restarts 3`,
+   local rank 1's worker killed. Node: `L --nnodes 2 --nproc-per-node 1 C10D --max-restarts 3
+   --rdzv-conf last_call_timeout=1` (torchrun: `is_host` and case 5's keep-alive tuning) and a
+   third such launcher started once both train, waiting as a spare (torchrun: its redundancy
+   list); node 2's launcher group and worker SIGKILLed at one instant, without waiting for its
+   step-73 snapshot to reach the peer; ours against an `rdzv-server`. Steps lost = 73 - the
+   step the next attempt restored; time back = kill → that attempt's first step done on every
+   rank; every attempt's checksums must agree step by step. Cost (ours, one rank,
+   `--snapshot-memory 12G`, `bench/workers/snap_cost.py`): medians of 3 `snapshot_torch.save`
+   of 100 MiB and 1 GiB of parameters (after 2 not counted: this VM's first touch of a page is
+   slow), their share of a 1 s step and the shortest interval
+   keeping it under 5 % (CheckFreq's reasoning); 1 GiB read back from the tmpfs (`torch.load`,
+   `mmap=True`, `mmap=True` + `load_state_dict`) and from a copy under `/var/tmp` (fsynced,
+   dropped with `posix_fadvise(DONTNEED)` before each read, and warm).
 
 - The bench byte-compiles `protocol/`, `edge/`, `rdzv_server/`, `node_agent/` and `bench/` before it
   starts: this environment sets `PYTHONDONTWRITEBYTECODE=1`, and torch's site-packages comes
