@@ -260,10 +260,12 @@ class ReplicaServer:
         handshake_timeout: float = 10.0,
         idle_timeout: float = 30.0,
         chunk: int = CHUNK,
+        on_received: Callable[[], None] | None = None,
     ) -> None:
         if len(key) < 16:
             raise ValueError("the replica key is too short to be a secret")
         self.holdings = holdings
+        self.on_received = on_received  # a replica is complete: the agent tells the server now
         self.key = key
         self.ssl = ssl
         self.max_connections = max_connections
@@ -384,6 +386,8 @@ class ReplicaServer:
             h.abandon(req.rank, req.step)
             raise
         log.info("snapshot replica: received rank %d step %d (%d bytes)", req.rank, req.step, req.size)
+        if self.on_received is not None:
+            self.on_received()
         await conn.reply(ok=True)
 
     async def _send(self, conn: _Conn, req: Request) -> None:

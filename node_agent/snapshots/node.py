@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 
 __all__ = ["POLL_S", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
 
-POLL_S = 0.25  # how often the holdings are read (a listing of a few small folders)
+# How often the holdings are read (a listing of a few small folders): a worker's new snapshot
+# is told to the server at most this late, and with it the step every node copies.
+POLL_S = 0.1
 # Files one rank may have at once, worst case: its own two newest, a pinned older one and one
 # being written; a peer's rank's two newest, a pinned one and one arriving.
 FILES_PER_RANK = 8
@@ -97,6 +99,9 @@ class SnapshotNode:
         self.log = log
         self._holdings: Holdings | None = None
         self._seen = False  # a file appeared under the root (then the holdings are read)
+        # Set when a peer's replica is complete: the holdings are read (and the server told)
+        # at once, not at the next poll: until then the server cannot restore from it.
+        self._wake = asyncio.Event()
         self.server: ReplicaServer | None = None
         self.replicator: Replicator | None = None
         self.key = ""
@@ -105,7 +110,7 @@ class SnapshotNode:
             from .channel import ReplicaServer, Replicator, new_key
 
             self.key = new_key()
-            self.server = ReplicaServer(self.holdings, key=self.key)
+            self.server = ReplicaServer(self.holdings, key=self.key, on_received=self._wake.set)
             self.replicator = Replicator(rate=float(rate) if rate > 0 else None, timeout=PUSH_TIMEOUT)
         os.makedirs(root, 0o700, exist_ok=True)
         self.world = 0  # the running round's world size (0: none yet)
@@ -387,7 +392,10 @@ class SnapshotNode:
 
     async def _polling(self, emit: Callable[[SnapshotsRead], None]) -> None:
         while True:
-            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await self._wake.wait()
+            self._wake.clear()
             try:
                 read = self.read()
             except OSError as exc:  # the folder went away under us (the run ends)

@@ -145,9 +145,12 @@ async def _refused(peer: Peer, doc: object | bytes, match: str, *, key: str | No
 
 async def test_push_then_pull_round_trip(peer: Peer, here: Holdings, tmp_path: Path) -> None:
     src = _snapshot(here, 3, 500, 2_500_000)  # more than two chunks
+    told: list[Path | None] = []
+    peer.server.on_received = lambda: told.append(peer.holdings.path(3, 500))  # the agent's wake-up
     await push(HOST, peer.port, peer.key, 3, 500, src, timeout=TIMEOUT)
     held = peer.holdings.path(3, 500)
     assert held is not None and held.read_bytes() == src.read_bytes()
+    assert told == [held]  # once, with the replica in place
     assert peer.holdings.inventory() == {3: (500,)} and _parts(peer.holdings) == []
 
     again = _holdings(tmp_path / "again")
