@@ -25,6 +25,7 @@ namespaces and its temporary folder.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -320,9 +321,17 @@ class SlurmCluster:
         self.client("scancel", *([f"--signal={signal}"] if signal else []), str(job))
 
     def requeue(self, job: int, timeout: float = 30.0) -> None:
-        """Requeue a running job and let it start again now (requeue holds it ~2 min)."""
+        """Requeue a running job and let it start again now (requeue holds it ~2 min).
+
+        Not within the second of the requeue: slurmd revokes the job's credential at the
+        requeue, with one-second stamps, and refuses a credential made in that same second
+        ("Killing non-startable batch JobId=N: Job credential revoked": the job ends FAILED).
+        A job whose tasks end at once on SIGTERM (ours) is PENDING again within 0.1 s."""
         self.client("scontrol", "requeue", str(job))
         self.wait_state(job, {"PENDING"}, timeout)
+        self._wait_nodes_idle()  # the nodes have ended the run: its credential is revoked by now
+        now = time.time()
+        time.sleep(math.floor(now) + 1.05 - now)  # into the next second
         self.client("scontrol", "update", f"JobId={job}", "StartTime=now")
 
     def output(self, job: int) -> str:
