@@ -53,15 +53,19 @@ def test_no_rank_waits_in_the_connect_retry_across_twenty_two_node_starts(tmp_pa
     ]
     assert {r["use_agent_store"] for r in records} == {"True"}
     assert all(r["sum"] == r["world"] == 2 for r in records)
+    # Every rank found the store listening when it arrived: torch's first connect succeeds, and
+    # only a refused connect leads into its retry sleep (at least RETRY_DELAY_S).
+    late = [(r["restart"], r["rank"], r["store_listening"]) for r in records]
+    late = [x for x in late if x[2] is not True]
+    assert not late, late
     times = [float(r["init_s"]) for r in records]  # type: ignore[arg-type]
-    # A rank's init also waits for the last rank to arrive (still importing torch): what is
-    # left once the last one is in is the store's part, and a retry sleep would show there.
+    # Printed, not asserted (a timing on a shared 2-core machine is no test): a rank's init also
+    # waits for the last rank to arrive; what is left once the last one is in is the store's part.
     overhangs = [_overhang([r for r in records if r["restart"] == s]) for s in range(STARTS)]
     print(
         f"init_process_group: per rank median {statistics.median(times):.4f} s, max {max(times):.4f} s;"
         f" after the last rank began: median {statistics.median(overhangs):.4f} s, max {max(overhangs):.4f} s"
     )
-    assert max(overhangs) < RETRY_DELAY_S, sorted(overhangs)[-5:]
     # torch says so when a connect is refused and retried; none was.
     for a in agents:
         assert "failed to connect" not in a.stderr and "Connection refused" not in a.stderr

@@ -1,7 +1,8 @@
 """How long init_process_group("env://") takes inside a worker, one start of many (issue 21).
 
-Writes DUMP_DIR/init-<restart>-<rank>.json: the seconds init_process_group took (and when it
-began and ended, by the wall clock), the store mode the agent gave
+Writes DUMP_DIR/init-<restart>-<rank>.json: whether the store accepted a connection when the
+rank arrived, the seconds init_process_group took (and when it began and ended, by the wall
+clock), the store mode the agent gave
 (TORCHELASTIC_USE_AGENT_STORE) and a checked all_reduce; then fails on purpose until the
 restart count reaches INIT_TIMING_STARTS - 1, so that one job with --max-restarts is that many
 starts. Under an interpreter without torch (the fallback), it records the store mode and, as
@@ -29,6 +30,13 @@ if torch is None:
             s.bind(("", int(os.environ["MASTER_PORT"])))  # raises if the agent still holds it
         record["bound_master_port"] = True
 else:
+    # Is the store listening when this rank arrives? Then torch's first connect succeeds and
+    # no rank sleeps in its connect retry (a refused connect is the only way into it).
+    try:
+        with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=5):
+            record["store_listening"] = True
+    except OSError as exc:
+        record["store_listening"] = repr(exc)
     # Wall clock too: a start's ranks run on one machine here, so their times compare.
     record["init_start"], start = time.time(), time.perf_counter()
     dist.init_process_group("gloo", init_method="env://")
