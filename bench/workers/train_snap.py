@@ -27,21 +27,23 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from node_agent import worker
 from node_agent.worker import snapshot_torch
 
-DONE = "DONE"
+# Run by path: the checkout's root, so the log, checksum and DCP helpers are train_commit.py's
+# own (the bench reads both scripts' lines with one parser, train_commit_log.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.integration.workers.train_commit import Log, checksum, load, newest, save
+
 HOLD_BOUND = 60.0
 
 
@@ -56,57 +58,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", default="")
     return p.parse_args()
-
-
-class Log:
-    """One line per event, each a single O_APPEND write (readers never see half a line)."""
-
-    def __init__(self, folder: str) -> None:
-        name = f"{os.environ.get('NODE_TAG', 'node')}-{os.environ.get('LOCAL_RANK', '0')}.log"
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.pid = os.getpid()
-
-    def __call__(self, kind: str, **fields: object) -> None:
-        text = " ".join(f"{k}={v}" for k, v in fields.items())
-        os.write(self.fd, f"{kind} pid={self.pid} {text} t={time.time():.6f}\n".encode())
-
-
-def checksum(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().numpy().tobytes())
-        for key in sorted(opt.state.get(p, {})):
-            value = opt.state[p][key]
-            h.update(key.encode())
-            h.update(value.detach().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
-    return h.hexdigest()[:16]
-
-
-def newest(ckpt_dir: Path) -> Path | None:
-    done = sorted(d for d in ckpt_dir.glob("step-*") if (d / DONE).exists())
-    return done[-1] if done else None
-
-
-def save(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ckpt_dir: Path) -> None:
-    msd, osd = get_state_dict(model, opt)
-    path = ckpt_dir / f"step-{step:06d}"
-    with worker.phase("checkpoint"):
-        dcp.save({"model": msd, "optim": osd, "step": torch.tensor(step)}, checkpoint_id=str(path))
-        dist.barrier()  # every rank wrote its part before it counts as complete
-        if dist.get_rank() == 0:
-            (path / DONE).touch()
-        dist.barrier()
-
-
-def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> int:
-    msd, osd = get_state_dict(model, opt)
-    state: dict[str, Any] = {"model": msd, "optim": osd, "step": torch.tensor(0)}
-    with worker.phase("checkpoint"):
-        dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["step"])
 
 
 def hold(path: str) -> None:
