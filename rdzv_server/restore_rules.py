@@ -58,7 +58,7 @@ def durable_step(job: Job, world: int, order: Sequence[str]) -> int:
         if m.durable_world != world or not m.durable_steps:
             return -1
         common = set(m.durable_steps) if common is None else common & set(m.durable_steps)
-    return max(common, default=-1) if common else -1
+    return max(common or (), default=-1)
 
 
 class RestoreRules(CommitRules):

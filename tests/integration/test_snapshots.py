@@ -150,9 +150,19 @@ def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_rep
         for p in nodes.values():
             p.kill()
         srv.kill()
+    _resumed_at(tmp_path, 16, uninterrupted)
+
+
+def _resumed_at(tmp: Path, start: int, uninterrupted: dict) -> None:
+    """Both ranks' last attempt started at ``start`` and ended as the uninterrupted run did."""
     for rank in (0, 1):
-        assert _starts(tmp_path, rank)[-1]["start"] == 16
-        assert _same(_final(tmp_path, rank), uninterrupted[rank])
+        assert _starts(tmp, rank)[-1]["start"] == start
+        assert _same(_final(tmp, rank), uninterrupted[rank])
+
+
+def _persisted(folder: Path, step: int) -> bool:
+    """Both ranks' snapshots of ``step`` are in the --snapshot-dir world folder ``folder``."""
+    return all((folder / f"r{r}" / f"{step:020d}.snap").exists() for r in (0, 1))
 
 
 def _at(tmp: Path, step: int, agents: Iterable[Proc]) -> bool:
@@ -240,10 +250,7 @@ def test_a_job_lost_whole_resumes_from_its_snapshot_dir(tmp_path: Path, uninterr
     folder = snaps / "standalone" / "w2"
     first = Proc(argv, env=_env(tmp_path, WAIT_FILE=str(gate), WAIT_STEP="15"))  # holds at step 16
     try:
-        name = "00000000000000000015.snap"
-        wait_until(
-            "step 15 persisted", lambda: all((folder / f"r{r}" / name).exists() for r in (0, 1)), JOB_BOUND
-        )
+        wait_until("step 15 persisted", lambda: _persisted(folder, 15), JOB_BOUND)
     finally:
         first.kill()  # the whole job: the agent's session, its workers with it
     assert "--snapshot-dir" not in first.stderr, first.stderr  # nothing there at the first start
@@ -271,10 +278,7 @@ def test_two_nodes_lost_together_resume_from_their_shared_snapshot_dir(
         extra = ("--snapshot-dir", str(snaps))
         for tag in ("a", "b"):
             nodes[tag] = _node(port, tmp_path, tag, *extra, WAIT_FILE=str(gate), WAIT_STEP="15")
-        name = "00000000000000000015.snap"
-        wait_until(
-            "step 15 persisted", lambda: all((folder / f"r{r}" / name).exists() for r in (0, 1)), JOB_BOUND
-        )
+        wait_until("step 15 persisted", lambda: _persisted(folder, 15), JOB_BOUND)
         for p in nodes.values():
             p.kill()
         for tag in ("a", "b"):
@@ -292,7 +296,5 @@ def test_two_nodes_lost_together_resume_from_their_shared_snapshot_dir(
         for p in nodes.values():
             p.kill()
         srv.kill()
-    for rank in (0, 1):
-        assert _starts(tmp_path, rank)[-1]["start"] == 16
-        assert _same(_final(tmp_path, rank), uninterrupted[rank])
+    _resumed_at(tmp_path, 16, uninterrupted)
     assert not (snaps / "snap").exists()

@@ -125,3 +125,22 @@ def test_forget_removes_the_job_folder_only(tmp_path: Path) -> None:
     d.forget()
     assert not d.job.exists() and other.offer() == Offer(1, (1,))
     d.forget()  # gone already: no error
+
+
+def test_scans_are_bounded_past_their_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from node_agent.snapshots import durable
+
+    d = DurableDir(tmp_path / "dir", "job")
+    # A world past MAX_SCAN_RANKS is never scanned (a scan lists every rank folder).
+    monkeypatch.setattr(durable, "MAX_SCAN_RANKS", 2)
+    _persist(d, tmp_path, 3, 0, 1)
+    assert d.complete_steps(3) == [] and d.offer() == Offer()
+    # A rank folder holding more than MAX_FILES names: at most that many are read.
+    monkeypatch.setattr(durable, "MAX_FILES", 4)
+    for step in range(10):
+        (d.rank_dir(1, 0)).mkdir(parents=True, exist_ok=True)
+        (d.rank_dir(1, 0) / snap_name(step)).write_bytes(b"x")
+    assert 1 <= len(d.complete_steps(1)) <= 4
+    # More world folders than MAX_WORLDS: only that many are looked at.
+    monkeypatch.setattr(durable, "MAX_WORLDS", 1)
+    assert d.offer().world == 1 and len(d.offer().steps) <= 4  # w1 only; w3 is not looked at
