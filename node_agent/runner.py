@@ -108,7 +108,7 @@ class Agent:
         self.warm = warm_pool(config, os.environ, self.log)
         # Pages and pipes, node-local and private (runtime_dir.py); removed when the run ends,
         # by the orphan watchdog if the agent is killed, else by the node's next agent.
-        self.runtime = RuntimeDir()
+        self.runtime = RuntimeDir(log=self.log)  # it says so if the folder has to be made again
         self.group: WorkerGroupLike = group or WorkerGroup(
             stdout=self.stdout,
             stderr=self.stderr,
