@@ -307,8 +307,10 @@ def _witness(report_fd: int) -> None:
 
 def _remove_private(path: str) -> None:
     """runtime_dir.remove_tree, for a process started with -I -S and this file alone (the
-    package is not importable here): the agent's private folder, symlinks never followed."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    package is not importable here): the agent's private folder, symlinks never followed.
+    runtime_dir.py is in node_agent/, the folder above this one; it goes last on the path, so
+    that no module of ours there stands in for one of the standard library."""
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         from runtime_dir import remove_tree  # type: ignore[import-not-found]
     except ImportError:
