@@ -238,6 +238,7 @@ def _largest_join() -> Join:
         hosts_store=True,
         replica_port=65535,
         replica_key="f" * 128,
+        replica_cert="f" * 64,
         durable_world=_BIG_INT,
         durable_steps=(_BIG_INT,) * MAX_DURABLE_STEPS,
     )
@@ -269,6 +270,12 @@ def largest_client_messages() -> dict[type, Message]:
         replica_to=_WIDE * MAX_ADDR_LEN,
         replica_key="f" * 128,
         restore_durable=True,
+        restore_alt=(MAX_RESTORE_SOURCES - 1,) * MAX_NPROC,
+        restore_digests=(),  # a Resume never echoes them (Resume's rule)
+        restore_certs=("f" * 64,) * MAX_RESTORE_SOURCES,
+        replica_cert="f" * 64,
+        replica_from=_BIG_INT,
+        replica_count=MAX_NPROC,
     )
     failure = Failure(
         node_id=_WIDE * MAX_ID_LEN,
@@ -287,7 +294,7 @@ def largest_client_messages() -> dict[type, Message]:
         Join: join,
         Resume: Resume(join=join, assignment=assignment, succeeded=True),
         Heartbeat: Heartbeat(),
-        WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure, step=_BIG_INT),
+        WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure, step=_BIG_INT, restore_failed=_BIG_INT),
         WorkersSucceeded: WorkersSucceeded(round=_BIG_INT),
         Leave: Leave(reason=_WIDE * MAX_TEXT_LEN, workers_stopping=True),
         Progress: Progress(
@@ -320,7 +327,10 @@ def largest_client_messages() -> dict[type, Message]:
         WorkersCommitted: WorkersCommitted(round=_BIG_INT, step=_BIG_INT),
         LeaveAfterCommit: LeaveAfterCommit(round=_BIG_INT, reason=_WIDE * MAX_TEXT_LEN),
         SnapshotsHeld: SnapshotsHeld(
-            world_size=_BIG_INT, ranks=(_BIG_INT,) * MAX_HELD, steps=(_BIG_INT,) * MAX_HELD
+            world_size=_BIG_INT,
+            ranks=(_BIG_INT,) * MAX_HELD,
+            steps=(_BIG_INT,) * MAX_HELD,
+            digests=("f" * 64,) * MAX_HELD,
         ),
     }
 

@@ -288,6 +288,22 @@ _TIMEOUT = _number()
 _INTERVAL = _number(positive=True)
 _STEP = _integer(-1, MAX_COUNT)  # a training step; -1: none reported yet
 _PHASE = _text(MAX_PHASE_LEN, plain=True)  # a worker's phase name ("": none)
+
+
+def _digest_rule() -> dict[str, Any]:
+    """A snapshot's sha256, 64 lowercase hex digits, or "" (not known)."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str):
+            raise _Reject(f"must be a string, got {describe(value)}")
+        if value and (len(value) != 64 or value.strip("0123456789abcdef")):
+            raise _Reject("must be a sha256 as 64 lowercase hex digits, or empty")
+        return value
+
+    return _rule(check)
+
+
+_DIGEST = _digest_rule()
 _MAX_MILLIS = MAX_TIMEOUT * 1000
 _MILLIS = _number(hi=_MAX_MILLIS)
 
@@ -424,6 +440,10 @@ class Join(_Schema):
     # shown. Added within version 1: an older server ignores them (no replication).
     replica_port: int = field(default=0, metadata=_integer(0, 65535))
     replica_key: str = field(default="", metadata=_SECRET)
+    # The sha256 of the certificate its replica server shows when the rendezvous uses TLS (the
+    # replica channel then uses TLS too, pinned to it; issue 42); "": plain TCP. A new key (and
+    # certificate) at every Join: a node that left cannot use the one it knew. Never shown.
+    replica_cert: str = field(default="", metadata=_DIGEST)
     # Durable snapshots (issue 35, --snapshot-dir): the newest steps (newest first) whose
     # snapshots this agent finds complete for every rank of a job of durable_world ranks in its
     # snapshot directory (-1, (): none, or no directory). The server restores a round from the
@@ -461,6 +481,11 @@ class WorkersFailed(_Schema):
     # server's crash-loop rule rests on what its state log keeps (Progress is not logged).
     # Added within version 1: an older agent sends none.
     step: int = field(default=-1, metadata=_STEP)
+    # The restore step this node could not get for a rank of its own before its workers
+    # started (every listed holder failed or sent bytes without the owner's digest; -1: not
+    # that): the server restores the next round from an older step (issue 42). Added within
+    # version 1: an older agent sends none.
+    restore_failed: int = field(default=-1, metadata=_STEP)
 
 
 @record(frozen=True, kw_only=True, slots=True)
@@ -565,11 +590,20 @@ class SnapshotsHeld(_Schema):
     world_size: int = field(metadata=_integer(1, MAX_COUNT))
     ranks: tuple[int, ...] = field(default=(), metadata=_items(_COUNT["check"], "ranks", MAX_HELD))
     steps: tuple[int, ...] = field(default=(), metadata=_items(_COUNT["check"], "steps", MAX_HELD))
+    # The sha256 of each pair's file where this node knows it ("": not known; (): none known,
+    # an older agent): the owner's, for its own ranks, becomes the digest every copy of that
+    # snapshot must have (issue 42); a replica is taken only with the owner's digest.
+    digests: tuple[str, ...] = field(default=(), metadata=_items(_DIGEST["check"], "digests", MAX_HELD))
 
     def _check_relations(self) -> None:
         if len(self.steps) != len(self.ranks):
             raise self._invalid(
                 "steps", f"must have one step per rank ({len(self.ranks)}), got {len(self.steps)}"
+            )
+        if self.digests and len(self.digests) != len(self.ranks):
+            raise self._invalid(
+                "digests",
+                f"must have one digest per rank ({len(self.ranks)}) or none, got {len(self.digests)}",
             )
 
 
@@ -722,8 +756,34 @@ class Assignment(_Schema):
     # directory (durable_steps), not in memory: each node reads its ranks' back before its
     # workers start. Added within version 1 (False from an older server).
     restore_durable: bool = field(default=False, metadata=_flag())
+    # Issue 42, all "not given" from an older server. restore_alt: per local rank, a second
+    # holder to fetch from when the first fails (-1: none; an index as restore_source);
+    # restore_digests: per local rank, the sha256 its owner announced for the restore step
+    # ("": not known), which a fetched copy (and the worker restoring it) must match;
+    # restore_certs: per address, the certificate the holder's replica server shows ("":
+    # plain TCP); replica_cert: replica_to's; replica_from/replica_count: the global ranks
+    # whose replicas this node takes (from its ring predecessor; count 0: none): a push of
+    # any other rank is refused.
+    restore_alt: tuple[int, ...] = field(
+        default=(), metadata=_items(_integer(-1, MAX_RESTORE_SOURCES - 1)["check"], "indices", MAX_NPROC)
+    )
+    restore_digests: tuple[str, ...] = field(
+        default=(), metadata=_items(_DIGEST["check"], "digests", MAX_NPROC)
+    )
+    restore_certs: tuple[str, ...] = field(
+        default=(), metadata=_items(_DIGEST["check"], "digests", MAX_RESTORE_SOURCES)
+    )
+    replica_cert: str = field(default="", metadata=_DIGEST)
+    replica_from: int = field(default=0, metadata=_COUNT)
+    replica_count: int = field(default=0, metadata=_integer(0, MAX_NPROC))
 
     def _check_relations(self) -> None:
+        if self.restore_certs and len(self.restore_certs) != len(self.restore_addrs):
+            raise self._invalid(
+                "restore_certs", f"must have one per address ({len(self.restore_addrs)}) or none"
+            )
+        if any(i >= len(self.restore_addrs) for i in self.restore_alt):
+            raise self._invalid("restore_alt", f"indexes past restore_addrs ({len(self.restore_addrs)})")
         if self.restore_durable and self.restore_step < 0:
             raise self._invalid("restore_durable", "given without a restore_step")
         if len(self.restore_keys) != len(self.restore_addrs):
@@ -759,6 +819,12 @@ class Resume(_Schema):
     join: Join = field(metadata=_nested(Join))
     assignment: Assignment = field(metadata=_nested(Assignment))
     succeeded: bool = field(default=False, metadata=_flag())
+
+    def _check_relations(self) -> None:
+        # The restore digests matter only before the workers start, and are the Assignment's
+        # largest field: echoed back, they would double the frame a joining agent may send.
+        if self.assignment.restore_digests:
+            raise self._invalid("assignment", "must not echo restore_digests")
 
 
 @record(frozen=True, kw_only=True, slots=True)

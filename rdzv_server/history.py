@@ -421,6 +421,8 @@ def restored(now: float, rnd: int, step: int, reached: int, from_disk: bool = Fa
     if reached > step:
         lost = reached - step
         cost = f"{lost} step{'s' if lost != 1 else ''} lost (the job had reached step {reached})"
+    elif reached < 0:
+        cost = "steps lost unknown (no rank had reported its step)"
     else:
         cost = "no step lost"
     where = (

@@ -23,6 +23,7 @@ from protocol.records import record
 
 from .history import HISTORY_LEN, HISTORY_TEXT_LEN, JobEvent, node_range
 from .progress import HangState, JobProgress
+from .provenance import Provenance
 from .restore_points import RestorePoints
 
 # Bounds on what one job and one server keep, whatever their peers send (the README's
@@ -114,6 +115,7 @@ class Member:
     # replicas (0: nowhere) and the key a peer proves to it; relayed only to the job's members.
     replica_port: int = 0
     replica_key: str = ""
+    replica_cert: str = ""  # Join.replica_cert: the sha256 its replica server's TLS cert has
     # It sent SnapshotsHeld: it snapshots, so it gets KeepSnapshot (an older agent never does).
     snapshots: bool = False
     # Join.durable_world/durable_steps (issue 35): the steps its snapshot directory holds
@@ -126,6 +128,7 @@ class Member:
         self.addr, self.master_port = msg.addr, msg.master_port
         self.hosts_store = msg.hosts_store
         self.replica_port, self.replica_key = msg.replica_port, msg.replica_key
+        self.replica_cert = msg.replica_cert
         self.durable_world, self.durable_steps = msg.durable_world, msg.durable_steps
 
 
@@ -347,6 +350,15 @@ class Job:
     # server restart): what the nodes hold, the running round's world size, the newest step
     # every rank has and since when, and the step every agent was last told to keep.
     restore_points: RestorePoints = field(default_factory=RestorePoints)
+    # Which claims restore_points was told (issue 42: an original only from the rank's node in
+    # the running round, a replica only from the node asked to hold it, with the owner's
+    # digest); each member's ranks in the running round (set with world_size, when it forms
+    # or is rebuilt), the step it restored from (-1: none) and the (world, step)s a node could
+    # not get before its workers started (the next restore picks an older one; newest last).
+    provenance: Provenance = field(default_factory=Provenance)
+    round_spans: dict[str, range] = field(default_factory=dict)
+    restore_step: int = -1
+    unrestorable: list[tuple[int, int]] = field(default_factory=list)
     world_size: int = 0
     snapshot_step: int = -1
     snapshot_since: float = 0.0
@@ -388,6 +400,14 @@ class Job:
         """RESUMING ends (the round was rebuilt, or cannot be): it runs in ``order``."""
         self.order = order
         self.phase = JobPhase.RUNNING
+        spans: dict[str, range] = {}
+        at = 0
+        for nid in order:  # the rebuilt round's ranks, as its members' Resumes said them
+            m = self.members.get(nid)
+            if m is not None:
+                spans[nid] = range(at, at + m.nproc)
+                at += m.nproc
+        self.round_spans, self.world_size = spans, at
         self.resume_slots.clear()
         self.resume_expect = None
         self.last_call_deadline = None
@@ -441,6 +461,7 @@ def pop_member(job: Job, node_id: str) -> Member | None:
     job.not_ready.discard(node_id)
     job.members_version += 1
     job.restore_points.drop(node_id)  # a node gone is no source of snapshots
+    job.provenance.drop(node_id)
     return job.members.pop(node_id, None)
 
 

@@ -91,12 +91,12 @@ class RestorePoints:
             return False
         return not twice or self._twice.get(key, 0) >= world
 
-    def newest_among(self, world: int, among: Collection[str]) -> int:
+    def newest_among(self, world: int, among: Collection[str], exclude: Collection[int] = ()) -> int:
         """The newest step every one of ``world`` ranks has on a node of ``among`` (a round
-        being formed); -1: none. O(world) per step held: once a round."""
+        being formed), other than ``exclude``; -1: none. O(world) per step held: once a round."""
         best = -1
         for (w, step), ranks in self._index.items():
-            if w != world or step <= best or len(ranks) < world:
+            if w != world or step <= best or len(ranks) < world or step in exclude:
                 continue
             if all(any(n in among for n in nodes) for nodes in ranks.values()):
                 best = step

@@ -27,7 +27,7 @@ is logged as a fact of the event that formed it, so replay writes the same histo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from protocol import KeepSnapshot, SnapshotsHeld
 from protocol.messages import MAX_ADDR_LEN, MAX_RESTORE_SOURCES
@@ -48,7 +48,7 @@ def replica_addr(m: Member) -> str:
     return addr if len(addr) <= MAX_ADDR_LEN else ""  # an address the Assignment cannot carry
 
 
-def durable_step(job: Job, world: int, order: Sequence[str]) -> int:
+def durable_step(job: Job, world: int, order: Sequence[str], exclude: Collection[int] = ()) -> int:
     """The newest step every member of the round being formed offered from its snapshot
     directory for a job of ``world`` ranks (Join.durable_steps; -1: none). Deterministic
     (from the logged Joins), but taken with the volatile holdings, so logged with them."""
@@ -58,16 +58,24 @@ def durable_step(job: Job, world: int, order: Sequence[str]) -> int:
         if m.durable_world != world or not m.durable_steps:
             return -1
         common = set(m.durable_steps) if common is None else common & set(m.durable_steps)
-    return max(common or (), default=-1)
+    return max((s for s in common or () if s not in exclude), default=-1)
 
 
 class RestoreRules(CommitRules):
     def _on_held(self, job: Job, member: Member, msg: SnapshotsHeld, now: float, out: list[Effect]) -> None:
         member.snapshots = True
-        pairs = zip(msg.ranks, msg.steps, strict=True)
-        if not job.restore_points.update(member.node_id, msg.world_size, pairs):
-            return
-        self._snapshot_news(job, now, out)
+        digests = msg.digests or ("",) * len(msg.ranks)
+        claims = list(zip(msg.ranks, msg.steps, digests, strict=True))
+        prov, spans = job.provenance, job.round_spans
+        believed, again = prov.claim(
+            member.node_id, msg.world_size, claims, spans.get(member.node_id, range(0)), job.world_size
+        )
+        changed = job.restore_points.update(member.node_id, msg.world_size, believed)
+        for nid in sorted(again):  # replicas waiting for this owner's digest, or made false by it
+            world, pairs = prov.recheck(nid, spans.get(nid, range(0)), job.world_size)
+            changed |= job.restore_points.update(nid, world, pairs)
+        if changed:
+            self._snapshot_news(job, now, out)
 
     def _snapshot_news(self, job: Job, now: float, out: list[Effect]) -> None:
         """The holdings changed: the job's newest restorable step, the step kept and the step
@@ -92,12 +100,23 @@ class RestoreRules(CommitRules):
             if replicate <= keep or not points.complete(world, replicate):
                 replicate = newest if newest > keep else -1
         if (keep, replicate) != (job.kept_step, job.replicate_step):
+            if replicate >= 0 and replicate != job.replicate_step:
+                self._ask_replicas(job, world, replicate)
             job.kept_step, job.replicate_step = keep, replicate
             msg = KeepSnapshot(step=keep, replicate=replicate)
             for nid in job.order:
                 m = job.members.get(nid)
                 if m is not None and m.snapshots:
                     out.append(Send(m.conn, msg))
+
+    @staticmethod
+    def _ask_replicas(job: Job, world: int, step: int) -> None:
+        """Each node of the ring is asked to hold its predecessor's ranks at ``step``: the only
+        replicas of them it may claim (``provenance.py``)."""
+        order = [nid for nid in job.order if nid in job.round_spans]
+        n = len(order)
+        holders = {order[(i + 1) % n]: job.round_spans[nid] for i, nid in enumerate(order) if n > 1}
+        job.provenance.ask(world, step, holders)
 
     @from_volatile("restore")
     def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> tuple[int, int, bool]:
@@ -113,8 +132,9 @@ class RestoreRules(CommitRules):
             self.logged_facts["restore"] = [e for e in logged if e is not mine[0]]  # used once
             fact = [*mine[0], -1, False]  # older logs: no reached, no durable
             return int(fact[1]), int(fact[2]), fact[3] is True
-        step = job.restore_points.newest_among(world, set(order))
-        durable = durable_step(job, world, order)
+        bad = {s for w, s in job.unrestorable if w == world}
+        step = job.restore_points.newest_among(world, set(order), exclude=bad)
+        durable = durable_step(job, world, order, exclude=bad)
         from_disk = durable > step  # memory wins a tie: no disk read
         step = max(step, durable)
         reached = job.progress.max_step
@@ -137,12 +157,21 @@ class RestoreRules(CommitRules):
         """Each node's restore plan and ring peer, as Assignment fields (in ``order``)."""
         n = len(order)
         members = [job.members[nid] for nid in order]
+        job.round_spans = {
+            nid: range(offsets[i], offsets[i] + members[i].nproc) for i, nid in enumerate(order)
+        }
         plans: list[dict[str, object]] = []
         for i, m in enumerate(members):
             fields: dict[str, object] = {}
             peer = members[(i + 1) % n] if n > 1 else None
             if peer is not None and m.replica_port > 0 and replica_addr(peer):
                 fields["replica_to"], fields["replica_key"] = replica_addr(peer), peer.replica_key
+                if peer.replica_cert:
+                    fields["replica_cert"] = peer.replica_cert
+            before = members[i - 1] if n > 1 else None
+            if before is not None and m.replica_port > 0 and before.replica_port > 0:
+                # Whose replicas this node takes: any other push it refuses.
+                fields["replica_from"], fields["replica_count"] = offsets[i - 1], before.nproc
             if step >= 0 and from_disk:
                 fields.update(restore_step=step, restore_durable=True)  # each node reads its own
             elif step >= 0:
@@ -151,37 +180,65 @@ class RestoreRules(CommitRules):
         if step >= 0:
             said.note(job, said.restored(now, job.round, step, reached, from_disk), out)
         job.world_size = world
+        job.restore_step = step
         job.kept_step = job.replicate_step = -1  # the agents prune by the new round's holdings
         return plans
 
     def _sources(
         self, job: Job, step: int, world: int, m: Member, offset: int, among: set[str]
     ) -> dict[str, object]:
-        """Where each of ``m``'s ranks restores from: itself (-1) or a member's replica store."""
-        points = job.restore_points
+        """Where each of ``m``'s ranks restores from: itself (-1) or a member's replica store,
+        with a second holder to try when the first fails, and the owner's digest every copy
+        must have (``provenance.py``: only believed claims are in the holdings)."""
+        points, prov = job.restore_points, job.provenance
         addrs: list[str] = []
         keys: list[str] = []
+        certs: list[str] = []
         source: list[int] = []
+        alt: list[int] = []
+        digests: list[str] = []
+
+        def index(holder: Member) -> int:
+            addr = replica_addr(holder)
+            if addr in addrs:
+                return addrs.index(addr)
+            if len(addrs) >= MAX_RESTORE_SOURCES:
+                return -1
+            addrs.append(addr)
+            keys.append(holder.replica_key)
+            certs.append(holder.replica_cert)
+            return len(addrs) - 1
+
         for rank in range(offset, offset + m.nproc):
+            digests.append(prov.digest(world, rank, step))
             if points.holds(m.node_id, world, step, rank):
                 source.append(-1)
+                alt.append(-1)
                 continue
-            holders = sorted(h for h in points.holders(world, step, rank) if h in among)
-            holder = next((job.members[h] for h in holders if replica_addr(job.members[h])), None)
-            if holder is None:
-                source.append(-1)  # held where nobody can fetch it: the worker says it is missing
-                continue
-            addr = replica_addr(holder)
-            if addr not in addrs:
-                if len(addrs) >= MAX_RESTORE_SOURCES:
-                    source.append(-1)
-                    continue
-                addrs.append(addr)
-                keys.append(holder.replica_key)
-            source.append(addrs.index(addr))
-        return {
+            holders = [
+                job.members[h]
+                for h in sorted(points.holders(world, step, rank))
+                if h in among and replica_addr(job.members[h])
+            ]
+            if not digests[-1]:
+                # No digest to check a copy against: only the node that made the snapshot
+                # may send it (it is trusted about its own ranks).
+                maker = prov.maker(world, rank, step)
+                holders = [h for h in holders if h.node_id == maker]
+            # held where nobody can fetch it: -1, and the worker says it is missing
+            picked = [i for i in (index(h) for h in holders[:2]) if i >= 0]
+            source.append(picked[0] if picked else -1)
+            alt.append(picked[1] if len(picked) > 1 else -1)
+        fields: dict[str, object] = {
             "restore_step": step,
             "restore_source": tuple(source),
             "restore_addrs": tuple(addrs),
             "restore_keys": tuple(keys),
         }
+        if any(a >= 0 for a in alt):
+            fields["restore_alt"] = tuple(alt)
+        if any(digests):
+            fields["restore_digests"] = tuple(digests)
+        if any(certs):
+            fields["restore_certs"] = tuple(certs)
+        return fields

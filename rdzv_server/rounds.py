@@ -106,6 +106,10 @@ from .progress import (
 )
 from .restore_rules import RestoreRules
 
+# The (world, step)s a job remembers as unrestorable (WorkersFailed.restore_failed): a member
+# can name only the round's own restore step, once a round.
+MAX_UNRESTORABLE = 16
+
 
 class RoundRules(RestoreRules):
     """The job rules, as the lowest layer of :class:`~rdzv_server.state.Rendezvous`.
@@ -241,6 +245,7 @@ class RoundRules(RestoreRules):
             hosts_store=join.hosts_store,
             replica_port=join.replica_port,
             replica_key=join.replica_key,
+            replica_cert=join.replica_cert,
             durable_world=join.durable_world,
             durable_steps=join.durable_steps,
         )
@@ -353,6 +358,8 @@ class RoundRules(RestoreRules):
             elif plans[group_rank] or plans[0]:  # every field of node 0's plan is set again
                 base = {"restore_step": -1, "restore_source": (), "restore_addrs": (), "restore_keys": ()}
                 base |= {"replica_to": "", "replica_key": "", "restore_durable": False}
+                base |= {"restore_alt": (), "restore_digests": (), "restore_certs": ()}
+                base |= {"replica_cert": "", "replica_from": 0, "replica_count": 0}
                 fields = base | plans[group_rank]
                 msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank], **fields)
             else:
@@ -550,6 +557,12 @@ class RoundRules(RestoreRules):
             # verdict waits for the nodes' stacks) counts once.
             self.unchanged = not rebuilding
             return
+        if msg.restore_failed >= 0 and msg.restore_failed == job.restore_step:
+            # It could not get its own ranks' snapshots of the round's restore step (issue
+            # 42): the next round restores from an older step, not this one again.
+            bad = (job.world_size, msg.restore_failed)
+            if bad not in job.unrestorable:
+                job.unrestorable = [*job.unrestorable, bad][-MAX_UNRESTORABLE:]
         # The node and address are the sender's, whatever it wrote: a member cannot name
         # another node as the root cause. Its message is kept cut to FAILURE_TEXT_LEN.
         failure = replace(

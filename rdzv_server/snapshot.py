@@ -129,6 +129,7 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "hosts_store": m.hosts_store,
         "replica_port": m.replica_port,
         "replica_key": m.replica_key,  # private, as node_secret
+        "replica_cert": m.replica_cert,
         "durable_world": m.durable_world,
         "durable_steps": list(m.durable_steps),
     }
@@ -164,6 +165,11 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "hang_round": j.hang_round,
         "commit": None if j.commit is None else _dump_commit(j.commit),
         "hang_verdict": None if j.hang_verdict is None else _dump_hang_verdict(j.hang_verdict),
+        # The running round's ranks (issue 42: whose snapshot claims are believed) and its
+        # restore step; absent before: unknown until the next round.
+        "world_size": j.world_size,
+        "round_spans": [[nid, r.start, r.stop] for nid, r in j.round_spans.items()],
+        "restore_step": j.restore_step,
     }
 
 
@@ -332,6 +338,7 @@ def _load_member(d: dict[str, Any]) -> Member:
         hosts_store=d.get("hosts_store", False) is True,  # absent before agent stores
         replica_port=_int(d.get("replica_port", 0)),  # absent before snapshots (issue 35)
         replica_key=str(d.get("replica_key", "")),
+        replica_cert=str(d.get("replica_cert", "")),
         durable_world=_int(d.get("durable_world", -1)),  # absent before --snapshot-dir
         durable_steps=tuple(_int(x) for x in d.get("durable_steps", ())),
     )
@@ -378,7 +385,12 @@ def _load_job(d: dict[str, Any]) -> Job:
         hang_round=_int(d.get("hang_round", -1)),
         commit=None if d.get("commit") is None else _load_commit(d["commit"]),
         hang_verdict=None if d.get("hang_verdict") is None else _load_hang_verdict(d["hang_verdict"]),
+        world_size=_int(d.get("world_size", 0)),
+        restore_step=_int(d.get("restore_step", -1)),
     )
+    for nid, start, stop in d.get("round_spans", ()):
+        if 0 <= _int(start) <= _int(stop) <= job.world_size:
+            job.round_spans[str(nid)] = range(_int(start), _int(stop))
     failures = [_load_failure(f) for f in d["failures"]]
     for f in failures:
         job.add_failure(f)  # an older server kept them all: keep the first and the last few

@@ -39,6 +39,7 @@ SERVER_MACHINE = (
     "rounds",
     "restore_rules",
     "restore_points",
+    "provenance",
     "commits",
     "training_rules",
     "jobs",

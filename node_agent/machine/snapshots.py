@@ -34,8 +34,12 @@ class Snapshots:
         pairs = event.pairs[:MAX_HELD]  # newest first: what a cut loses is the oldest
         if not pairs and self.sent is None:
             return []  # a job that never snapshots says nothing new on the wire
+        digests = event.digests[: len(pairs)]
         msg = SnapshotsHeld(
-            world_size=event.world_size, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs)
+            world_size=event.world_size,
+            ranks=tuple(r for r, _ in pairs),
+            steps=tuple(s for _, s in pairs),
+            digests=digests if any(digests) and len(digests) == len(pairs) else (),
         )
         if msg == self.sent or link.quiet:
             return []

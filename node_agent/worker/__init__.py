@@ -78,10 +78,11 @@ from . import layout as _layout
 
 TYPE_CHECKING = False  # typing's would import typing; type checkers know the name
 if TYPE_CHECKING:
-    from .snapshots import Restored, SnapshotMissing, SnapshotTooLarge, restore, snapshot
+    from .snapshots import Restored, SnapshotCorrupt, SnapshotMissing, SnapshotTooLarge, restore, snapshot
 
 __all__ = [
     "Restored",
+    "SnapshotCorrupt",
     "SnapshotMissing",
     "SnapshotTooLarge",
     "attached",
@@ -92,7 +93,9 @@ __all__ = [
     "snapshot",
 ]
 # Snapshots (.snapshots) are imported at their first use: a script that takes none pays nothing.
-_SNAPSHOT_NAMES = frozenset({"Restored", "SnapshotMissing", "SnapshotTooLarge", "restore", "snapshot"})
+_SNAPSHOT_NAMES = frozenset(
+    {"Restored", "SnapshotCorrupt", "SnapshotMissing", "SnapshotTooLarge", "restore", "snapshot"}
+)
 
 PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
 # A real-time signal nobody else uses: it asks for the stacks of all threads. Its default

@@ -44,11 +44,23 @@ import os
 
 from . import _MAX_STEP, _as_step
 
-__all__ = ["KEEP", "Restored", "SnapshotFile", "SnapshotMissing", "SnapshotTooLarge", "restore", "snapshot"]
+__all__ = [
+    "KEEP",
+    "Restored",
+    "SnapshotCorrupt",
+    "SnapshotFile",
+    "SnapshotMissing",
+    "SnapshotTooLarge",
+    "restore",
+    "snapshot",
+]
 
 DIR_VAR = "NODE_AGENT_SNAPSHOT_DIR"
 LIMIT_VAR = "NODE_AGENT_SNAPSHOT_LIMIT"
 RESTORE_VAR = "NODE_AGENT_RESTORE_STEP"
+# The sha256 its owner announced for the snapshot this rank restores, set where the file came
+# from another node (fetched, or a replica a peer pushed): restore() checks the file has it.
+DIGEST_VAR = "NODE_AGENT_RESTORE_SHA256"
 KEEP = 2  # complete snapshots a rank keeps after writing one (the pinned step aside)
 SUFFIX = ".snap"
 PART_SUFFIX = ".snap.part"
@@ -76,7 +88,25 @@ class SnapshotTooLarge(OSError):
 
 
 class SnapshotMissing(RuntimeError):
-    """The server chose a step to restore, and this rank has no complete snapshot of it."""
+    """The server chose a step to restore, and this rank has no complete snapshot of it (or
+    one whose bytes are not the ones its owner announced: :class:`SnapshotCorrupt`)."""
+
+
+class SnapshotCorrupt(SnapshotMissing):
+    """This rank's snapshot of the restore step is not the file its owner made (its sha256
+    differs from the one the owner announced): never loaded."""
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def step_name(step: int) -> str:
@@ -272,6 +302,14 @@ def restore() -> Restored | None:
             f"({why}); starting this rank afresh while the others resume would make the ranks "
             "diverge, so it stops instead"
         )
+    expected = os.environ.get(DIGEST_VAR, "").strip().lower()
+    if expected:
+        got = _sha256(path)
+        if got != expected:
+            raise SnapshotCorrupt(
+                f"the job restores from step {step}, but this rank's snapshot of it ({path}) is not "
+                f"the file its owner made (sha256 {got}, the owner announced {expected}): not loaded"
+            )
     return Restored(step, path)
 
 

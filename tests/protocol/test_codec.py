@@ -1141,7 +1141,7 @@ def _grown(value: typing.Any) -> list[typing.Any]:
     if isinstance(value, str):
         return [value + "f", value[:-1] + WIDE] if value and not value[-1:] == WIDE else [value + WIDE]
     if isinstance(value, tuple):
-        return [(*value, value[-1])]
+        return [(*value, value[-1])] if value else []  # empty: a rule of the message keeps it so
     if isinstance(value, bool | float):
         return []  # every value of these has the same size
     if isinstance(value, int):
@@ -1149,18 +1149,35 @@ def _grown(value: typing.Any) -> list[typing.Any]:
     return []
 
 
-def _assert_largest(msg: typing.Any, path: str) -> None:
+def _assert_largest(
+    msg: typing.Any, path: str, within: typing.Callable[[typing.Any], typing.Any] = lambda m: m
+) -> None:
+    """No field of ``msg`` can grow; ``within`` puts a changed ``msg`` back into the message it
+    is nested in, whose own rules may refuse what ``msg``'s allow (a Resume's assignment)."""
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         if dataclasses.is_dataclass(value):
-            _assert_largest(value, f"{path}.{f.name}")
+            name = f.name
+            _assert_largest(
+                value, f"{path}.{name}", lambda v, name=name: within(dataclasses.replace(msg, **{name: v}))
+            )
             continue
         for bigger in _grown(value):
             try:
-                dataclasses.replace(msg, **{f.name: bigger})
+                within(dataclasses.replace(msg, **{f.name: bigger}))
             except InvalidField:
                 continue
             raise AssertionError(f"{path}.{f.name} could be larger: {bigger!r:.80}")
+
+
+def test_a_resume_never_echoes_the_restore_digests():
+    # The one Assignment field a Resume may not carry (it would double the join-stage frame).
+    a = largest_client_messages()[Resume].assignment
+    with pytest.raises(InvalidField, match="restore_digests"):
+        Resume(
+            join=largest_client_messages()[Resume].join,
+            assignment=dataclasses.replace(a, restore_digests=("0" * 64,)),
+        )
 
 
 def test_every_client_message_has_a_largest_example_and_it_is_the_largest():

@@ -109,11 +109,12 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "hosts_store": True,
         "replica_port": 40123,
         "replica_key": "9e" * 32,
+        "replica_cert": "5c" * 32,
         "durable_world": 16,
         "durable_steps": (40, 20),
     },
     Heartbeat: {},
-    WorkersFailed: {"round": 2, "failure": Failure(**FAILURE), "step": 41},
+    WorkersFailed: {"round": 2, "failure": Failure(**FAILURE), "step": 41, "restore_failed": 40},
     WorkersSucceeded: {"round": 2},
     Leave: {"reason": "scale down", "workers_stopping": True},
     Welcome: {"version": 1, "software": "rdzv-server 0.1.0", "challenge": "cd" * 16},
@@ -145,6 +146,12 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "replica_to": "10.0.0.2:40123",
         "replica_key": "7a" * 32,
         "restore_durable": False,
+        "restore_alt": (-1, -1),
+        "restore_digests": ("", "ab" * 32),
+        "restore_certs": ("5c" * 32,),
+        "replica_cert": "3d" * 32,
+        "replica_from": 0,
+        "replica_count": 8,
     },
     Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1, "report": "hang: suspect rank 3"},
     JobFailed: {
@@ -178,7 +185,12 @@ VALID: dict[type, dict[str, typing.Any]] = {
     WorkersCommitted: {"round": 3, "step": 72},
     LeaveAfterCommit: {"round": 3, "reason": "received SIGTERM"},
     StopAt: {"round": 3, "step": 72, "state": "go", "deadline_s": 301.5},
-    SnapshotsHeld: {"world_size": 16, "ranks": (8, 9, 0), "steps": (40, 40, 39)},
+    SnapshotsHeld: {
+        "world_size": 16,
+        "ranks": (8, 9, 0),
+        "steps": (40, 40, 39),
+        "digests": ("ab" * 32, "", "cd" * 32),
+    },
     KeepSnapshot: {"step": 40, "replicate": 41},
     JobDone: {},
     Drain: {"reason": "operator asked"},
@@ -191,7 +203,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
 
 VALID[Resume] = {
     "join": Join(**VALID[Join]),
-    "assignment": Assignment(**VALID[Assignment]),
+    "assignment": Assignment(**{**VALID[Assignment], "restore_digests": ()}),
     "succeeded": True,
 }
 
@@ -746,6 +758,13 @@ def test_snapshot_fields_hold_together():
     assert_invalid(Join, "durable_steps", (1, 2, 3, 4, 5))  # at most MAX_DURABLE_STEPS
     assert_invalid(Join, "durable_world", 0)  # -1 (none) or a world size
     assert_invalid(Assignment, "restore_durable", True, restore_step=-1)
+    # Issue 42: digests are sha256 hex or nothing, one per pair; alternates index addresses.
+    assert_invalid(SnapshotsHeld, "digests", ("ab" * 32,))
+    assert_invalid(SnapshotsHeld, "digests", ("AB" * 32, "", ""), blamed="digests")
+    assert_invalid(SnapshotsHeld, "digests", ("ab" * 31, "", ""), blamed="digests")
+    assert_invalid(Assignment, "restore_alt", (-1, 1), blamed="restore_alt")
+    assert_invalid(Assignment, "restore_certs", ("5c" * 32, "5c" * 32))
+    assert_invalid(Join, "replica_cert", "zz" * 32)
     # Absent, they mean "nothing": an older server's Assignment restores nothing.
     plain = Assignment(
         **{k: v for k, v in VALID[Assignment].items() if not k.startswith(("restore", "replica"))}

@@ -3,12 +3,14 @@ node fetches what it lacks, what every agent keeps, and what the history says.""
 
 from __future__ import annotations
 
+import hashlib
+
 from protocol import Assignment, KeepSnapshot, Progress, Restart, SnapshotsHeld, WorkersFailed
 from rdzv_server.restore_points import RestorePoints
 
 from .harness import Harness, failure
 
-KEYS = {"na": "aa" * 32, "nb": "bb" * 32, "nc": "cc" * 32}
+KEYS = {"na": "aa" * 32, "nb": "bb" * 32, "nc": "cc" * 32, "nd": "dd" * 32}
 
 
 def _join(h: Harness, node: str, conn: int | None = None, **kw: object) -> int:
@@ -23,11 +25,32 @@ def _assignment(h: Harness, conn: int) -> Assignment:
     return a
 
 
-def _held(h: Harness, conn: int, world: int, pairs: list[tuple[int, int]]) -> None:
+def digest(rank: int, step: int, made: str = "") -> str:
+    """The sha256 of rank's snapshot of step (``made``: another making of it)."""
+    return hashlib.sha256(f"{rank}@{step}{made}".encode()).hexdigest()
+
+
+def _held(
+    h: Harness, conn: int, world: int, pairs: list[tuple[int, int]], digests: list[str] | None = None
+) -> None:
     h.send(
         conn,
-        SnapshotsHeld(world_size=world, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs)),
+        SnapshotsHeld(
+            world_size=world,
+            ranks=tuple(r for r, _ in pairs),
+            steps=tuple(s for _, s in pairs),
+            digests=tuple(digests if digests is not None else [digest(r, s) for r, s in pairs]),
+        ),
     )
+
+
+def _copied(h: Harness, first: int, second: int, step: int) -> None:
+    """Both nodes of a 2 x 2 job snapshot ``step``; the server asks each to copy it to the
+    other, and both say they hold the copies (as real agents do, in that order)."""
+    _held(h, first, 4, [(0, step), (1, step)])
+    _held(h, second, 4, [(2, step), (3, step)])
+    _held(h, first, 4, [(0, step), (1, step), (2, step), (3, step)])
+    _held(h, second, 4, [(2, step), (3, step), (0, step), (1, step)])
 
 
 def _two_nodes(h: Harness) -> tuple[int, int]:
@@ -49,13 +72,15 @@ def test_the_step_every_rank_has_twice_is_kept_and_a_failure_restores_the_newest
     h = Harness()
     first, second = _two_nodes(h)
     rnd = _assignment(h, first).round
-    # Node 0 holds ranks 0-1 (its own) and replicas of 2-3; node 1 the other way round. Its
-    # newest own snapshots (11) are not replicated yet.
-    _held(h, first, 4, [(0, 10), (1, 10), (0, 11), (1, 11), (2, 10), (3, 10)])
-    # Ranks 2-3 are on one node only: nothing kept yet; step 10, which every rank has, is copied.
-    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=-1, replicate=10)
-    _held(h, second, 4, [(2, 10), (3, 10), (2, 11), (3, 11), (0, 10), (1, 10)])
-    kept = KeepSnapshot(step=10, replicate=11)  # 10 on two nodes; 11 now on one for every rank
+    # Node 0 holds ranks 0-1 (its own), node 1 ranks 2-3: step 11, which every rank has on
+    # one node, is copied; nothing is on two nodes yet.
+    _held(h, first, 4, [(0, 10), (1, 10), (0, 11), (1, 11)])
+    assert h.last(first, KeepSnapshot) is None  # ranks 2-3 are nowhere yet
+    _held(h, second, 4, [(2, 10), (3, 10), (2, 11), (3, 11)])
+    assert h.last(first, KeepSnapshot) == KeepSnapshot(step=-1, replicate=11) == h.last(second, KeepSnapshot)
+    _held(h, first, 4, [(0, 10), (1, 10), (0, 11), (1, 11), (2, 11), (3, 11)])
+    _held(h, second, 4, [(2, 10), (3, 10), (2, 11), (3, 11), (0, 11), (1, 11)])
+    kept = KeepSnapshot(step=11, replicate=-1)  # 11 on two nodes for every rank
     assert h.last(first, KeepSnapshot) == kept == h.last(second, KeepSnapshot)
     assert h.machine.jobs["job"].snapshot_step == 11
     h.send(first, Progress(round=rnd, min_step=12, max_step=13))
@@ -76,8 +101,7 @@ def test_a_spare_that_takes_a_lost_nodes_place_fetches_its_ranks_from_the_replic
     h = Harness()
     first, second = _two_nodes(h)
     spare = _join(h, "nc")
-    _held(h, first, 4, [(0, 10), (1, 10), (2, 10), (3, 10)])
-    _held(h, second, 4, [(2, 10), (3, 10), (0, 10), (1, 10)])
+    _copied(h, first, second, 10)
     h.drop(second)  # node 1 is lost; the spare takes its place
     _join(h, "na" if first == 1 else "nb", first)
     _join(h, "nc", spare)
@@ -87,6 +111,8 @@ def test_a_spare_that_takes_a_lost_nodes_place_fetches_its_ranks_from_the_replic
     assert s.rank_offset == 2 and s.restore_source == (0, 0)
     assert s.restore_addrs == (f"10.0.0.{first}:40000",)
     assert s.restore_keys == (KEYS["na" if first == 1 else "nb"],)
+    # The owner's digests, which the fetched copies (and the workers) check.
+    assert s.restore_digests == (digest(2, 10), digest(3, 10))
 
 
 def test_no_restore_when_a_rank_is_held_nowhere_or_the_world_changed() -> None:
@@ -161,8 +187,7 @@ def test_a_restore_and_the_steps_it_lost_replay_from_the_state_log() -> None:
     h = Harness(machine=Recording())
     first, second = _two_nodes(h)
     rnd = _assignment(h, first).round
-    _held(h, first, 4, [(0, 10), (1, 10), (2, 10), (3, 10)])
-    _held(h, second, 4, [(2, 10), (3, 10), (0, 10), (1, 10)])
+    _copied(h, first, second, 10)
     h.send(first, Progress(round=rnd, min_step=14, max_step=15))
     h.send(second, WorkersFailed(round=rnd, failure=failure(node="nb")))
     _join(h, "na", first), _join(h, "nb", second)
@@ -187,8 +212,10 @@ def test_a_new_job_restores_the_newest_step_every_member_offers_from_its_snapsho
     got = [_assignment(h, c) for c in (a, b)]
     assert [(x.restore_step, x.restore_durable, x.restore_source) for x in got] == [(20, True, ())] * 2
     said = [e.text for e in h.machine.jobs["job"].history if e.kind == "restore"]
+    # The whole job was lost: nobody knows the step it had reached (issue 42, item 8).
     assert said == [
-        "round 0 resumes every rank from the snapshot of step 20 persisted in --snapshot-dir: no step lost"
+        "round 0 resumes every rank from the snapshot of step 20 persisted in --snapshot-dir: "
+        "steps lost unknown (no rank had reported its step)"
     ]
     replays_from_every_cut(h.machine.records, h.machine)
 
@@ -210,10 +237,140 @@ def test_a_newer_step_in_memory_wins_over_the_snapshot_dir() -> None:
     h = Harness()
     first, second = _two_nodes(h)
     rnd = _assignment(h, first).round
-    _held(h, first, 4, [(0, 40), (1, 40), (2, 40), (3, 40)])
-    _held(h, second, 4, [(2, 40), (3, 40), (0, 40), (1, 40)])
+    _copied(h, first, second, 40)
     h.send(second, WorkersFailed(round=rnd, failure=failure(node="nb")))
     durable = {"durable_world": 4, "durable_steps": (40, 30)}  # a tie: memory, no disk read
     _join(h, "na", first, **durable), _join(h, "nb", second, **durable)
     got = [_assignment(h, c) for c in (first, second)]
     assert [(x.restore_step, x.restore_durable) for x in got] == [(40, False)] * 2
+
+
+# -- issue 42: a member is trusted only about its own ranks ---------------------------------
+
+
+def _fail_and_rejoin(h: Harness, first: int, second: int, **kw: object) -> list[Assignment]:
+    rnd = _assignment(h, first).round
+    h.send(second, WorkersFailed(round=rnd, failure=failure(node="nb"), **kw))  # type: ignore[arg-type]
+    _join(h, "na", first), _join(h, "nb", second)
+    return [_assignment(h, c) for c in (first, second)]
+
+
+def test_a_member_claiming_every_rank_at_a_huge_step_becomes_no_restore_source() -> None:
+    """The attack of issue 42 item 1: one member says it holds every rank at step 10**12. Its
+    own ranks' claim is its own business; the others' is not believed, so the job restores the
+    honest step, and the liar is the source of none of the others' ranks."""
+    h = Harness()
+    first, second = _two_nodes(h)
+    _copied(h, first, second, 10)
+    huge = 10**12
+    _held(h, second, 4, [(r, huge) for r in range(4)] + [(2, 10), (3, 10), (0, 10), (1, 10)])
+    job = h.machine.jobs["job"]
+    assert job.snapshot_step == 10 and job.restore_points.holders(4, huge, 0) == set()
+    got = _fail_and_rejoin(h, first, second)
+    assert {a.restore_step for a in got} == {10}
+    assert all(a.restore_addrs == () for a in got)  # each node restores its own
+
+
+def test_a_replica_is_believed_only_from_the_node_asked_to_hold_it_with_the_owners_digest() -> None:
+    h = Harness()
+    a, b, c = (_join(h, n, min_nodes=3, max_nodes=3) for n in ("na", "nb", "nc"))
+    by_rank = sorted((a, b, c), key=lambda x: _assignment(h, x).group_rank)
+    n0, n1, n2 = by_rank  # ranks 0-1, 2-3, 4-5; each copies to the next (n0 -> n1 -> n2 -> n0)
+    assert (_assignment(h, n1).replica_from, _assignment(h, n1).replica_count) == (0, 2)
+    _held(h, n0, 6, [(0, 7), (1, 7)])
+    _held(h, n1, 6, [(2, 7), (3, 7)])
+    _held(h, n2, 6, [(4, 7), (5, 7)])
+    job = h.machine.jobs["job"]
+    assert job.replicate_step == 7
+    node = {n0: "", n1: "", n2: ""}
+    for conn in by_rank:
+        node[conn] = next(nid for nid, m in job.members.items() if m.conn == conn)
+    # n2 was asked to hold n1's ranks (2-3), not n0's: its copy of rank 0 is not believed.
+    _held(h, n2, 6, [(4, 7), (5, 7), (0, 7)])
+    assert job.restore_points.holders(6, 7, 0) == {node[n0]}
+    # A copy with other bytes than the owner's is not believed either.
+    _held(
+        h,
+        n2,
+        6,
+        [(4, 7), (5, 7), (2, 7), (3, 7)],
+        [digest(4, 7), digest(5, 7), digest(2, 7, "x"), digest(3, 7)],
+    )
+    assert job.restore_points.holders(6, 7, 2) == {node[n1]}
+    assert job.restore_points.holders(6, 7, 3) == {node[n1], node[n2]}
+    # A copy the node was asked for, with the owner's digest, is.
+    _held(h, n2, 6, [(4, 7), (5, 7), (2, 7), (3, 7)])
+    assert job.restore_points.holders(6, 7, 2) == {node[n1], node[n2]}
+
+
+def test_a_replica_said_before_its_owners_digest_is_believed_once_the_digest_comes() -> None:
+    h = Harness()
+    first, second = _two_nodes(h)
+    _held(h, first, 4, [(0, 5), (1, 5)], ["", ""])  # the owner has not hashed them yet
+    _held(h, second, 4, [(2, 5), (3, 5)])
+    job = h.machine.jobs["job"]
+    assert job.replicate_step == 5
+    _held(h, second, 4, [(2, 5), (3, 5), (0, 5), (1, 5)])  # its copies, with the digests it computed
+    assert job.restore_points.holders(4, 5, 0) == {"na" if first == 1 else "nb"}  # nothing to check them by
+    _held(h, first, 4, [(0, 5), (1, 5)])  # the owner's digests come (after its push)
+    assert len(job.restore_points.holders(4, 5, 0)) == 2
+    assert job.provenance.pending == set()
+
+
+def test_a_rank_copied_with_an_unknown_digest_is_fetched_only_from_its_maker() -> None:
+    h = Harness()
+    first, second = _two_nodes(h)
+    spare = _join(h, "nc")
+    _held(h, first, 4, [(0, 10), (1, 10)], ["", ""])
+    _held(h, second, 4, [(2, 10), (3, 10)], ["", ""])
+    h.drop(first)  # the spare takes ranks 0-1, held by nobody it may fetch them from
+    _join(h, "nb", second), _join(h, "nc", spare)
+    got = {c: _assignment(h, c) for c in (second, spare)}
+    assert all(a.restore_step == -1 for a in got.values())
+
+
+def test_a_failed_fetch_of_the_restore_step_makes_the_next_round_restore_an_older_one() -> None:
+    """Issue 42 item 3: a spare could not fetch (a holder's replica server filled by
+    strangers); every restart repeated the same plan. The agent says which step it could not
+    get; the next round restores an older step every rank has, and says so."""
+    from .test_journal import Recording, replays_from_every_cut
+
+    h = Harness(machine=Recording())
+    first, second = _two_nodes(h)
+    for step in (10, 20):  # each node holds its ranks and the other's at both steps
+        _held(h, first, 4, [(r, s) for s in (10, step) for r in (0, 1)])
+        _held(h, second, 4, [(r, s) for s in (10, step) for r in (2, 3)])
+        _held(h, first, 4, [(r, s) for s in (10, step) for r in (0, 1, 2, 3)])
+        _held(h, second, 4, [(r, s) for s in (10, step) for r in (2, 3, 0, 1)])
+    got = _fail_and_rejoin(h, first, second)
+    assert {a.restore_step for a in got} == {20}
+    got = _fail_and_rejoin(h, first, second, restore_failed=20)
+    assert {a.restore_step for a in got} == {10}
+    # A step other than the round's own is no reason to skip one.
+    got = _fail_and_rejoin(h, first, second, restore_failed=20)
+    assert {a.restore_step for a in got} == {10}
+    replays_from_every_cut(h.machine.records, h.machine)
+
+
+def test_a_second_holder_is_named_for_each_fetched_rank() -> None:
+    h = Harness()
+    three = {"min_nodes": 3, "max_nodes": 3}
+    a, b, c = (_join(h, n, **three) for n in ("na", "nb", "nc"))
+    n0, n1, n2 = sorted((a, b, c), key=lambda x: _assignment(h, x).group_rank)
+    names = {m.conn: nid for nid, m in h.machine.jobs["job"].members.items()}
+    # Every rank's step 7 on its own node and on the next one (n0 -> n1 -> n2 -> n0).
+    _held(h, n0, 6, [(0, 7), (1, 7)])
+    _held(h, n1, 6, [(2, 7), (3, 7)])
+    _held(h, n2, 6, [(4, 7), (5, 7)])
+    _held(h, n1, 6, [(2, 7), (3, 7), (0, 7), (1, 7)])
+    _held(h, n2, 6, [(4, 7), (5, 7), (2, 7), (3, 7)])
+    _held(h, n0, 6, [(0, 7), (1, 7), (4, 7), (5, 7)])
+    spare = _join(h, "nd", **three)
+    h.drop(n1)  # the spare takes its place; n2 moves to ranks 2-3 (it holds their copies)
+    _join(h, names[n0], n0, **three), _join(h, names[n2], n2, **three)
+    s = _assignment(h, spare)
+    assert s.restore_step == 7 and s.rank_offset == 4
+    # Ranks 4-5 are held by n2 (their maker) and n0 (the copy it was asked for): one is the
+    # first source of each rank, the other its second.
+    assert len(s.restore_addrs) == 2 and sorted(s.restore_source + s.restore_alt) == [0, 0, 1, 1]
+    assert s.restore_digests == (digest(4, 7), digest(5, 7))

@@ -437,4 +437,22 @@ def test_the_limit_counts_bytes_not_items(rank_dir: Path, monkeypatch: pytest.Mo
 def test_the_agent_sets_the_variables_the_worker_reads() -> None:
     from node_agent import worker_env
 
-    assert (S.DIR_VAR, S.LIMIT_VAR, S.RESTORE_VAR) == worker_env.SNAPSHOT_VARS
+    assert (S.DIR_VAR, S.LIMIT_VAR, S.RESTORE_VAR, S.DIGEST_VAR) == worker_env.SNAPSHOT_VARS
+
+
+def test_restore_refuses_a_file_that_is_not_the_owners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42: where the snapshot came from another node the agent says the owner's sha256;
+    a file with other bytes is never handed to the script (torch.load would unpickle it)."""
+    import hashlib
+
+    (tmp_path / S.step_name(7)).write_bytes(b"the owner's bytes")
+    monkeypatch.setenv(S.DIR_VAR, str(tmp_path))
+    monkeypatch.setenv(S.RESTORE_VAR, "7")
+    monkeypatch.setenv(S.DIGEST_VAR, hashlib.sha256(b"the owner's bytes").hexdigest())
+    r = S.restore()
+    assert r is not None and r.step == 7
+    (tmp_path / S.step_name(7)).write_bytes(b"a planted pickle")
+    with pytest.raises(S.SnapshotCorrupt, match="not the file its owner made"):
+        S.restore()
+    with pytest.raises(S.SnapshotMissing):  # what scripts catch already
+        S.restore()
