@@ -170,6 +170,13 @@ def format_job(job: dict[str, Any]) -> str:
             f"  commit point: every rank stops at step {commit['step']} for: {shown(commit['reason'])} "
             f"({what}; a hard restart in {max(0.0, commit['deadline_in_s']):.0f} s otherwise)"
         )
+    snap = job.get("snapshot")
+    if snap:
+        kept = snap.get("kept_step")
+        lines.append(
+            f"  snapshots: every rank can restore step {snap['step']} (newest since {_age(snap['age_s'])}); "
+            + (f"step {kept} is on two nodes for every rank" if kept is not None else "none on two nodes yet")
+        )
     lines.append("")
     if rows:
         headers = (

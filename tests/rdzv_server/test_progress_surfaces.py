@@ -477,3 +477,20 @@ def test_a_commit_point_is_shown_while_under_way_and_in_the_history_after() -> N
     assert [e["step"] for e in done] == [arm.step, arm.step]
     assert f"committed at step {arm.step} for: node(s) joined: node3" in done[-1]["text"]
     assert "commit point: every rank stops" not in tables.format_job(j)
+
+
+def test_the_text_status_shows_the_snapshot_step_the_json_and_the_dashboard_show() -> None:
+    """Issue 42 item 8: `rdzv-server status` (text) had no snapshot line."""
+    from protocol import SnapshotsHeld
+
+    h = Harness()
+    a, b = h.join(max_restarts=1), h.join(max_restarts=1)
+    for c in (a, b):
+        got = h.last(c, Assignment)
+        assert isinstance(got, Assignment)
+        ranks = (got.rank_offset, got.rank_offset + 1)  # its own ranks: believed
+        h.send(c, SnapshotsHeld(world_size=4, ranks=ranks, steps=(12, 12)))
+    j = job(h)
+    assert j["snapshot"]["step"] == 12 and j["snapshot"]["kept_step"] is None
+    assert "snapshots: every rank can restore step 12 (newest since" in tables.format_job(j)
+    assert "none on two nodes yet" in tables.format_job(j)
