@@ -31,6 +31,7 @@ from protocol.auth import proof as auth_proof
 from protocol.errors import ProtocolError
 from protocol.records import record
 
+from . import step_notices
 from .agent_log import AgentLog, shown
 from .config import AgentConfig
 from .health_check import health_check
@@ -262,9 +263,20 @@ class Agent:
         if notice:
             self.log(notice, "warning")
         loop = asyncio.get_running_loop()
+        # The node-agent command holds the step's notices from its first instruction
+        # (step_notices.py): they come to the machine through the hold, never through a
+        # handler of the loop's, which its removal would leave at the signal's default action.
+        held = step_notices.held_signals()
         watched = {signal.Signals[s] for s in cfg.signals_to_handle} | {signal.SIGUSR1, signal.SIGUSR2}
+        watched = {sig for sig in watched if sig not in held}
         for sig in watched:
             loop.add_signal_handler(sig, self._on_signal, int(sig))
+        if held:
+
+            def on_notice(signum: int) -> None:  # in a signal handler: only schedules
+                loop.call_soon_threadsafe(self._on_signal, signum)
+
+            step_notices.deliver_to(on_notice)
         try:
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
@@ -276,6 +288,8 @@ class Agent:
                     for t in list(self._bg):
                         t.cancel()
         finally:
+            if held:
+                step_notices.hold_again()
             for sig in watched:
                 loop.remove_signal_handler(sig)
             # Whatever happened, no worker outlives the agent.
@@ -319,13 +333,17 @@ class Agent:
         sender (signal_witness.py); with no watchdog to ask, at once."""
 
         starts = self._starts
+        running = self._phase == "running"  # else no workers of ours ran when it came
 
         async def classify() -> None:
             delivered = await self.group.delivered(signum)
             # Workers started while we asked (a restart meanwhile) came after the signal: its
             # sender never reached them.
-            delivered = delivered and self._starts == starts
-            self.events.put_nowait(st.SignalReceived(signum, delivered=delivered))
+            restarted = self._starts != starts
+            delivered = delivered and not restarted
+            self.events.put_nowait(
+                st.SignalReceived(signum, delivered=delivered, stale=restarted or not running)
+            )
 
         task = asyncio.get_running_loop().create_task(classify())
         self._signal_tasks.add(task)
@@ -350,12 +368,16 @@ class Agent:
                     await self.store.end_round()  # no next-round connection may reach its store
                 self._joined_at = self.clock()
                 self._phase = "rendezvous"
+                if self.snaps is not None:
+                    self.snaps.new_key()  # a new round: the keys of the last one end (issue 42)
                 self._send(self._join())
             elif isinstance(eff, st.RunHealthCheck):
                 self._phase = "rendezvous"
                 self._spawn(self._health_check())
             elif isinstance(eff, st.SendResume):
-                self._send(Resume(join=self._join(), assignment=eff.assignment, succeeded=eff.succeeded))
+                # The restore digests mattered before the workers started; a Resume never echoes them.
+                held = eff.assignment._copy_with(restore_digests=())
+                self._send(Resume(join=self._join(), assignment=held, succeeded=eff.succeeded))
             elif isinstance(eff, st.Reconnect):
                 self._spawn(self._reconnect(eff.deadline))
             elif isinstance(eff, st.StartWorkers):
@@ -426,7 +448,14 @@ class Agent:
         attempt = self.logs.new_attempt()
         specs = worker_specs(self.config, a, os.environ, attempt, self._cpus())
         if self.snaps is not None:
-            await self.snaps.prepare(a, self.config.nproc_per_node)
+            from .snapshots.node import RestoreFailed
+
+            try:
+                await self.snaps.prepare(a, self.config.nproc_per_node)
+            except RestoreFailed as exc:
+                # No worker starts: one of ours without its snapshot would diverge from the rest.
+                self.events.put_nowait(st.WorkersStartFailed(str(exc), restore_failed=exc.step))
+                return
             specs = [
                 replace(s, env={**s.env, **self.snaps.worker_env(s.rank, a.restore_step)}) for s in specs
             ]

@@ -5,14 +5,28 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Sequence
 
-from ..config import ConfigError
+from .. import step_notices
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing anything before main's first act
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 EXIT_USAGE = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First and last: a scheduler's notice to every process of the job step (SIGUSR1, SIGUSR2)
+    # never ends the agent, whenever it comes (step_notices.py). Before anything slow: this
+    # package imports nothing else at its top (node_agent.config alone is 90 ms).
+    step_notices.hold()
+    try:
+        return _collected(argv)
+    finally:
+        step_notices.ignore()
+
+
+def _collected(argv: Sequence[str] | None) -> int:
     # The collector would scan the 35,000 objects the imports below create some fifty times
     # (7 ms of a launch) to find almost nothing: off until they are done, then frozen (never
     # scanned again, nor freed: some 0.3 MB of the imports' own cycles, the classes @record
@@ -29,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None, collecting: bool) -> int:
     from ..agent_log import for_cli, install
+    from ..config import ConfigError
     from .parse import parse_config
 
     log = for_cli(os.environ.get("LOGLEVEL"))
@@ -48,6 +63,8 @@ def _main(argv: Sequence[str] | None, collecting: bool) -> int:
         if error_file:
             ef.write(error_file, ef.exception_record(exc), log)
         return EXIT_USAGE
+    # A notice --signals-to-handle names stops the job, as SIGTERM does: not held (see there).
+    step_notices.release(signal_numbers(config.signals_to_handle))
     from ..runner import run_agent
 
     gc.freeze()
@@ -64,3 +81,10 @@ def _main(argv: Sequence[str] | None, collecting: bool) -> int:
         if record is not None:
             ef.write(error_file, record, agent.log)
     return outcome.code
+
+
+def signal_numbers(names: Sequence[str]) -> list[int]:
+    """``--signals-to-handle``'s names as numbers (names parse_config checked already)."""
+    import signal
+
+    return [int(signal.Signals[name]) for name in names]

@@ -189,7 +189,7 @@ class AgentMachine:
         if isinstance(event, ReconnectFailed):
             return self._on_reconnect_failed(event)
         if isinstance(event, SignalReceived):
-            return self._on_signal(event.signum, now, event.delivered)
+            return self._on_signal(event.signum, now, event.delivered, event.stale)
         if isinstance(event, HealthCheckDone):
             return self._on_health_check_done(event)
         if isinstance(event, Tick):
@@ -403,7 +403,9 @@ class AgentMachine:
         failure = node_failure(self.settings, a, now, 127, event.reason)
         self.local_failures = (failure,)
         self._await_verdict(now)
-        self.link.report = WorkersFailed(round=a.round, failure=failure, step=self._max_step())
+        self.link.report = WorkersFailed(
+            round=a.round, failure=failure, step=self._max_step(), restore_failed=event.restore_failed
+        )
         return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self.link.report)]
 
     def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
@@ -619,13 +621,16 @@ class AgentMachine:
 
     # -- signals and leaving ---------------------------------------------------------------
 
-    def _on_signal(self, signum: int, now: float, delivered: bool = False) -> list[Effect]:
+    def _on_signal(
+        self, signum: int, now: float, delivered: bool = False, stale: bool = False
+    ) -> list[Effect]:
         effects, then = self.signals.receive(
             signum,
             delivered,
             self.phase,
             committing=self.leaving.commit_leave is not None,
             out=self.leaving.going or self._exit is not None,
+            stale=stale,
         )
         if then is Then.DRAIN:
             assert self.leaving.commit_leave is not None

@@ -176,6 +176,9 @@ class WorkersStarted:
 @record(frozen=True, slots=True)
 class WorkersStartFailed:
     reason: str
+    # The round's restore step, when what failed was getting a local rank's snapshot of it
+    # (every holder failed): the server then restores from another step (-1: not that).
+    restore_failed: int = -1
 
 
 @record(frozen=True, slots=True)
@@ -202,6 +205,12 @@ class SignalReceived:
     # The workers have it already, from its sender (a scheduler that signals every process of
     # the job step: Slurm, systemd): never sent to them again (signal_witness.py).
     delivered: bool = False
+    # It came while no workers of this node ran (before the first start, between rounds, or
+    # before the agent handled signals at all: step_notices.py), or they were restarted since:
+    # the workers that run now never had it from its sender, and one of forward_signals is
+    # not passed on to them either (a worker just started has no handler yet: a notice would
+    # kill it).
+    stale: bool = False
 
 
 @record(frozen=True, slots=True)
@@ -234,6 +243,7 @@ class SnapshotsRead:
 
     world_size: int
     pairs: tuple[tuple[int, int], ...]
+    digests: tuple[str, ...] = ()  # per pair, the sha256 this node knows ("": not known)
 
 
 @record(frozen=True, slots=True)

@@ -11,7 +11,8 @@ an elastic job drains (``leaving.py``), any other stops the workers and exits 1,
 does. A second one insists: a drain waiting for a commit point drains at once, a stop sends
 SIGKILL, a node waiting for its ``Left`` exits. One of ``forward_signals`` that is not handled
 is passed on to running workers, unless they have it from its sender already (a scheduler that
-signals every process of the job step: ``signal_witness.py``).
+signals every process of the job step: ``signal_witness.py``); one that came while no workers
+ran, or before the running ones were started, is said and not passed on.
 
 A worker killed by a signal this agent received for its workers (passed on, or delivered with
 its own) is no failure to restart for, but a stop, as if the agent had been sent a handled
@@ -49,15 +50,17 @@ class Signals:
     passed_on: frozenset[int] = frozenset()
 
     def receive(
-        self, signum: int, delivered: bool, phase: Phase, *, committing: bool, out: bool
+        self, signum: int, delivered: bool, phase: Phase, *, committing: bool, out: bool, stale: bool = False
     ) -> tuple[list[Effect], Then]:
-        """A signal came (``delivered``: the workers have it too). ``committing``: a drain
-        waits for a commit point; ``out``: we are on our way out already (a drain, the job's
-        end)."""
+        """A signal came (``delivered``: the workers have it too; ``stale``: it came while no
+        workers ran, or before the ones running now started). ``committing``: a drain waits
+        for a commit point; ``out``: we are on our way out already (a drain, the job's end)."""
         if signum not in self.settings.handled_signals:
-            if signum in self.settings.forward_signals and phase in (Phase.RUNNING, Phase.STARTING):
+            if signum not in self.settings.forward_signals:
+                return [], Then.NOTHING
+            if phase in (Phase.RUNNING, Phase.STARTING) and not stale:
                 return self._pass_on(signum, delivered), Then.NOTHING
-            return [], Then.NOTHING
+            return [_not_passed_on(signum)], Then.NOTHING
         name = signal.Signals(signum).name
         if committing:
             # A second signal while a drain waits for a commit point: the user insists.
@@ -118,6 +121,17 @@ class Signals:
             "stops as for a signal this agent handles, without a restart",
         )
         return note, f"{who} was killed by {name}"
+
+
+def _not_passed_on(signum: int) -> Log:
+    """A notice that came while none of this node's workers ran: the workers that start later
+    never had it from its sender (it signalled the processes there were), and one passed on
+    at their start would kill them before their handler is in."""
+    return Log(
+        "info",
+        f"received {signal.Signals(signum).name} while no workers of this node ran (not started "
+        "yet, between rounds or stopping): not passed on to workers started after it",
+    )
 
 
 def received(signum: int) -> str:

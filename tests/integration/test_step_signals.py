@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from .procs import WORKERS, Proc, agent_cmd, pid_alive
+from .procs import WORKERS, Proc, agent_cmd, pid_alive, start_server
 
 WORKER = str(WORKERS / "signal_count.py")
 NPROC = 2
@@ -186,6 +187,150 @@ def test_a_warm_worker_has_a_cold_workers_dispositions(tmp_path: Path) -> None:
         assert job.lines(rank, "dispositions") == ["SIGUSR1=default", "SIGTERM=default", "SIGINT=python"]
 
 
+# --- a notice at any moment of the agent's life (issue 42, item 7d) ---------------------------
+#
+# Slurm's --signal=USR1@90 came 4 s into a job with a short --time and killed both agents
+# (FAILED 138:0): the agent handled the notices only while its loop ran. It holds them from the
+# first instruction of its main to its exit now (node_agent/step_notices.py).
+
+# The agent with Python's import log on stderr: the line of node_agent.agent_log, the first
+# module main imports, says that main runs (its first act, holding the notices, is done). Its
+# workers do not log imports (-X is not passed on).
+IMPORT_LOG = (sys.executable, "-X", "importtime", "-m", "node_agent.cli")
+IN_MAIN = r"\| node_agent\.agent_log$"
+
+
+class Notices:
+    """Send ``sig`` to ``pid`` every ``every`` seconds from a thread, until the block ends or
+    the process is gone (the sender of a scheduler's notice, at every moment of a window)."""
+
+    def __init__(self, pid: int, sig: int | None, every: float = 0.01) -> None:
+        self.pid, self.sig, self.every = pid, sig, every
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while self.sig is not None and not self._stop.is_set():
+            try:
+                os.kill(self.pid, self.sig)
+            except ProcessLookupError:
+                return
+            self.sent += 1
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> Notices:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _two_node_args(port: int, tmp: Path) -> tuple[str, ...]:
+    return (
+        "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-id", "notices",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--log-dir", str(tmp / "logs"), WORKER,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sig", [None, signal.SIGUSR1, signal.SIGUSR2], ids=["no-signal", "SIGUSR1", "SIGUSR2"]
+)
+def test_a_notice_at_any_moment_of_the_agents_life_changes_nothing(tmp_path: Path, sig: int | None) -> None:
+    """Notices to the agent from its main's first instructions (imports, command line) through
+    its connect and rendezvous, between two rounds (its node lost its peer) and during its
+    end (exit barrier, shutdown, exit): the agent outlives every one, none is passed on to
+    workers started after it, and the job ends as it does without them (no-signal: the same
+    scenario, the exit code to match)."""
+    out = tmp_path / "signals"
+    out.mkdir()
+    env = {"SIGNAL_DIR": str(out), "HANDLE": "SIGUSR1,SIGUSR2,SIGTERM", "HOLD_S": "120"}
+    srv, port = start_server()
+    args = _two_node_args(port, tmp_path)
+    a = Proc([*IMPORT_LOG, *args], env=env)
+    others: list[Proc] = []
+    try:
+        a.wait_for_line(IN_MAIN, timeout=60)
+        # Early: imports, the command line, the connect, the rendezvous (node a waits for b).
+        with Notices(a.p.pid, sig) as early:
+            a.wait_for_line(r"waiting for nodes: 1 of 2 joined", timeout=60)
+            time.sleep(0.3)
+        others.append(b := Proc(agent_cmd(*args), env=env))
+        _wait_files(out, a, 2)
+        first = _worker_pids_in(out)
+        # Between rounds: node b is lost; a stops its worker and waits for a second node.
+        b.kill()
+        a.wait_for_line(r"stopping 1 worker\(s\)", timeout=60)
+        _until(lambda: not any(pid_alive(p) for p in first), a)
+        with Notices(a.p.pid, sig) as between:
+            time.sleep(1.0)
+        for r in range(2):
+            (out / f"rank{r}.ready").unlink()
+        others.append(Proc(agent_cmd(*args), env=env))
+        _wait_files(out, a, 2)
+        (out / "go").touch()
+        # The end: a's worker is done, it waits for the other node, stops, exits.
+        a.wait_for_line(r"workers finished", timeout=60)
+        with Notices(a.p.pid, sig) as end:
+            code = a.wait(60)
+        for o in others[1:]:
+            assert o.wait(60) == 0, o.stderr
+    finally:
+        for proc in (a, *others):
+            proc.kill()
+        srv.kill()
+    assert code == 0, a.stderr  # as without a notice (the no-signal case)
+    if sig is None:
+        return
+    assert early.sent and between.sent and end.sent, (early.sent, between.sent, end.sent)
+    name = signal.Signals(sig).name
+    assert f"received {name} while no workers of this node ran" in a.stderr
+    assert f"forwarding {name}" not in a.stderr  # no worker started after a notice got it
+    for rank in range(2):
+        received = out / f"rank{rank}.signals"
+        got = received.read_text().split() if received.exists() else []
+        assert name not in got, f"rank {rank}: {got}"
+
+
+@pytest.mark.parametrize("moment", ["early", "rendezvous"])
+def test_sigterm_still_stops_the_agent_at_any_moment(tmp_path: Path, moment: str) -> None:
+    """Held notices change nothing for SIGTERM: before the agent's loop handles signals it ends
+    the agent at once by its default action (as torchrun before it starts workers); once it
+    does, the agent leaves the rendezvous and exits 1."""
+    srv, port = start_server()
+    a = Proc([*IMPORT_LOG, *_two_node_args(port, tmp_path)], env={"SIGNAL_DIR": str(tmp_path)})
+    try:
+        a.wait_for_line(IN_MAIN if moment == "early" else r"waiting for nodes: 1 of 2 joined", timeout=60)
+        a.signal(signal.SIGTERM)
+        code = a.wait(30)
+    finally:
+        a.kill()
+        srv.kill()
+    assert code == (-signal.SIGTERM if moment == "early" else 1), a.stderr
+
+
+def test_a_notice_listed_in_signals_to_handle_stops_the_agent_before_its_loop_as_sigterm_does(
+    tmp_path: Path,
+) -> None:
+    srv, port = start_server()
+    args = ("--signals-to-handle", "SIGTERM,SIGUSR1", *_two_node_args(port, tmp_path))
+    a = Proc([*IMPORT_LOG, *args], env={"SIGNAL_DIR": str(tmp_path)})
+    try:
+        a.wait_for_line(IN_MAIN, timeout=60)
+        a.signal(signal.SIGUSR1)
+        code = a.wait(30)
+    finally:
+        a.kill()
+        srv.kill()
+    assert code == -signal.SIGUSR1, a.stderr
+
+
+def _worker_pids_in(out: Path) -> set[int]:
+    return {int(p) for f in out.glob("rank*.started") for p in f.read_text().split()}
+
+
 def _store_pid(agent: int) -> int | None:
     for pid in descendants(agent):
         try:
@@ -210,10 +355,14 @@ def _worker_pids(job: Job) -> set[int]:
 
 
 def _wait_for(cond: Callable[[], bool], job: Job, timeout: float = 20.0) -> None:
+    _until(cond, job.agent, timeout)
+
+
+def _until(cond: Callable[[], bool], agent: Proc, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s\n{job.agent.stderr}")
+            raise AssertionError(f"condition not met within {timeout} s\n{agent.stderr}")
         time.sleep(0.02)
 
 

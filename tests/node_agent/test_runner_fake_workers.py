@@ -126,3 +126,46 @@ def test_workers_started_after_a_signal_came_are_sent_it(tmp_path: Path) -> None
 
     stops = asyncio.run(scenario())
     assert stops[1][1] == signal.SIGTERM, stops  # the restarted worker's stop sends it
+
+
+class _LateWitness(FakeWorkerGroup):
+    """A watchdog whose answer comes late, and says the workers do not have the signal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+
+    async def delivered(self, sig: int) -> bool:
+        await self.answer.wait()
+        return False
+
+
+def test_a_notice_is_not_passed_on_to_workers_started_after_it_came(tmp_path: Path) -> None:
+    # The notice came while round 0's worker ran; it failed and round 1's started while the
+    # agent still asked the watchdog. The new worker never had the notice from its sender, and
+    # one passed on at its start would kill it before its handler is in: said, not passed on.
+    group = _LateWitness()
+
+    async def body(hub: FakeRendezvous, agent: Agent, _: FakeWorkerGroup) -> None:
+        await started(hub, group, 1)
+        agent._on_signal(signal.SIGUSR1)
+        group.exit(0, 3, "Traceback: ValueError")
+        await started(hub, group, 2)
+        group.answer.set()
+        await hub.wait_until(lambda: "not passed on" in err.getvalue(), what="the notice said")
+        group.exit(0, 0)
+
+    err = io.StringIO()
+
+    async def scenario() -> AgentOutcome:
+        hub = FakeRendezvous()
+        cfg = config(tmp_path, "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1")
+        agent = Agent(cfg, stdout=io.StringIO(), stderr=err, backend=hub.backend(), group=group)
+        task = asyncio.ensure_future(agent.run())
+        await body(hub, agent, group)
+        return await asyncio.wait_for(task, 30)
+
+    outcome = asyncio.run(scenario())
+    assert outcome.code == st.EXIT_OK, err.getvalue()
+    assert group.signals == [], group.signals
+    assert "received SIGUSR1 while no workers of this node ran" in err.getvalue()

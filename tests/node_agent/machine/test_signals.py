@@ -18,6 +18,24 @@ def test_sigusr1_is_forwarded_to_workers() -> None:
     assert m.handle(st.SignalReceived(signal.SIGUSR1), 2.0) == [st.ForwardSignal(signal.SIGUSR1)]
 
 
+def test_a_notice_that_came_while_no_workers_ran_is_said_and_not_passed_on() -> None:
+    # Before the first start (a notice the agent held from its first instruction:
+    # step_notices.py), between rounds, or before the workers running now were started: they
+    # never had it from its sender, and a worker just started has no handler to take it.
+    joining = AgentMachine(settings())
+    joining.start(0.0)
+    for m in (joining, running()):
+        (note,) = m.handle(st.SignalReceived(signal.SIGUSR2, stale=True), 2.0)
+        assert isinstance(note, st.Log) and "while no workers of this node ran" in note.text
+    (note,) = joining.handle(st.SignalReceived(signal.SIGUSR1), 2.0)
+    assert isinstance(note, st.Log) and "not passed on" in note.text
+
+
+def test_a_stale_handled_signal_still_stops_the_job() -> None:
+    eff = running().handle(st.SignalReceived(signal.SIGTERM, stale=True), 2.0)
+    assert st.StopWorkers in kinds(eff)
+
+
 # -- signals a scheduler sends to every process of the step (signal_witness.py) ---------------
 
 
