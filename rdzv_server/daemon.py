@@ -4,7 +4,9 @@ Open the state dir (restoring the jobs it holds), listen, say what this server i
 protected by, serve until SIGTERM/SIGINT, then drain: no more connections or joins, flush the
 state log, ``GoingAway`` to every agent (they keep their workers and come back to a restarted
 server), exit 0. A state log that cannot be written stops the server at once with exit 1 and
-no ``GoingAway``: its agents must not be told that what they did next was recorded.
+no ``GoingAway``: its agents must not be told that what they did next was recorded. Not for
+want of room (ENOSPC, EDQUOT: another process filled the disk): the server then goes
+read-only and waits for room, serving its running jobs (``service.py``, "A full disk").
 
 Also the daemon's logging (peers' texts escaped) and its garbage-collector tuning.
 """

@@ -6,7 +6,7 @@ use aiohttp's server protocol without a site of its own.
 | route | what |
 |---|---|
 | ``GET /`` | the dashboard: one static page that polls ``/v1/jobs`` and the jobs it shows |
-| ``GET /healthz`` | liveness, with job and connection counts |
+| ``GET /healthz`` | liveness, with job and connection counts, and the state log's alarm |
 | ``GET /v1/jobs`` | a bounded summary of the jobs: numbers only, no node ids or addresses |
 | ``GET /v1/jobs/{id}`` | one job in detail (``status.py``; ``docs/openapi.yaml``) |
 | ``POST /v1/jobs/{id}/nodes/{node}/drain`` | ask a node to leave cleanly (202; 404 names what is missing) |
@@ -14,6 +14,13 @@ use aiohttp's server protocol without a site of its own.
 
 Handlers only read the machine and format it; the one write, drain, goes through the service
 like any other event. Errors under ``/v1/`` are JSON: ``{"error": code, "message": text}``.
+
+A full state disk (the state log read-only: ``journal.py``, "A full disk") shows as etcd's
+alarm does: ``/healthz`` says ``"status": "read_only"`` with ``"alarms": ["NOSPACE"]`` and why,
+since when, and what waits. Still with 200: the process is alive and serves its running jobs
+from memory, and a probe that restarted it (or took it out of its Service) for that would end
+every job's rendezvous while the disk stays full. ``/metrics`` has ``rdzv_state_log_read_only``,
+and a drain is refused with 503 ``read_only`` (it would change state).
 
 Who may do what (``Access``):
 
@@ -57,6 +64,7 @@ from .status import to_json
 if TYPE_CHECKING:
     from protocol.auth import TokenTable
 
+    from .journal import LogHealth
     from .state import Rendezvous
 
 
@@ -71,6 +79,10 @@ class Served(Protocol):
     http_access: Access | None
 
     def drain(self, job_id: str, node_id: str, reason: str = "") -> None: ...
+
+    def state_log_health(self) -> LogHealth | None:
+        """Whether the state log is written (None: the server has none)."""
+        ...
 
 
 SERVICE: web.AppKey[Served] = web.AppKey("service")
@@ -259,7 +271,10 @@ def build_app(
 
     app.on_cleanup.append(mark_stopped)
     registry = metrics.make_registry(
-        lambda: service.machine, service.clock, jobs=access.metrics_jobs if access is not None else 0
+        lambda: service.machine,
+        service.clock,
+        jobs=access.metrics_jobs if access is not None else 0,
+        state_log=service.state_log_health,
     )
     dashboard = resources.files(__package__).joinpath("dashboard.html").read_bytes()
 
@@ -268,7 +283,22 @@ def build_app(
 
     async def healthz(request: web.Request) -> web.Response:
         m = service.machine
-        return _json({"status": "ok", "jobs": len(m.jobs), "connections": len(m.conns)})
+        body: dict[str, Any] = {
+            "status": "ok",
+            "jobs": len(m.jobs),
+            "connections": len(m.conns),
+            "alarms": [],
+        }
+        log = service.state_log_health()
+        if log is not None and log.read_only:
+            body["status"], body["alarms"] = "read_only", ["NOSPACE"]
+            body["read_only"] = {
+                "reason": log.read_only,
+                "since": log.since,
+                "held_changes": log.held,
+                "refused_connections": log.refused,
+            }
+        return _json(body, headers=_NO_STORE)
 
     async def list_jobs(request: web.Request) -> web.Response:
         return _json(
@@ -290,6 +320,10 @@ def build_app(
         reason = await _drain_reason(request)
         if isinstance(reason, web.Response):
             return reason
+        log = service.state_log_health()
+        if log is not None and log.read_only:
+            text = f"the server cannot write its state log ({log.read_only}): no drain until there is room"
+            return _error(503, "read_only", text, {"Retry-After": "5"})
         try:
             service.drain(job_id, node_id, reason)
         except KeyError as exc:

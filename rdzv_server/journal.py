@@ -45,13 +45,29 @@ between the two steps leaves records the snapshot already holds, which replay sk
 number. Replay reads the log a record at a time, so restarting on a large log needs the
 memory of the state it rebuilds, not of the file.
 
-Disk space. A state log that cannot be written stops the server (nothing may be
-acknowledged that is not durable). So before the disk is full, the log checks the free
-space of DIR's file system (``statvfs``; every ``SPACE_CHECK_BYTES`` written or
-``SPACE_CHECK_SECONDS``, not per record) and, below ``min_free`` (``--state-min-free-mib``,
-and at least twice the last snapshot, which compaction rewrites), sets the machine's
-``refuse_joins``: new nodes are refused with a clear error while running jobs are served.
-It is cleared when space returns.
+Disk space. Nothing may be acknowledged that is not durable. So before the disk is full,
+the log checks the free space of DIR's file system (``statvfs``; every ``SPACE_CHECK_BYTES``
+written or ``SPACE_CHECK_SECONDS``, not per record) and, below ``min_free``
+(``--state-min-free-mib``, and at least twice the last snapshot, which compaction rewrites),
+sets the machine's ``refuse_joins``: new nodes are refused with a clear error while running
+jobs are served. It is cleared when space returns.
+
+A full disk. When a write of the log or of a snapshot fails for want of room all the same
+(ENOSPC, or EDQUOT: another process filled the file system, or a quota ran out), the server
+does not stop: it goes read-only, as etcd does on its NOSPACE alarm (``enter_read_only``).
+The events whose records failed were handled by the machine already (records are written
+after ``handle``), but their effects wait for the write (see Order), so nothing of them was
+acknowledged: they stay applied in memory with their effects held, and the file is cut back
+to its last durable record (a server that dies now restarts from exactly what was
+acknowledged). While read-only nothing is written: each event that changes state is counted
+(``held``), not logged, and the service holds its effects too. ``recover`` (the service tries
+it every second or so) writes a snapshot of the machine as it is, which holds every held
+change, and starts a new log after it; only then are the held effects carried out. A
+snapshot rather than the held records: it is what compaction writes anyway, it is exactly the
+state the server serves, and nothing is ever appended after a torn record. Any other write
+error (EIO, EROFS) still stops the server: the disk is failing, and after a failed fsync Linux
+may drop the pages it could not write and call the next fsync clean, so what the file holds
+past its last good fsync is unknown and no retry makes it right.
 
 A crash mid-write leaves a torn last record: too short for its length, or (on a file system
 that extended the file before writing its data) complete but failing its CRC. Either is
@@ -109,16 +125,19 @@ from .state import (
     Tick,
 )
 from .wal import (
+    DISK,
     FILE_HEADER,
     LOG_MAGIC,
     NOFOLLOW,
     SNAP_MAGIC,
     Damage,
+    Disk,
     RecordReader,
     StateLogError,
     file_size,
     frame,
     lock_dir,
+    no_space,
     open_read,
     private_dir,
     read_file,
@@ -286,8 +305,22 @@ class Restored:
     jobs: int
 
 
+@record(frozen=True, slots=True)
+class LogHealth:
+    """Whether the state log is being written, for ``/healthz`` and ``/metrics``."""
+
+    read_only: str  # why it is not ("" while it is): a write failed for want of room
+    since: float | None  # the wall clock when it went read-only
+    held: int  # changes of state since then, applied in memory and not yet written
+    entered: int  # times it went read-only in this process
+    refused: int  # agent connections refused since then (the service counts them)
+
+
 class StateLog:
-    """The open state dir of a running server: the log writer, its snapshots, its clock."""
+    """The open state dir of a running server: the log writer, its snapshots, its clock.
+
+    ``read_only``: why nothing is written (a write failed for want of room; "" while it is
+    written), until ``recover`` succeeds (the module's docstring, "A full disk")."""
 
     def __init__(
         self,
@@ -302,10 +335,12 @@ class StateLog:
         min_free: int = MIN_FREE_BYTES,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        disk: Disk = DISK,
     ) -> None:
         self.dir = directory
         self._monotonic = monotonic  # the process's clocks: every reading here is of these
         self._wall = wall
+        self.disk = disk  # the writes and fsyncs (a test's fails them)
         self.machine = machine
         self.seq = seq  # records written so far, over the life of the state dir
         self.snapshot_every = snapshot_every
@@ -318,13 +353,21 @@ class StateLog:
         self._urgent = False  # the buffer holds a record whose effects need it durable first
         self.syncs = 0  # fsyncs done, and the time they took (for operators and benchmarks)
         self.sync_seconds = 0.0
-        self.log_bytes = max(
-            0, file_size(directory / LOG_NAME) - FILE_HEADER.size
-        )  # records since the snapshot
+        size = file_size(directory / LOG_NAME)
+        self.log_bytes = max(0, size - FILE_HEADER.size)  # records since the snapshot
+        # The log file's end, and how much of it is durable (fsync'd, or written without
+        # fsync): a failed write cuts the file back to the durable end.
+        self._end = self._durable_end = size
+        self._unsynced = 0  # records written past the durable end
         self.snapshot_bytes = file_size(directory / SNAP_NAME)
         self.min_free = min_free
         self._unchecked_bytes = 0  # written since the last free-space check
         self._space_checked = -float("inf")  # the monotonic clock at that check
+        self.read_only = ""
+        self.read_only_since: float | None = None  # the wall clock when it went read-only
+        self.held = 0  # records not written since then: their changes are in memory only
+        self.read_only_entered = 0
+        self.broken = ""  # a write failed otherwise (EIO...): nothing more is written
         self.check_space(force=True)
 
     # -- opening ---------------------------------------------------------------------------
@@ -342,13 +385,15 @@ class StateLog:
         snapshot_every: int = SNAPSHOT_EVERY,
         fsync: bool = True,
         min_free: int = MIN_FREE_BYTES,
+        disk: Disk = DISK,
     ) -> tuple[StateLog, Restored, list[Effect]]:
         """Lock DIR, load its snapshot, replay its log, drop a torn tail; then ``Restarted``.
 
         Returns the log (whose ``machine`` is ready to serve), what was found, and the
-        effects of recovery (log lines). StateLogError when DIR cannot be used. The
-        handshake timeouts are the serving process's (the service must be given the same):
-        they are not state, and replay sets no handshake deadline.
+        effects of recovery (log lines). StateLogError when DIR cannot be used, OSError when
+        it cannot be written (a full disk included: a server must be able to log its start).
+        The handshake timeouts are the serving process's (the service must be given the same
+        ones): they are not state, and replay sets no handshake deadline.
         """
         private_dir(directory)
         lock_fd = lock_dir(directory)
@@ -378,6 +423,7 @@ class StateLog:
                 min_free=min_free,
                 monotonic=monotonic,
                 wall=wall,
+                disk=disk,
             )
         except BaseException:
             os.close(lock_fd)
@@ -388,7 +434,11 @@ class StateLog:
         event = Restarted()
         effects = machine.handle(event, now)
         log.record(event, effects, now)
-        log.sync()
+        try:
+            log.sync()
+        except BaseException:
+            log._close_files()
+            raise
         return log, restored, effects
 
     # -- writing ---------------------------------------------------------------------------
@@ -397,21 +447,28 @@ class StateLog:
         """The machine's clock: monotonic, continued across restarts."""
         return self._monotonic() + self._offset
 
-    def record(self, event: Event, effects: list[Effect], now: float) -> None:
-        """Log one event the machine just handled, unless it changed nothing (``unchanged``)."""
+    def record(self, event: Event, effects: list[Effect], now: float) -> bool:
+        """Log one event the machine just handled, unless it changed nothing (``unchanged``).
+        True when it changed state (read-only: it is counted in ``held``, not written)."""
         self.check_space()
         rec = event_record(event, effects, unchanged=self.machine.unchanged, facts=self.machine.facts)
-        if rec is not None:
-            # A connection and its hello change no job state, and what they are told (the
-            # welcome) promises nothing: their records ride on the next fsync. Replay needs
-            # them before the join that follows, and the file keeps that order.
-            urgent = not (
-                isinstance(event, Connected) or (isinstance(event, Received) and isinstance(event.msg, Hello))
-            )
-            self.append(rec, now, urgent=urgent)
+        if rec is None:
+            return False
+        # A connection and its hello change no job state, and what they are told (the
+        # welcome) promises nothing: their records ride on the next fsync. Replay needs
+        # them before the join that follows, and the file keeps that order.
+        urgent = not (
+            isinstance(event, Connected) or (isinstance(event, Received) and isinstance(event.msg, Hello))
+        )
+        self.append(rec, now, urgent=urgent)
+        return True
 
     def append(self, rec: dict[str, Any], now: float, *, urgent: bool = True) -> None:
-        """Buffer one record; it is durable after the next ``sync``."""
+        """Buffer one record; it is durable after the next ``sync``. Read-only: counted only
+        (``recover``'s snapshot holds its change)."""
+        if self.read_only:
+            self.held += 1
+            return
         rec["t"], rec["w"] = now, self._wall()
         framed = frame(msgpack.packb(rec, use_bin_type=True))
         self._buf.append(framed)
@@ -432,13 +489,22 @@ class StateLog:
         self.maybe_compact()
 
     def write(self) -> bool:
-        """Write the buffered records, without fsync; True if their effects must wait for one."""
+        """Write the buffered records, without fsync; True if their effects must wait for one.
+        Nothing while read-only (or after a failure that stops the server)."""
+        if self.read_only or self.broken:
+            return False
         if self._buf:
             data = b"".join(self._buf)
+            if self.fsync:
+                self._unsynced += len(self._buf)
             self._buf.clear()
             view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view) :]
+            while view:  # _end follows each write: a failure cuts the file back from there
+                n = self.disk.write(self._fd, view)
+                self._end += n
+                view = view[n:]
+            if not self.fsync:
+                self._durable_end = self._end
         urgent, self._urgent = self._urgent and self.fsync, False
         return urgent
 
@@ -446,34 +512,86 @@ class StateLog:
         """fsync what ``write`` wrote. The service runs this in a worker thread, so the loop
         gathers the next batch meanwhile (group commit); nothing else uses the file then."""
         t0 = self._monotonic()
-        os.fsync(self._fd)
+        end = self._end
+        self.disk.fsync(self._fd)
+        self._durable_end, self._unsynced = end, 0  # (no write runs during this fsync)
         self.sync_seconds += self._monotonic() - t0
         self.syncs += 1
 
     def maybe_compact(self) -> None:
+        if self.read_only or self.broken:
+            return
         too_big = self.log_bytes > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self.snapshot_bytes)
         if self._since_snapshot >= self.snapshot_every or too_big:
             self.compact()
 
     def compact(self) -> None:
-        """Snapshot the machine (atomically), then start an empty log after it."""
+        """Snapshot the machine (atomically), then start an empty log after it. Read-only,
+        this is ``recover``."""
+        if self.read_only:
+            self.recover()
+            return
         self.write()  # the snapshot holds these records' state; no need to fsync them too
+        self._snapshot()
+
+    def _snapshot(self) -> None:
         now = self.clock()
         body = msgpack.packb(
             {"seq": self.seq, "t": now, "w": self._wall(), "state": snapshot.dump(self.machine)},
             use_bin_type=True,
         )
         snap = FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body)
-        replace_file(self.dir / SNAP_NAME, snap, self.fsync)
+        replace_file(self.dir / SNAP_NAME, snap, self.fsync, self.disk)
         self.snapshot_bytes = len(snap)
         # The log restarts after the snapshot; a crash before this rename only leaves
-        # records that replay skips by number.
-        replace_file(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync)
+        # records that replay skips by number. (Should this one fail, the old log is never
+        # appended to again: the next attempt writes both anew.)
+        replace_file(self.dir / LOG_NAME, FILE_HEADER.pack(LOG_MAGIC, self.seq), self.fsync, self.disk)
         os.close(self._fd)
         self._fd = os.open(self.dir / LOG_NAME, os.O_WRONLY | os.O_APPEND | NOFOLLOW)
+        self._end = self._durable_end = FILE_HEADER.size
+        self._unsynced = 0
         self._since_snapshot = 0
         self.log_bytes = 0
         self.check_space(force=True)
+
+    # -- a full disk -------------------------------------------------------------------------
+
+    def enter_read_only(self, exc: BaseException) -> bool:
+        """A write or fsync of the log, or a snapshot, failed with ``exc``. For want of room
+        (ENOSPC, EDQUOT): read-only (again), True. The records not yet durable are dropped
+        (their events' effects were never carried out; their changes are in the machine, and
+        ``recover``'s snapshot will hold them) and the file is cut back to its last durable
+        record. Any other failure: False, and nothing is written any more (the server stops)."""
+        if not no_space(exc):
+            self.broken = str(exc)
+            return False
+        if not self.read_only:
+            self.read_only = f"{getattr(exc, 'strerror', None) or exc} in {self.dir}"
+            self.read_only_since = self._wall()
+            self.read_only_entered += 1
+        self.held += len(self._buf) + self._unsynced
+        self._buf.clear()
+        self._unsynced, self._urgent = 0, False
+        if self._end != self._durable_end:
+            try:  # a torn or unsynced tail: never acknowledged, and it frees what it took
+                os.ftruncate(self._fd, self._durable_end)
+                self._end = self._durable_end
+            except OSError as cut:
+                logger.warning("state log: cannot cut %s back to its last durable record: %s", self.dir, cut)
+        return True
+
+    def recover(self) -> int:
+        """Leave read-only mode: a snapshot of the machine as it is (every held change in it),
+        then a new log after it. Returns the changes it held; OSError if there is still no room
+        (``enter_read_only`` says whether to wait on)."""
+        self._snapshot()
+        held, self.held = self.held, 0
+        self.read_only, self.read_only_since = "", None
+        return held
+
+    def health(self, refused: int = 0) -> LogHealth:
+        return LogHealth(self.read_only, self.read_only_since, self.held, self.read_only_entered, refused)
 
     def check_space(self, *, force: bool = False) -> None:
         """Refuse new nodes (``machine.refuse_joins``) while DIR's disk is nearly full.
@@ -514,7 +632,17 @@ class StateLog:
             self.machine.refuse_joins = ""
 
     def close(self) -> None:
-        self.sync()
+        """Write what is buffered (not while read-only: what it held is lost, never having
+        been acknowledged) and release DIR. A write that fails here is logged, not raised."""
+        try:
+            self.sync()
+        except OSError as exc:
+            logger.warning(
+                "state log: the last records could not be written at close: %s", exc.strerror or exc
+            )
+        self._close_files()
+
+    def _close_files(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -26,12 +26,18 @@ ids, so a stranger's jobs named to sort first would push the real ones out; to d
 here, one must run a larger one (each node is a connection of its own, heartbeating), and an
 older one cannot be made after the fact. The choice is stable from scrape to scrape while the
 jobs keep their sizes.
+
+The state log (``--state-dir``): ``rdzv_state_log_read_only`` is 1 while it cannot be written
+for want of room (a full disk: the server serves running jobs from memory and takes no new
+agents; ``journal.py``, "A full disk"), with the changes of state held in memory meanwhile and
+how many times it happened; 0 without a state dir.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
@@ -49,6 +55,9 @@ from protocol.records import record
 from .progress import flagged_scores
 from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
+if TYPE_CHECKING:
+    from .journal import LogHealth
+
 # Upper bounds for the heartbeat-age distribution: agents beat every second or so by default.
 HEARTBEAT_LAG_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # ... and for the jobs' oldest last-progress ages: steps take from milliseconds to minutes,
@@ -63,12 +72,19 @@ def _le(bound: float) -> str:
 class RendezvousCollector(Collector):
     """Reads the machine at scrape time."""
 
-    def __init__(self, machine: Callable[[], Rendezvous], clock: Callable[[], float], jobs: int = 0) -> None:
+    def __init__(
+        self,
+        machine: Callable[[], Rendezvous],
+        clock: Callable[[], float],
+        jobs: int = 0,
+        state_log: Callable[[], LogHealth | None] | None = None,
+    ) -> None:
         # A getter rather than the machine itself, so a service that replaces its machine
         # (none does today) is still the one scraped.
         self._machine = machine
         self._clock = clock
         self._jobs = jobs  # running jobs with per-job gauges (--metrics-jobs)
+        self._state_log = state_log  # whether the state log is written (None: no state dir)
 
     def collect(self) -> Iterator[Metric]:
         m = self._machine()
@@ -133,6 +149,26 @@ class RendezvousCollector(Collector):
         yield from _training(running)
         if self._jobs:
             yield from _per_job(running, self._jobs)
+        yield from _state_log(self._state_log() if self._state_log is not None else None)
+
+
+def _state_log(health: LogHealth | None) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "rdzv_state_log_read_only",
+        "1 while the state log cannot be written for want of room (a full disk): running jobs are "
+        "served from memory, new agents are refused and changes of state wait.",
+        value=1 if health is not None and health.read_only else 0,
+    )
+    yield GaugeMetricFamily(
+        "rdzv_state_log_held_changes",
+        "Changes of state applied in memory while the state log is read-only, not yet written.",
+        value=health.held if health is not None else 0,
+    )
+    yield CounterMetricFamily(
+        "rdzv_state_log_read_only_entered",
+        "Times the state log went read-only (a write failed for want of room).",
+        value=health.entered if health is not None else 0,
+    )
 
 
 @record(frozen=True, slots=True)
@@ -253,11 +289,16 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
 
 
 def make_registry(
-    machine: Callable[[], Rendezvous], clock: Callable[[], float], *, jobs: int = 0
+    machine: Callable[[], Rendezvous],
+    clock: Callable[[], float],
+    *,
+    jobs: int = 0,
+    state_log: Callable[[], LogHealth | None] | None = None,
 ) -> CollectorRegistry:
-    """``jobs``: per-job training gauges for at most that many running jobs (0: none)."""
+    """``jobs``: per-job training gauges for at most that many running jobs (0: none);
+    ``state_log``: whether the state log is written (``StateLog.health``; None: no state dir)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RendezvousCollector(machine, clock, jobs))
+    registry.register(RendezvousCollector(machine, clock, jobs, state_log))
     ProcessCollector(registry=registry)  # process_* : CPU, memory, open files (Linux only)
     return registry
 

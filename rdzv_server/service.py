@@ -40,6 +40,21 @@ snapshotted as it is, since the event's record cannot say what the event did; th
 re-arms a timer found missing while a deadline is pending; and a deadline that a Tick at its
 time left due (a bug) is retried every ``STUCK_RETRY`` s, not in a busy loop.
 
+A full disk. A write of the state log that fails for want of room (ENOSPC, EDQUOT) does not
+stop the server: it goes read-only (``journal.py``, "A full disk"), as etcd does on its NOSPACE
+alarm. The effects of the events whose records failed stay held (nobody was told anything of
+them), and so are the effects of every event handled while read-only. Running jobs are served
+from memory: heartbeats, training progress and the status API need no write. What would add to
+the log from outside is turned away with the non-fatal ``server_busy`` Error: a new agent
+connection at once (an agent takes that answer to its hello as "busy" and tries again with
+backoff until its join or reconnect deadline), a connection not yet joined at its next message,
+an operator's drain with 503. A member's own change (a failure report, a rejoin, a commit) is
+handled, and its answer held: the member is told once, with the same non-fatal Error (an agent
+logs it as a warning and waits), and answered when the log is written again. Every ``RETRY``
+s (backing off to ``RETRY_MAX``) the service tries ``StateLog.recover``, a snapshot of the
+machine as it is; once it is written the held effects are carried out in order. Entering and
+leaving are each logged once. Any other write error still stops the server (``on_fatal``).
+
 Everything the machine decides comes back as effects; this module only carries them out.
 """
 
@@ -56,6 +71,7 @@ from typing import TYPE_CHECKING
 
 from protocol import (
     MAX_FRAME_SIZE,
+    Error,
     Progress,
     SnapshotsHeld,
     Stacks,
@@ -70,6 +86,7 @@ from .listeners import check_port_free
 from .state import (
     AUTH_TIMEOUT,
     HELLO_TIMEOUT,
+    SERVER_BUSY,
     Close,
     Connected,
     ConnPhase,
@@ -90,7 +107,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from .http_app import Access
-    from .journal import StateLog
+    from .journal import LogHealth, StateLog
 
 logger = logging.getLogger("rdzv_server")
 
@@ -103,6 +120,12 @@ _NEVER = -float("inf")
 # Messages that change only the machine's volatile views unless they derive a fact (see
 # journal.py, which does not log them then either).
 _VOLATILE = (Progress, Stacks, SnapshotsHeld)
+# Read-only (a full state disk): how soon the service tries to write the log again, backing off
+# to RETRY_MAX; and the most effects it holds meanwhile (far more than running jobs produce in
+# hours: past it, memory would grow without end, and the server stops as for any failed write).
+RETRY = 1.0
+RETRY_MAX = 5.0
+MAX_HELD_EFFECTS = 1_000_000
 
 
 class RendezvousService:
@@ -186,6 +209,13 @@ class RendezvousService:
         self._inflight: asyncio.Future[None] | None = None  # the fsync of the batch being committed
         self._snapshot_due = False  # an event escaped the machine: snapshot it as it is
         self._gone = False  # told the agents we are going away: the machine takes no more events
+        # Read-only (the state log's disk is full): the next try to write it, the delay after
+        # that, the connections told their answers are held, the connections refused.
+        self._retry: asyncio.TimerHandle | None = None
+        self._retry_delay = RETRY
+        self._told_held: set[int] = set()
+        self._held_notice = b""
+        self._refused_read_only = 0
         if state_log is not None:
             restored = state_log.machine
             given = (self.hello_timeout, self.auth_timeout)
@@ -279,6 +309,9 @@ class RendezvousService:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         servers, self._servers = self._servers, []
         for server in servers:
             await server.wait_closed()
@@ -360,6 +393,15 @@ class RendezvousService:
         return Connection(self, self._next_id)
 
     def _agent_connected(self, conn: Connection) -> None:
+        if self.read_only:
+            # Read-only: a new agent would add to a log that cannot be written. Told so before
+            # the machine sees it (nothing to hold); it tries again until its deadline.
+            self._refused_read_only += 1
+            conn._cancel_timer()
+            conn._magic_due = True
+            conn.write(self._busy_frame())
+            conn.close()  # after the Error is written; its frames go nowhere (not in the machine)
+            return
         self._conns[conn.conn_id] = conn
         self._idle.clear()
         conn._magic_due = True
@@ -435,19 +477,20 @@ class RendezvousService:
         if self.state_log is not None:
             self.state_log.record(event, effects, now)
             await self._commit_all()
-            try:
-                # The next server on this dir (an upgrade, say) then loads the state as it is,
-                # rather than replaying inputs under rules that may have changed since.
-                self.state_log.compact()
-            except OSError as exc:
-                logger.warning("no snapshot at shutdown (%s); the next server replays the log", exc)
-            logger.info(
-                "state log flushed: record %d in %s (%d fsyncs by this process, %.2f s)",
-                self.state_log.seq,
-                self.state_log.dir,
-                self.state_log.syncs,
-                self.state_log.sync_seconds,
-            )
+            if not self.state_log.read_only:  # (read-only, _commit_all tried once more)
+                try:
+                    # The next server on this dir (an upgrade, say) then loads the state as it
+                    # is, rather than replaying inputs under rules that may have changed since.
+                    self.state_log.compact()
+                except OSError as exc:
+                    logger.warning("no snapshot at shutdown (%s); the next server replays the log", exc)
+                logger.info(
+                    "state log flushed: record %d in %s (%d fsyncs by this process, %.2f s)",
+                    self.state_log.seq,
+                    self.state_log.dir,
+                    self.state_log.syncs,
+                    self.state_log.sync_seconds,
+                )
         self._gone = True  # what follows (connections closing) is not a change of job state
         self._apply(effects)
         logger.info("told %d agent connection(s) the server is going away; closing them", told)
@@ -470,12 +513,13 @@ class RendezvousService:
         the machine already closed the connection)."""
         if self._gone:
             return False
-        if (
-            isinstance(event, Received)
-            and self.state_log is not None
-            and event.conn not in self.machine.conns
-        ):
-            return False  # the machine closed it; the Close waits for the batch's fsync
+        if isinstance(event, Received) and self.state_log is not None:
+            conn = self.machine.conns.get(event.conn)
+            if conn is None:
+                return False  # the machine closed it; the Close waits for the batch's fsync
+            if self.state_log.read_only and conn.phase in (ConnPhase.HELLO, ConnPhase.READY):
+                self._refuse_unjoined(event.conn)  # (it came before the log went read-only)
+                return False
         now = self.clock()
         quiet = False
         try:
@@ -527,11 +571,20 @@ class RendezvousService:
                     waiter.set_result(None)
 
     def _carry_out(self, effects: list[Effect]) -> None:
-        """Now, or with a state log once the batch's records are durable."""
+        """Now, or with a state log once the batch's records are durable (read-only: once the
+        log is written again)."""
         if self.state_log is None:
             self._apply(effects)
             return
         self._pending.extend(effects)
+        if self.state_log.read_only:
+            self._tell_held(effects)
+            if len(self._pending) > MAX_HELD_EFFECTS:
+                self._stop(
+                    f"cannot write the state log ({self.state_log.read_only}) and {len(self._pending)} "
+                    "effects wait for it"
+                )
+            return
         if not self._flush_soon and (self._pending or self.state_log.pending):
             self._flush_soon = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -541,8 +594,8 @@ class RendezvousService:
         effects in order. One batch is committed at a time; the next gathers meanwhile."""
         self._flush_soon = False
         log = self.state_log
-        if log is None or self._inflight is not None or self._gone:
-            return  # the fsync in flight flushes again when it is done
+        if log is None or self._inflight is not None or self._gone or log.read_only:
+            return  # the fsync in flight flushes again when it is done (read-only: _retry_log)
         try:
             if self._snapshot_due:
                 self._snapshot_due = False
@@ -565,6 +618,7 @@ class RendezvousService:
         self._inflight = None
         error = None if fut.cancelled() else fut.exception()
         if fut.cancelled() or error is not None:
+            self._pending[:0] = effects  # not carried out: held (read-only) or dropped (stopping)
             self._log_failed(error if isinstance(error, OSError) else OSError(str(error or "cancelled")))
             return
         self._apply(effects)
@@ -582,24 +636,150 @@ class RendezvousService:
         while self._inflight is not None:
             await asyncio.wait({self._inflight})
             await asyncio.sleep(0)  # let its done-callback carry out its batch
-        if self.state_log is not None and not self._gone:
+        log = self.state_log
+        if log is None or self._gone:
+            return
+        if not log.read_only:
             try:
-                self.state_log.sync()
+                log.sync()
             except OSError as exc:
-                self._log_failed(exc)
+                self._log_failed(exc)  # read-only (then tried once more below), or stopping
+            else:
+                effects, self._pending = self._pending, []
+                self._apply(effects)
                 return
-            effects, self._pending = self._pending, []
-            self._apply(effects)
+        if not self._gone and log.read_only:
+            self._retry_log()  # one last try
+            if log.read_only:
+                logger.warning(
+                    "state log: still cannot write it (%s): the %d change(s) of state held in memory since "
+                    "%s were never acknowledged to an agent and are not kept; the next server on %s starts "
+                    "from the state the log had then",
+                    log.read_only,
+                    log.held,
+                    _when(log.read_only_since),
+                    log.dir,
+                )
+                self._pending.clear()
 
     def _log_failed(self, exc: OSError) -> None:
-        # Nothing may be acknowledged that is not durable: stop serving.
-        assert self.state_log is not None
-        why = f"cannot write the state log in {self.state_log.dir}: {exc.strerror or exc}"
+        """A write of the state log failed: read-only for want of room, else stop."""
+        log = self.state_log
+        assert log is not None
+        was = log.read_only
+        if not log.enter_read_only(exc):
+            # Nothing may be acknowledged that is not durable: stop serving.
+            self._stop(f"cannot write the state log in {log.dir}: {exc.strerror or exc}")
+            return
+        if not was:
+            logger.error(
+                "cannot write the state log (%s): read-only until there is room: running jobs are "
+                "served from memory, new agents are refused (server_busy), changes of state wait "
+                "(held in memory, nothing acknowledged); trying again every %g-%g s",
+                log.read_only,
+                RETRY,
+                RETRY_MAX,
+            )
+            self._tell_held(self._pending)
+        self._schedule_retry()
+
+    def _stop(self, why: str) -> None:
         logger.error("%s; stopping", why)
         self._pending.clear()
         self._gone = True
         if self.on_fatal is not None:
             self.on_fatal(why)
+
+    # -- read-only (a full state disk) -----------------------------------------------------
+
+    @property
+    def read_only(self) -> str:
+        """Why the state log is not written ("" while it is, or without one)."""
+        return self.state_log.read_only if self.state_log is not None else ""
+
+    def state_log_health(self) -> LogHealth | None:
+        """For ``/healthz`` and ``/metrics``; None without a state log."""
+        log = self.state_log
+        return None if log is None else log.health(self._refused_read_only if log.read_only else 0)
+
+    def _busy_frame(self) -> bytes:
+        text = (
+            f"the rendezvous server cannot write its state log ({self.read_only}): it takes no new "
+            "agents until there is room again; try again later"
+        )
+        return encode(Error(code=SERVER_BUSY, message=text, fatal=False))
+
+    def _refuse_unjoined(self, conn_id: int) -> None:
+        """Read-only: a connection that has not joined says something; tell it to come back
+        later and close it (its close is an event like any other, held)."""
+        c = self._conns.get(conn_id)
+        if c is None:
+            return
+        self._refused_read_only += 1
+        c.write(self._busy_frame())
+        c.close()
+
+    def _tell_held(self, effects: list[Effect]) -> None:
+        """Read-only: tell each agent a message to it waits, once (until the log is written)."""
+        for eff in effects:
+            if isinstance(eff, Send) and eff.conn not in self._told_held:
+                c = self._conns.get(eff.conn)
+                if c is not None:
+                    self._told_held.add(eff.conn)
+                    if not self._held_notice:
+                        text = (
+                            f"the rendezvous server cannot write its state log ({self.read_only}): what "
+                            "it has to tell this node waits until there is room again; running workers go on"
+                        )
+                        self._held_notice = encode(Error(code=SERVER_BUSY, message=text, fatal=False))
+                    c.write(self._held_notice)
+
+    def _schedule_retry(self) -> None:
+        if self._retry is None and not self._gone:
+            self._retry = asyncio.get_running_loop().call_later(self._retry_delay, self._retry_log)
+            self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+
+    def _retry_log(self) -> None:
+        """Read-only: try to write the log again (a snapshot of the machine as it is); once it
+        is written, carry out every effect held, in order."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        log = self.state_log
+        if log is None or self._gone or not log.read_only:
+            return
+        if self._inflight is not None:  # (never while read-only: nothing is written)
+            self._schedule_retry()
+            return
+        why, since = log.read_only, log.read_only_since
+        try:
+            held = log.recover()
+        except OSError as exc:
+            if log.enter_read_only(exc):
+                self._schedule_retry()
+            else:
+                self._stop(f"cannot write the state log in {log.dir}: {exc.strerror or exc}")
+            return
+        effects, self._pending = self._pending, []
+        logger.info(
+            "state log written again in %s (a snapshot holding the %d change(s) of state held since %s, "
+            "when it failed: %s); read-only mode is over: new agents are accepted, %d refused meanwhile, "
+            "and %d held effect(s) are carried out now",
+            log.dir,
+            held,
+            _when(since),
+            why,
+            self._refused_read_only,
+            len(effects),
+        )
+        self._snapshot_due = False  # (the snapshot just written is of the machine as it is)
+        self._retry_delay = RETRY
+        self._told_held.clear()
+        self._held_notice = b""
+        self._refused_read_only = 0
+        self._apply(effects)
+        if log.pending:
+            self._flush()
 
     def _apply(self, effects: list[Effect]) -> None:
         # A broadcast (Restart, JobFailed) is one message object sent to every member: encode
@@ -695,3 +875,7 @@ class RendezvousService:
 
 
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def _when(wall: float | None) -> str:
+    return "?" if wall is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(wall))

@@ -3,7 +3,8 @@
 each a length and a CRC32 over length and payload; ``scan`` finds the whole records of a buffer
 and tells a torn tail (a crash mid-write: zeros or a cut record, truncated) from damage (a bad
 record followed by whole ones: refused); the directory is private, locked, and nothing in it is
-opened through a symlink; files are replaced atomically.
+opened through a symlink; files are replaced atomically. The system calls that put bytes on the
+disk go through a ``Disk`` (a test's fails them: a full disk, a failing one).
 
 It imports nothing of the machine: the torn-tail and damage tests are byte tests of this file.
 """
@@ -32,6 +33,38 @@ MAX_RECORD = 256 << 20  # a length above this is damage, not a record
 
 class StateLogError(Exception):
     """The state dir cannot be used: damaged, from a newer server, or in use by another."""
+
+
+# A write that failed for want of room (the file system full, or the user's quota), which the
+# server waits out in read-only mode (``journal.py``, "A full disk"). Any other failure (EIO,
+# EROFS...) stops it: the disk is failing, and what it holds past the last fsync is unknown.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether a failed write failed for want of room (ENOSPC, EDQUOT)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
+
+
+class Disk:
+    """The system calls that put the state log's bytes on disk. Tests give a subclass that
+    fails them (ENOSPC, EIO) when told to; the server uses ``DISK``."""
+
+    def write(self, fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def write_all(self, fd: int, data: bytes) -> int:
+        """Write all of ``data``; returns the bytes written (all of them, or OSError)."""
+        view = memoryview(data)
+        while view:
+            view = view[self.write(fd, view) :]
+        return len(data)
+
+
+DISK = Disk()
 
 
 # --- framing ------------------------------------------------------------------------------
@@ -137,8 +170,10 @@ def lock_dir(directory: Path) -> int:
     return fd
 
 
-def replace_file(path: Path, data: bytes, fsync: bool) -> None:
-    """Write a file whole or not at all: tmp, fsync, rename, fsync the directory."""
+def replace_file(path: Path, data: bytes, fsync: bool, disk: Disk = DISK) -> None:
+    """Write a file whole or not at all: tmp, fsync, rename, fsync the directory. A tmp file
+    that could not be written whole is removed, giving back the space it took (the failure
+    is usually a full disk)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         os.unlink(tmp)  # a leftover of a crash, or something planted: never written through
@@ -146,18 +181,23 @@ def replace_file(path: Path, data: bytes, fsync: bool) -> None:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            disk.write_all(fd, data)
+            if fsync:
+                disk.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     os.replace(tmp, path)
     if fsync:
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            disk.fsync(dfd)
         finally:
             os.close(dfd)
 
