@@ -70,9 +70,16 @@ import os
 import time
 
 try:  # the C module: ``signal`` would import enum and more for nothing
-    from _signal import SIGRTMIN  # type: ignore[import-not-found, unused-ignore]
+    from _signal import (  # type: ignore[import-not-found, unused-ignore]
+        SIG_DFL,
+        SIG_IGN,
+        SIGRTMIN,
+        getsignal,
+    )
+    from _signal import signal as _set_signal  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # not CPython
-    from signal import SIGRTMIN
+    from signal import SIG_DFL, SIG_IGN, SIGRTMIN, getsignal
+    from signal import signal as _set_signal
 
 from . import layout as _layout
 
@@ -99,7 +106,8 @@ _SNAPSHOT_NAMES = frozenset(
 
 PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
 # A real-time signal nobody else uses: it asks for the stacks of all threads. Its default
-# action kills, so the agent sends it only to a pid whose page says it is armed.
+# action kills, so the agent sends it only to a pid whose page says it is armed, and an armed
+# process ignores it once faulthandler lets it go (see _ignored_when_let_go).
 STACK_SIGNAL = int(SIGRTMIN) + 4
 OTHER = "other"  # the name of the last slot, shared by every name past the first 14
 _MAX_STEP = (1 << 63) - 1
@@ -123,6 +131,7 @@ _count = 0
 _step = _layout.NO_STEP
 _pid = 0
 _stacks_fd = -1
+_ignoring = False  # the stack signal ignored by us (_ignored_when_let_go), not by the user
 
 # The commit protocol (see should_stop). The hot path compares the stop record's first word
 # with _fast: (-1,) while this rank knows no stop step, None (every call takes the slow path)
@@ -412,6 +421,7 @@ def _attach() -> None:
     sig = 0
     try:
         _stacks_fd = os.open(path + ".stacks", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        _ignored_when_let_go()
         faulthandler.register(STACK_SIGNAL, file=_stacks_fd, all_threads=True, chain=False)
         sig = int(STACK_SIGNAL)
     except (OSError, ValueError, RuntimeError):  # no stacks on demand; progress still works
@@ -424,6 +434,28 @@ def _attach() -> None:
     _layout.HEADER.pack_into(buf, 0, magic, version, size, 0, sig, _now())
     buf[_layout.PID_OFFSET : _layout.PID_OFFSET + 4] = _pid.to_bytes(4, "little")  # last: armed
     _on = True
+
+
+def _ignored_when_let_go() -> None:
+    """The stack signal ignored, before faulthandler takes it: faulthandler puts back the
+    disposition it found whenever it lets the signal go, and the default one kills.
+
+    It lets it go in the interpreter's finalization, after the last Python code ran and before
+    the process is gone (with torch loaded, its libraries' teardown makes that a window of
+    many milliseconds), and in a forked child (``_detach_in_child``). The page says "armed" to
+    the end, and the agent may have read it just before: its stack request then found no
+    handler and killed a rank that was exiting 0 (issue 48, item 1: ``exitcode -38``, a
+    finished job failed). Ignored instead, a request at any moment of an armed process's life
+    is harmless. Only a signal still at its default is changed (a handler of the user's is
+    theirs), and only from the main thread, the one place Python lets us set it (elsewhere the
+    window stays as it was)."""
+    global _ignoring
+    try:
+        if getsignal(STACK_SIGNAL) == SIG_DFL:
+            _set_signal(STACK_SIGNAL, SIG_IGN)
+            _ignoring = True
+    except (ValueError, OSError):  # not the main thread (ValueError), or no such signal
+        pass
 
 
 def _detach_in_child() -> None:
@@ -444,11 +476,17 @@ def _reset() -> None:
     """Forget the page, as a fresh process would (tests attach and detach in one process)."""
     global _on, _buf, _count, _step, _pid, _stacks_fd, _slot, _since
     global _compute_depth, _compute_from, _compute_ns
-    global _fast, _checked, _seen, _seen_at, _late, _stopped
+    global _fast, _checked, _seen, _seen_at, _late, _stopped, _ignoring
     if _on:
         faulthandler.unregister(STACK_SIGNAL)
         if isinstance(_buf, mmap.mmap):
             _buf.close()
+    if _ignoring:
+        _ignoring = False
+        try:
+            _set_signal(STACK_SIGNAL, SIG_DFL)
+        except (ValueError, OSError):
+            pass
     if _stacks_fd >= 0:
         os.close(_stacks_fd)
     _on, _buf = None, bytearray(_layout.PAGE_SIZE)

@@ -15,8 +15,10 @@ node_agent.worker, under real agents and a real rdzv-server.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +202,62 @@ def test_the_hang_of_a_rank_on_the_other_node_is_named_by_the_root_cause_both_co
     assert "rank 3 (local rank 1)" in failures.splitlines()[1], out
     assert "\\n" not in out, out
     assert any(line.strip().startswith("stuck_outside_any_collective") for line in failures.splitlines()), out
+
+
+# --- a stack request at any moment of an armed rank's life (issue 48, item 1) -------------------
+
+STACKS_WORKER = str(WORKERS / "stacks_at_exit.py")
+
+
+class _StackRequests:
+    """The agent's stack requests (its page's signal, to a rank whose page says it is armed),
+    to ``pid`` every millisecond until it is gone: through its exit and teardown."""
+
+    def __init__(self, pid: int, sig: int) -> None:
+        self.pid, self.sig, self.sent = pid, sig, 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                os.kill(self.pid, self.sig)
+            except ProcessLookupError:
+                return
+            self.sent += 1
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_stack_requests_through_a_restarted_ranks_life_and_exit_never_kill_it(
+    tmp_path: Path, start: str
+) -> None:
+    """In round 1 after a restart the agent asked a rank for its stacks (a hang found while the
+    ranks tore down on a loaded node) and the rank died of the signal (``exitcode -38``): the
+    job failed. Requests from the moment each rank is armed until it is gone, in both rounds,
+    for cold and --preload (warm) workers: no rank dies of them, and the job succeeds."""
+    from node_agent.worker import STACK_SIGNAL
+
+    out = tmp_path / "stacks"
+    out.mkdir()
+    flags = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    if start == "warm":
+        flags += ["--preload", "torch"]
+    agent = Proc(agent_cmd(*flags, STACKS_WORKER), env={"STACKS_DIR": str(out)})
+    requests = []
+    try:
+        for restart in range(2):
+            armed = [out / f"armed-{restart}-{rank}" for rank in range(2)]
+            deadline = time.monotonic() + 120
+            while not all(p.exists() for p in armed):
+                assert agent.p.poll() is None and time.monotonic() < deadline, agent.stderr
+                time.sleep(0.02)
+            requests += [_StackRequests(int(p.read_text()), STACK_SIGNAL) for p in armed]
+            time.sleep(0.2)  # requests while the rank runs, too
+            (out / f"go-{restart}").touch()
+        code = agent.wait(120)
+    finally:
+        agent.kill()
+    assert all(r.sent for r in requests)
+    assert f"signal {STACK_SIGNAL}" not in agent.stderr, agent.stderr
+    assert code == 0, agent.stderr

@@ -63,6 +63,9 @@ for line in sys.stdin:
         out = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     elif cmd == "pid":
         out = os.getpid()
+    elif cmd == "letgo":  # what the interpreter's finalization does, before the process is gone
+        import faulthandler
+        faulthandler.unregister(worker.STACK_SIGNAL)
     print(json.dumps(out), flush=True)
 """
 
@@ -639,6 +642,29 @@ def test_the_stack_signal_writes_every_threads_stack_and_the_worker_goes_on(
     assert re.search(r"Thread 0x[0-9a-f]+", got), got
     assert d("progress 2") is None  # still alive and reporting
     assert sample(page).step == 2
+
+
+def test_a_stack_request_once_faulthandler_let_the_signal_go_is_harmless(
+    page: Path, driver: type[Driver]
+) -> None:
+    # The interpreter's finalization unregisters faulthandler's signals, and with torch loaded
+    # the process lives on for many milliseconds after; its page still says "armed" (the agent
+    # may have read it just before): a request then killed a rank that was exiting 0 (issue 48).
+    d = driver(page)
+    d("progress 1")
+    s = sample(page)
+    d("letgo")
+    os.kill(s.pid, s.stack_signal)
+    assert d("pid") == s.pid  # alive: the signal was ignored
+
+
+def test_an_attached_process_leaves_the_stack_signal_ignored_not_at_its_default(here: Path) -> None:
+    import signal
+
+    worker.progress(1)
+    assert signal.getsignal(worker.STACK_SIGNAL) == signal.SIG_IGN  # faulthandler's, under it
+    worker._reset()  # as a fresh process (the test process's own disposition back)
+    assert signal.getsignal(worker.STACK_SIGNAL) == signal.SIG_DFL
 
 
 # --- the documentation ---------------------------------------------------------------------
