@@ -137,7 +137,8 @@ def read_log_dir(inputs: Inputs) -> str | None:
 
 def read_snapshot_dir(inputs: Inputs, snapshot_memory: int | None) -> str | None:
     """--snapshot-dir: an absolute path (the agent makes it, private, at start); it persists
-    in-memory snapshots, so it needs them on."""
+    in-memory snapshots, so it needs them on; a directory every user may write, or a symlink,
+    is refused (snapshots/durable.py ``refuse_root``)."""
     given = inputs.get("snapshot_dir")
     if not given.value:
         return None
@@ -148,7 +149,13 @@ def read_snapshot_dir(inputs: Inputs, snapshot_memory: int | None) -> str | None
         raise ConfigError(
             f"{what}={given.value!r} persists in-memory snapshots, which --snapshot-memory 0 turns off"
         )
-    return os.path.abspath(given.value)
+    path = os.path.abspath(given.value)
+    from ..snapshots.durable import refuse_root  # only with --snapshot-dir
+
+    why = refuse_root(path)
+    if why:
+        raise ConfigError(f"{what}={given.value!r} {why}")
+    return path
 
 
 def read_std(inputs: Inputs, dest: str) -> StdSpec:

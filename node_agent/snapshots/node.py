@@ -161,11 +161,17 @@ class SnapshotNode:
         self._poll = asyncio.get_running_loop().create_task(self._polling(emit))
 
     def _read_offer(self, durable: DurableDir) -> Offer:
-        from .durable import Offer
+        from .durable import Offer, Refused
 
         try:
-            durable.job.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            durable.claim()  # checked, and this job's command line recorded or compared
             offer = durable.offer()
+        except Refused as exc:
+            # Not to be trusted, or another command line's: neither read nor written (nor
+            # removed when this job succeeds); the job starts afresh.
+            self.log(f"--snapshot-dir: {exc}: nothing restored from it, nothing persisted to it", "warning")
+            self.durable = None
+            return Offer()
         except OSError as exc:
             self.log(
                 f"--snapshot-dir {durable.root}: unreadable ({exc}); nothing restored from it", "warning"
@@ -423,12 +429,22 @@ async def start_snapshots(
         return None
     durable = None
     if config.snapshot_dir:
-        from .durable import DurableDir
+        from .durable import DurableDir, command_of, standalone_job
+
+        loop = asyncio.get_running_loop()
+
+        def warn(text: str) -> None:  # from the thread the directory is read in
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(log, text, "warning")
 
         rate = config.snapshot_replication_rate
-        # A standalone job's id is random per launch: its relaunch must find the same folder.
-        job = "standalone" if config.standalone else config.rdzv_id
-        durable = DurableDir(config.snapshot_dir, job, rate=float(rate) if rate > 0 else None)
+        command = command_of(config)
+        # A standalone job's id is random per launch: its relaunch finds its folder by its
+        # command line (and another command line never does).
+        job = standalone_job(command) if config.standalone else config.rdzv_id
+        durable = DurableDir(
+            config.snapshot_dir, job, rate=float(rate) if rate > 0 else None, command=command, warn=warn
+        )
     node = SnapshotNode(
         os.path.join(runtime, "snapshots"),
         memory=memory,
