@@ -8,7 +8,9 @@ here, once, for ``rdzv-server`` and ``node-agent`` alike:
   read token's file, into ``protocol.auth.TokenTable``;
 - ``tls.py``: PEM files into ``ssl.SSLContext`` for the server's port and for its clients,
   and the clients' ``RDZV_TLS_*`` variables; every bad file named in a ``TLSConfigError``;
-- ``loop.py``: ``run_loop``, uvloop where it is installed.
+- ``loop.py``: ``run_loop``, uvloop where it is installed;
+- ``atomic_write.py``: ``replace_file``, a whole file or none, written beside it under an
+  unpredictable name and never through a planted link (the agent's error file and reports).
 
 Each module is imported only by the program that needs it, when it needs it: an agent
 without TLS never imports ``ssl``, and one without tokens never initialises ``hashlib``.

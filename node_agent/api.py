@@ -52,6 +52,7 @@ from dataclasses import KW_ONLY, field
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+from edge.atomic_write import replace_file
 from protocol.records import record
 
 from .config import DEFAULT_SIGNALS, ConfigError
@@ -210,10 +211,11 @@ class ProcessFailure:
         message: Any = failure.message
         error_file = failure.error_file or _NOT_AVAILABLE
         timestamp = int(failure.timestamp)
-        if failure.error_file:
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                with open(failure.error_file, encoding="utf-8") as f:
-                    loaded = json.load(f)
+        if failure.error_file:  # read when the worker failed; not read again while unchanged
+            from .error_file import worker_record
+
+            loaded = worker_record(failure.error_file)
+            if loaded is not None and "message" in loaded:
                 message = loaded["message"]
                 data = loaded
         return cls(
@@ -760,8 +762,12 @@ def _write_error_file(exc: BaseException) -> None:
             "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
         }
     }
-    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
-        json.dump(record, f)
+    body = json.dumps(record)
+    try:  # whole or not at all: the agent never reads half of it
+        replace_file(path, body, mode=0o644)
+    except OSError:  # a folder we may not create files in, but the file itself is writable
+        with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+            f.write(body)
 
 
 def worker_main(argv: Sequence[str]) -> int:
@@ -781,10 +787,7 @@ def worker_main(argv: Sequence[str]) -> int:
     except Exception as exc:  # on purpose: whatever the user's function raised, as torchrun's @record
         _write_error_file(exc)
         raise
-    partial = f"{result}.partial"
-    with open(partial, "wb") as f:
-        f.write(data)
-    os.replace(partial, result)
+    replace_file(result, data)
     return 0
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import os
 
+from edge.atomic_write import replace_file
+
 from ..machine.events import BadPage, RankSample
 from ..worker import layout as L
 
@@ -70,21 +72,7 @@ def create_page(path: str) -> None:
     An existing file is replaced, not rewritten: the new file is written beside it and renamed
     over it, so a process still mapping the old one never sees it shrink or change.
     """
-    tmp = f"{path}.{os.getpid()}.new"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # O_TRUNC kept the mode of a leftover file
-            os.write(fd, page_bytes())
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    replace_file(path, page_bytes(), mode=0o600)
 
 
 def _sample(data: bytes) -> RankSample | BadPage | None:

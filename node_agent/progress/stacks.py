@@ -31,6 +31,7 @@ import stat
 import time
 from collections.abc import Sequence
 
+from edge.atomic_write import replace_file
 from protocol.records import record
 
 from .pages import read_stacks_since
@@ -220,22 +221,11 @@ def poke_flight_recorder(stem: str, ranks: Sequence[int]) -> list[int]:
 
 def write_report(path: str, text: str) -> bool:
     """Write ``text`` to ``path`` (replaced whole, never half-written); False if it could not."""
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            data = text.encode("utf-8", "replace")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        return True
+        replace_file(path, text, mode=0o644)
     except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         return False
+    return True
 
 
 def append_report(path: str, text: str) -> bool:

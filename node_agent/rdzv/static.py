@@ -16,9 +16,18 @@ size and gets everyone's back once all are in. Global ranks follow node-rank ord
 (:func:`static_ranks`). The sizes cannot change in a static job, so restarts reuse them. A node
 that has not got every size by the rendezvous timeout (``--rdzv-conf timeout=S``, else
 ``join_timeout``) exits non-zero naming what it waited for; a node whose line disagrees with
-node rank 0's (``--nnodes``, ``--rdzv-id``, a node rank already taken) is refused with both
-values named. ``TORCH_ELASTIC_WORKER_IDENTICAL=1`` skips the exchange, as in torchrun: every
-node is then assumed to run this node's ``--nproc-per-node``.
+node rank 0's (``--nnodes``, ``--rdzv-id``, a node rank out of range, a size out of bounds) is
+refused with both values named. ``TORCH_ELASTIC_WORKER_IDENTICAL=1`` skips the exchange, as in
+torchrun: every node is then assumed to run this node's ``--nproc-per-node``.
+
+Anyone who reaches the master port can connect, and a static job has no shared secret (no
+token: torchrun's TCPStore trusts its port the same way), so node rank 0 bounds what strangers
+cost and never lets one silently change the job: connections that have not said who they are
+are capped (64 at once, 8 from one address, the oldest closed for a newer one; a node so closed
+connects again) and get 3 s to say it; a node rank's slot goes to the first consistent hello
+for it, and a second agent claiming a slot whose holder is still connected fails the exchange
+on every node, naming both addresses and both sizes (two agents given one ``--node-rank``, or
+a stranger: the job does not start rather than run with a size nobody can vouch for).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from protocol import (
     MAX_NPROC,
@@ -55,7 +65,11 @@ __all__ = ["StaticBackend", "StaticConnection", "static_ranks"]
 # anything else has reached something other than a node-agent (a TCPStore, another service).
 GREETING = b"node-agent static sizes 1\n"
 _MAX_LINE = 4096  # one JSON line each way; the sizes of MAX_NODES nodes fit easily
-_HELLO_TIMEOUT = 10.0  # a connection to node rank 0 must say who it is within this
+# Anyone can connect to the master port: what strangers' connections may hold on node rank 0.
+_HELLO_TIMEOUT = 3.0  # a connection must say who it is within this (a node says it at once)
+_MAX_WAITING = 64  # connections at once that have not said who they are (the oldest is closed)
+_MAX_WAITING_PER_HOST = 8  # of them from one address (that address's oldest is closed)
+_CLAIM_GRACE = 1.0  # a second claim of a node rank waits this long for its holder to be gone
 _GREETING_TIMEOUT = 5.0  # how long a node waits for node rank 0's greeting on one connection
 _RETRY_S = 0.25  # between connection attempts to node rank 0
 _GOODBYE_TIMEOUT = 5.0  # node rank 0 waits this long for a node to close after its answer
@@ -127,8 +141,9 @@ def _hello(cfg: AgentConfig) -> dict[str, object]:
     }
 
 
-def _refusal(cfg: AgentConfig, hello: object, taken: dict[int, str]) -> str | None:
-    """Why node rank 0 (``cfg``) refuses a node's hello, or None to take it."""
+def _refusal(cfg: AgentConfig, hello: object) -> str | None:
+    """Why node rank 0 (``cfg``) refuses a node's hello, or None when it is consistent: its
+    node rank, sizes and ids those of this job (whether its slot is free is for the caller)."""
     if not isinstance(hello, dict):
         return "not a node-agent hello"
     rank, nnodes, nproc = hello.get("node_rank"), hello.get("nnodes"), hello.get("nproc_per_node")
@@ -148,43 +163,139 @@ def _refusal(cfg: AgentConfig, hello: object, taken: dict[int, str]) -> str | No
         )
     if not 1 <= rank < cfg.max_nodes:
         return f"--node-rank {rank} is not in 1..{cfg.max_nodes - 1} (node rank 0 listens on the master port)"
-    if rank in taken:
-        return f"--node-rank {rank} is already taken by the agent at {taken[rank]}"
     if not 1 <= nproc <= MAX_NPROC:
         return f"--nproc-per-node {nproc} of node rank {rank} must be in 1..{MAX_NPROC}"
     return None
 
 
+class _Holder:
+    """The connection that took a node rank's slot, while the exchange runs."""
+
+    __slots__ = ("gone", "nproc", "where")
+
+    def __init__(self, where: str, nproc: int, gone: asyncio.Future[bytes]) -> None:
+        self.where, self.nproc, self.gone = where, nproc, gone
+
+
+def _seen(fut: asyncio.Future[Any]) -> None:
+    """A connection's end may be an error (a reset): it only means the node left."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _gather_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Callable[[], float]) -> list[int]:
-    """Node rank 0: listen on the master port until every other node told its size; answer all."""
+    """Node rank 0: listen on the master port until every other node told its size; answer all.
+
+    Anyone may connect to the master port, so what a connection costs is bounded: at most
+    ``_MAX_WAITING`` connections that have not said who they are at once (the oldest is closed
+    for a new one), ``_MAX_WAITING_PER_HOST`` of them from one address (that address's oldest
+    is closed), and each has ``_HELLO_TIMEOUT`` to say it. A node whose connection was closed
+    so connects again. A slot is taken by the first consistent hello for it; a second agent
+    claiming a taken slot while its holder is connected ends the exchange on every node with an
+    error naming both, since a static job has no secret to tell the real node from the other.
+    Every connection left open is closed before this returns: worker rank 0 binds the port and
+    the workers need the descriptors.
+    """
     n, port = cfg.max_nodes, cfg.rdzv_port
     sizes: dict[int, int] = {0: cfg.nproc_per_node}
-    peers: dict[int, str] = {}
-    complete = asyncio.Event()
-    answered: list[asyncio.Task[None]] = []
+    holders: dict[int, _Holder] = {}
+    waiting: dict[asyncio.StreamWriter, str] = {}  # not yet identified, oldest first: their host
+    handlers: set[asyncio.Task[None]] = set()
+    ended = asyncio.Event()  # every size is in (``result``), or the exchange failed (``failed``)
     result: list[int] = []
+    failed: list[str] = []
+    dropped = 0
+
+    def drop(writer: asyncio.StreamWriter, why: str) -> None:
+        nonlocal dropped
+        waiting.pop(writer, None)
+        writer.transport.abort()
+        dropped += 1
+        if dropped == 1:
+            log(
+                f"static rendezvous: closed a connection to port {port} that had not said who it is "
+                f"({why}); is something other than this job's nodes connecting to the master port?",
+                "warning",
+            )
+
+    def admit(writer: asyncio.StreamWriter, host: str) -> None:
+        same = [w for w, h in waiting.items() if h == host]
+        if len(same) >= _MAX_WAITING_PER_HOST:
+            drop(same[0], f"{_MAX_WAITING_PER_HOST} wait from {host}")
+        elif len(waiting) >= _MAX_WAITING:
+            drop(next(iter(waiting)), f"{_MAX_WAITING} wait")
+        waiting[writer] = host
+
+    def release(rank: int, holder: _Holder) -> None:
+        if holders.get(rank) is holder and not result:
+            del holders[rank], sizes[rank]
+
+    def fail(why: str) -> None:
+        if not failed and not result:
+            failed.append(why)  # raised by the waiting side, once every node is told
+            ended.set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+        task = asyncio.current_task()
+        if ended.is_set():  # accepted as the exchange ended: nothing to tell it
+            writer.transport.abort()
+            return
+        assert task is not None
+        handlers.add(task)
+        admit(writer, host)
         rank: int | None = None
+        holder: _Holder | None = None
+
+        async def answer(obj: dict[str, object]) -> None:
+            writer.write(json.dumps(obj).encode() + b"\n")
+            await writer.drain()
+
         try:
             writer.write(GREETING)
             await writer.drain()
             line = await asyncio.wait_for(reader.readline(), _HELLO_TIMEOUT)
+            if writer not in waiting:  # closed for a newer connection, or the exchange ended
+                return
+            del waiting[writer]
+            if not line:
+                return
             try:
                 hello = json.loads(line)
             except ValueError:
                 hello = None
-            why = _refusal(cfg, hello, peers)
+            why = _refusal(cfg, hello)
             if why is not None:
                 log(f"static rendezvous: refused the node at {where}: {why}", "warning")
-                writer.write(json.dumps({"error": why}).encode() + b"\n")
-                await writer.drain()
+                await answer({"error": why})
                 return
             assert isinstance(hello, dict)
-            rank = int(hello["node_rank"])
-            sizes[rank], peers[rank] = int(hello["nproc_per_node"]), where
+            claim, nproc = int(hello["node_rank"]), int(hello["nproc_per_node"])
+            first = holders.get(claim)
+            if first is not None:  # its holder may have just gone: its close may not be seen yet
+                await asyncio.wait({first.gone}, timeout=_CLAIM_GRACE)
+                if first.gone.done():
+                    release(claim, first)
+            if ended.is_set():
+                await answer({"error": failed[0] if failed else "node rank 0 has every node's size already"})
+                return
+            first = holders.get(claim)
+            if first is not None:
+                why = (
+                    f"--node-rank {claim} is already taken by the agent at {first.where} "
+                    f"(--nproc-per-node {first.nproc}), and the agent at {where} claims it too "
+                    f"(--nproc-per-node {nproc}): two agents give one node rank, so no node starts "
+                    "(is --node-rank given twice, or is something else connecting to the master port?)"
+                )
+                fail(why)
+                await answer({"error": why})
+                return
+            rank = claim
+            holder = _Holder(where, nproc, asyncio.ensure_future(reader.read(1)))  # b"": it left
+            holder.gone.add_done_callback(_seen)
+            sizes[rank], holders[rank] = nproc, holder
             if hello["role"] != cfg.role:
                 log(
                     f"static rendezvous: node rank {rank} gives --role {shown(hello['role'])!r}, this "
@@ -192,32 +303,36 @@ async def _gather_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Call
                     "(torchrun counts them per role)",
                     "warning",
                 )
-            log(f"static rendezvous: node rank {rank} ({where}) runs {sizes[rank]} worker(s)", "debug")
-            answered.append(asyncio.current_task())  # type: ignore[arg-type]
+            log(f"static rendezvous: node rank {rank} ({where}) runs {nproc} worker(s)", "debug")
             if len(sizes) == n:
                 result.extend(sizes[r] for r in range(n))  # before any answer goes out
-                complete.set()
-            gone = asyncio.ensure_future(reader.read(1))  # b"": the node went away
-            done = asyncio.ensure_future(complete.wait())
-            await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
-            if not complete.is_set():
-                gone.cancel()
-                done.cancel()
-                log(f"static rendezvous: node rank {rank} ({where}) left before every node told its size")
-                del sizes[rank], peers[rank]
-                rank = None
-                return
+                ended.set()
+            done = asyncio.ensure_future(ended.wait())
+            either: set[asyncio.Future[Any]] = {holder.gone, done}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             done.cancel()
-            writer.write(json.dumps({"sizes": result}).encode() + b"\n")
-            await writer.drain()
+            if failed:
+                holder.gone.cancel()
+                await answer({"error": failed[0]})
+                return
+            if not result:
+                if holder.gone.done():
+                    log(f"static rendezvous: node rank {rank} ({where}) left before every node told its size")
+                    release(rank, holder)
+                return  # else node rank 0 stopped waiting (cancelled): its connection closes
+            await answer({"sizes": result})
             # Let the node close first, so that no TIME_WAIT of ours sits on the master port.
             with contextlib.suppress(TimeoutError, OSError):
-                await asyncio.wait_for(gone, _GOODBYE_TIMEOUT)
+                await asyncio.wait_for(holder.gone, _GOODBYE_TIMEOUT)
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-            if rank is not None and not complete.is_set() and peers.get(rank) == where:
-                del sizes[rank], peers[rank]
+            if rank is not None and holder is not None:
+                release(rank, holder)
         finally:
+            waiting.pop(writer, None)
+            if holder is not None:
+                holder.gone.cancel()
             writer.close()
+            handlers.discard(task)
 
     try:
         server = await asyncio.start_server(handle, host=None, port=port, limit=_MAX_LINE)
@@ -230,18 +345,26 @@ async def _gather_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Call
     log(f"static rendezvous: node rank 0 waits on port {port} for {n - 1} other node(s) to tell their sizes")
     try:
         try:
-            await asyncio.wait_for(complete.wait(), max(0.0, deadline - clock()))
+            await asyncio.wait_for(ended.wait(), max(0.0, deadline - clock()))
         except TimeoutError:
             missing = [r for r in range(1, n) if r not in sizes]
-            raise RendezvousError(
+            why = (
                 f"static rendezvous: node rank 0 waited {clock() - started:.0f} s on port {port} for "
                 f"node rank(s) {', '.join(map(str, missing))} of {n} to tell their --nproc-per-node "
                 "(is every node started, with this --master-addr/--master-port?)"
-            ) from None
+            )
+            failed.append(why)  # the nodes that told theirs are told this, not left waiting
+            raise RendezvousError(why) from None
+        if failed:
+            raise RendezvousError(f"static rendezvous: node rank 0 on port {port}: {failed[0]}")
     finally:
+        ended.set()  # whatever connects from now on is closed at once
         server.close()  # stops listening: worker rank 0 binds this port next
-    if answered:
-        await asyncio.wait(answered, timeout=_GOODBYE_TIMEOUT + 1.0)
+        for writer in list(waiting):
+            waiting.pop(writer)
+            writer.transport.abort()
+        if handlers:  # the nodes get their answers (or the error) before this returns
+            await asyncio.wait(set(handlers), timeout=_GOODBYE_TIMEOUT + 1.0)
     return result
 
 
@@ -278,6 +401,10 @@ async def _ask_sizes(cfg: AgentConfig, deadline: float, log: Log, clock: Callabl
                 )
             except TimeoutError:
                 greeting = b"(nothing)"
+            if not greeting:  # closed for a newer connection (node rank 0 bounds those waiting)
+                last = "node rank 0's agent closed the connection before its greeting"
+                await asyncio.sleep(min(_RETRY_S, max(0.0, deadline - clock())))
+                continue
             if greeting != GREETING:
                 last = f"something other than node-agent answers there: {shown(repr(greeting[:60]))}"
                 if not said_stranger:

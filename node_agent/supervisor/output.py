@@ -210,28 +210,28 @@ def plan_stdio(
     return plans[0], plans[1]
 
 
-def read_error_file(path: str, log: Callable[[str], None]) -> tuple[Mapping[str, Any] | None, str]:
-    """torch's @record file: {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}."""
-    try:
-        import json  # only a failure reads an error file
+def read_error_file(path: str, log: Callable[[str], None]) -> tuple[Mapping[str, Any] | None, str, str]:
+    """torch's @record file: {"message": {"message": ..., "extraInfo": {"py_callstack": ...}}}.
 
-        with open(path, encoding="utf-8", errors="replace") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return None, ""
-    except (OSError, ValueError) as e:  # half-written by a dying worker, or not ours
-        log(f"error file {path} is unreadable ({e}); using the stderr tail instead")
-        return None, ""
-    if not isinstance(data, dict):
-        return None, ""
+    ``(record, its message and traceback, "")``; ``(None, "", "")`` when the worker wrote none;
+    ``(None, "", why)`` when it is not used (too large, too deep, not JSON: the bounds of
+    :func:`node_agent.error_file.read_worker_file`, the one reader of a worker's error file)."""
+    from ..error_file import read_worker_file  # only a failure reads an error file
+
+    data, problem = read_worker_file(path)
+    if problem:
+        log(f"error file {path} is not used ({problem}); using the stderr tail instead")
+        return None, "", problem
+    if data is None:
+        return None, "", ""
     message = data.get("message")
     if isinstance(message, str):  # the newer flat format
-        return data, message
+        return data, message, ""
     if not isinstance(message, dict):
-        return data, ""
+        return data, "", ""
     text = str(message.get("message", ""))
     extra = message.get("extraInfo")
     callstack = extra.get("py_callstack") if isinstance(extra, dict) else None
     if isinstance(callstack, str) and callstack.strip():
         text = f"{text}\n{callstack.rstrip()}" if text else callstack.rstrip()
-    return data, text
+    return data, text, ""

@@ -112,16 +112,20 @@ class Worker:
             return self.exit
         assert self.returncode is not None
         record: Mapping[str, Any] | None = None
-        message = ""
+        message = problem = ""
         if self.returncode != 0:
             if self.spec.error_file:
-                record, message = read_error_file(self.spec.error_file, log)
+                record, message, problem = read_error_file(self.spec.error_file, log)
             if not message:
                 sink = self.sinks.get(2)
                 if sink is not None:
                     message = sink.tail_text()
                 elif self.stderr_file is not None:
                     message = file_tail(self.stderr_file)
+            if problem:  # last: the report's headline stays the stderr tail's first line
+                note = f"(the error file {self.spec.error_file} is not used: {problem})"
+                tail = message.rstrip("\n")
+                message = f"{tail}\n{note}" if tail.strip() else note
         self.exit = WorkerExit(
             local_rank=self.spec.local_rank,
             rank=self.spec.rank,
