@@ -15,6 +15,13 @@ from into a checkpoint folder the Trainer reads (``pytorch_model.bin``, ``optimi
 ``scheduler.pt``, ``trainer_state.json``, ``rng_state.pth`` and ``rng_state_<rank>.pth``) in a
 new temporary directory, or returns None when there is nothing to restore.
 
+``resume_checkpoint()`` unpickles the snapshot with ``torch.load(weights_only=True)``
+(``snapshot_torch.safe_load``) allowing, beside torch's own types, only numpy's array
+reconstruction (``numpy._core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype`` and
+the ``uint32`` dtype's class: numpy's generator state, as the Trainer allows for its own
+``rng_state.pth``) and what the caller names in ``safe_globals``; a file that would run code
+raises ``snapshot_torch.UnsafeSnapshot``.
+
 Outside node-agent (no snapshot directory) the callback does nothing, not even serialise, and
 ``resume_checkpoint()`` is None. Not saved: a gradient scaler's state (mixed precision with
 ``fp16``), states that DeepSpeed or FSDP shard, and the configuration (the script builds the
@@ -29,8 +36,10 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
+from .snapshot_torch import safe_load
 from .snapshots import _directory, restore, snapshot
 
 # By name, as in node_agent.worker.hf: the type checker stays out of transformers.
@@ -91,15 +100,28 @@ class SnapshotCallback(TrainerCallback):
             torch.save(record, f)
 
 
-def resume_checkpoint() -> str | None:
+def allowed_globals() -> list[Any]:
+    """What a snapshot of :class:`SnapshotCallback` holds beside torch's weights only types:
+    numpy's generator state (an ``ndarray`` of ``uint32``). The Trainer's state is JSON text,
+    Python's generator state plain tuples and ints."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core  # numpy 2 moved it
+    return [core.multiarray._reconstruct, numpy.ndarray, numpy.dtype, type(numpy.dtype(numpy.uint32))]
+
+
+def resume_checkpoint(*, safe_globals: Sequence[Any] = ()) -> str | None:
     """A checkpoint folder made from the snapshot the job restores from, for
     ``trainer.train(resume_from_checkpoint=resume_checkpoint())``; None when there is nothing
-    to restore (or outside node-agent)."""
+    to restore (or outside node-agent). The snapshot is read with ``weights_only=True``
+    (:func:`allowed_globals` and ``safe_globals`` allowed): ``UnsafeSnapshot`` otherwise."""
     r = restore()
     if r is None:
         return None
     torch = importlib.import_module("torch")
-    record = torch.load(r.path, map_location="cpu", weights_only=False)
+    record = safe_load(r.path, safe_globals=[*allowed_globals(), *safe_globals])
     if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("step") != r.step:
         raise RuntimeError(f"{r.path} is not a hf_snapshots.SnapshotCallback snapshot of step {r.step}")
     folder = tempfile.mkdtemp(prefix=f"node-agent-hf-step{r.step}-")
