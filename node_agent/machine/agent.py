@@ -513,6 +513,9 @@ class AgentMachine:
         if t is None:
             return []
         effects: list[Effect] = self._send(event.stacks) if event.stacks is not None else []
+        slow = t.moved_on() if self.phase is Phase.RUNNING else ""
+        if slow:
+            effects.append(Log("warning", slow))
         then = t.on_dumped()
         if not then or self.phase is not Phase.RUNNING or self.assignment is None:
             return effects  # another node's hang, or the round moved on while we collected

@@ -13,7 +13,10 @@ A hang, step by step (the README's "Progress, hangs and stragglers" tells it for
 2. the stacks are in (``StacksDumped``): they go to the server (``Stacks``), the node's report
    is in the attempt's log dir, and the hang becomes this node's worker failure: the workers
    are stopped (SIGTERM, grace, SIGKILL) and the server decides, as for any failure, whether
-   the job restarts (a hang uses the restart budget).
+   the job restarts (a hang uses the restart budget). Unless every hung rank made progress
+   again while its stacks were collected (:meth:`Training.moved_on`): then it was slow, not
+   hung (a node starved of CPU, a step past a tight ``--hang-timeout``), which is said, and
+   the round goes on: a restart would cost more than it saves.
 
 Another node's hang reaches us as the server's ``CollectStacks``: we collect and send ours,
 and our workers run on until the server's ``Restart``.
@@ -94,6 +97,7 @@ class Training:
     rank_offset: int = 0
     collecting: bool = False
     hung: tuple[Hung, ...] = ()  # our own hang, once detected (until the round ends)
+    _hung_counts: tuple[int, ...] = ()  # each hung rank's progress count when found hung
     _sent_at: float | None = None
     _again: bool = False  # our hang came while collecting for another's: collect once more
     # Commit points: the step armed and not yet acknowledged by every local rank (the runner
@@ -115,6 +119,7 @@ class Training:
         self.watch = NodeWatch(self.policy, self.nproc)
         self.round, self.rank_offset = a.round, a.rank_offset
         self.collecting, self.hung, self._sent_at, self._again = False, (), None, False
+        self._hung_counts = ()
         self.arming, self.go, self._samples, self._sent_checks = None, None, (None,) * self.nproc, False
         self._bad = frozenset()
 
@@ -248,6 +253,7 @@ class Training:
         if not hung:
             return out, ""
         self.hung = tuple(hung)
+        self._hung_counts = tuple(self._count(h.local_rank) for h in hung)
         first = hung[0]
         out.append(
             HangDetected(
@@ -297,6 +303,30 @@ class Training:
             return None
         self.collecting = True
         return DumpStacks(round=self.round, hung=(), reason=reason)
+
+    def _count(self, local_rank: int) -> int:
+        """The progress count of a local rank's last whole sample (-1: none)."""
+        s = self._samples[local_rank] if local_rank < len(self._samples) else None
+        return s.count if s is not None else -1
+
+    def moved_on(self) -> str:
+        """Once our stacks are in: if every hung rank made progress since it was found hung
+        (the pages are read meanwhile), it was slow, not hung: the hang is withdrawn (the
+        round goes on, its ranks watched again) and the line that says so is returned; else
+        "". A rank found hung again later is a new hang."""
+        if not self.hung or self.watch is None:
+            return ""
+        counts = [self._count(h.local_rank) for h in self.hung]
+        if not all(now > then for now, then in zip(counts, self._hung_counts, strict=True)):
+            return ""
+        ranks = ", ".join(f"rank {self.rank_offset + h.local_rank}" for h in self.hung[:8])
+        more = " ..." if len(self.hung) > 8 else ""
+        line = (
+            f"{ranks}{more} made progress again while the stacks were collected: slow, not hung "
+            "(a node short of CPU, or a step past --hang-timeout); no failure, the round goes on"
+        )
+        self.hung, self._hung_counts, self._again = (), (), False
+        return line
 
     def on_dumped(self) -> bool | DumpStacks:
         """The stacks are in. True: this node's own hang now becomes its failure; a

@@ -132,6 +132,36 @@ def test_a_hang_is_reported_its_stacks_collected_then_it_is_this_nodes_failure()
     assert read(m, t + 60, None, None) == []
 
 
+def test_a_hung_rank_that_progressed_while_its_stacks_were_collected_was_slow_and_is_no_failure() -> None:
+    # A loaded node: rank 3 (local 1) starved past its 3 s budget, then stepped on while the
+    # stacks were collected. A restart would cost more than the slow step did.
+    m = machine("3")
+    now = train(m, 20)
+    eff: list[st.Effect] = []
+    t = now
+    while not any(isinstance(e, DumpStacks) for e in eff):
+        t += 0.5
+        eff = read(m, t, sample(int(t * 10), t), sample(19, now, pid=12))
+    read(m, t + 0.2, sample(int(t * 10) + 2, t + 0.2), sample(20, t + 0.2, pid=12))  # it moved on
+    stacks = Stacks(round=4, ranks=(3, 2), steps=(19, 40), phases=("compute", "compute"), silent_s=(3.5, 0.0),
+                    stacks=("slow", "all_reduce"))  # fmt: skip
+    eff = m.handle(StacksDumped(stacks=stacks, report="R", path=""), t + 0.3)
+    assert sent(eff) == [stacks]  # the stacks, no failure
+    assert not [e for e in eff if isinstance(e, st.StopWorkers)] and m.phase is st.Phase.RUNNING
+    (line,) = [e.text for e in eff if isinstance(e, st.Log)]
+    assert line.startswith("rank 3 made progress again while the stacks were collected: slow, not hung")
+    # Watched again: a later silence past the budget is a new hang, and without progress this
+    # time it is the node's failure.
+    t2 = t + 0.3
+    eff = []
+    while not any(isinstance(e, DumpStacks) for e in eff):
+        t2 += 0.5
+        assert t2 < t + 10, "the rank is no longer watched"
+        eff = read(m, t2, sample(int(t2 * 10), t2), sample(20, t + 0.2, pid=12))
+    eff = m.handle(StacksDumped(stacks=stacks, report="R", path=""), t2 + 0.3)
+    assert any(isinstance(msg, WorkersFailed) for msg in sent(eff))
+
+
 def test_another_nodes_hang_asks_for_our_stacks_and_nothing_else() -> None:
     m = machine("off")
     train(m, 5)
