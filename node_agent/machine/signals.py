@@ -130,7 +130,7 @@ def _not_passed_on(signum: int) -> Log:
     return Log(
         "info",
         f"received {signal.Signals(signum).name} while no workers of this node ran (not started "
-        "yet, between rounds or stopping): not passed on to workers started after it",
+        "yet, between rounds, stopping or done): not passed on to workers started after it",
     )
 
 
