@@ -601,7 +601,8 @@ class ReplicaServer:
             h.abandon(req.rank, req.step)
             raise
         self._record(req.rank, req.step, req.sha256)
-        log.info("snapshot replica: received rank %d step %d (%d bytes)", req.rank, req.step, req.size)
+        # Debug only: with a snapshot every step it would be two console lines a step a node.
+        log.debug("snapshot replica: received rank %d step %d (%d bytes)", req.rank, req.step, req.size)
         if self.on_received is not None:
             self.on_received()
         await conn.reply(ok=True)

@@ -41,14 +41,15 @@ from protocol import Assignment
 from ..agent_log import AgentLog
 from ..config import AgentConfig
 from ..machine.events import SnapshotsRead
-from ..worker_env import RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
+from ..runtime_dir import ensure_dir
+from ..worker_env import RESTORE_DIGEST_VAR, RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
 
 if TYPE_CHECKING:
     from .channel import ReplicaServer, Replicator
     from .durable import DurableDir, Offer
     from .holdings import Holdings
 
-__all__ = ["POLL_S", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
+__all__ = ["POLL_S", "RestoreFailed", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
 
 # How often the holdings are read (a listing of a few small folders): a worker's new snapshot
 # is told to the server at most this late, and with it the step every node copies.
@@ -56,11 +57,25 @@ POLL_S = 0.1
 # Files one rank may have at once, worst case: its own two newest, a pinned older one and one
 # being written; a peer's rank's two newest, a pinned one and one arriving.
 FILES_PER_RANK = 8
-PULL_TIMEOUT = 120.0  # one restore fetch (no rate limit: the training waits for it)
+PULL_TIMEOUT = 30.0  # between two reads of a restore fetch (no rate limit: the training waits)
+# A whole fetch of one file: this long, plus its size at this rate (a 1 GiB file: 81 s);
+# past it the next holder is tried, then the round is failed with the step it could not get.
+FETCH_BASE_S = 30.0
+FETCH_MIN_RATE = 20 << 20
 PUSH_TIMEOUT = 600.0
 RETRY_S = 1.0  # a copy that failed is offered again after this long
 
 log_ = logging.getLogger("node_agent.snapshots")
+
+
+class RestoreFailed(Exception):
+    """A local rank's snapshot of the restore step could not be had from any holder the
+    Assignment named (or none had the owner's bytes): the workers must not start; the server
+    is told the step (WorkersFailed.restore_failed) and restores the next round from another."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        super().__init__(reason)
+        self.step = step
 
 
 def default_memory(shm: str = "/dev/shm") -> int:
@@ -91,6 +106,7 @@ class SnapshotNode:
         log: AgentLog,
         replicate: bool = True,
         durable: DurableDir | None = None,
+        tls: bool = False,
     ) -> None:
         self.root = root
         self.memory = memory
@@ -106,13 +122,21 @@ class SnapshotNode:
         self.replicator: Replicator | None = None
         self.key = ""
         self.port = 0
+        self.cert = ""  # the sha256 of our replica server's certificate ("": no TLS)
+        self.tls = tls  # the rendezvous uses TLS: so does the replica channel (issue 42)
+        # (rank, step) -> sha256 of the snapshots whose digest this node knows: its own ranks'
+        # once pushed (the owner's digest the server holds copies to), fetched ones.
+        self.digests: dict[tuple[int, int], str] = {}
+        self._fetched: dict[int, str] = {}  # local rank -> the digest its worker checks
+        self._replica_ranks: range = range(0)  # whose replicas we take (our ring predecessor's)
+        self._push_steps: tuple[int, ...] = ()
         if replicate:
             from .channel import ReplicaServer, Replicator, new_key
 
             self.key = new_key()
             self.server = ReplicaServer(self.holdings, key=self.key, on_received=self._wake.set)
             self.replicator = Replicator(rate=float(rate) if rate > 0 else None, timeout=PUSH_TIMEOUT)
-        os.makedirs(root, 0o700, exist_ok=True)
+        ensure_dir(root)
         self.world = 0  # the running round's world size (0: none yet)
         self.local: range = range(0)  # its global ranks on this node
         self.copying = -1  # the step the server asked every node to copy (-1: none)
@@ -155,10 +179,35 @@ class SnapshotNode:
         """Serve replicas (on every interface of this node's address family: a peer reaches us
         at the address the server has for this node) and start reading the holdings."""
         if self.server is not None:
+            if self.tls:
+                await self._start_tls(self.server)
             self.port = await self.server.start("::" if ":" in addr else "0.0.0.0", 0)
         if self.durable is not None:
             self.offer = await asyncio.to_thread(self._read_offer, self.durable)
         self._poll = asyncio.get_running_loop().create_task(self._polling(emit))
+
+    async def _start_tls(self, server: ReplicaServer) -> None:
+        from .replica_tls import ReplicaTLSError, make_server_tls
+
+        try:
+            tls = await asyncio.to_thread(make_server_tls, self.root)
+        except ReplicaTLSError as exc:
+            self.log(
+                f"the snapshot replica channel runs without TLS ({exc}): its transfers are "
+                "authenticated and checked, but not secret",
+                "warning",
+            )
+            return
+        server.ssl, self.cert = tls.context, tls.cert_sha256
+
+    def new_key(self) -> None:
+        """A new replica key for the next Join (issue 42): the server gives it to that round's
+        members only, so a node that left can no longer read or write here."""
+        if self.server is not None:
+            from .channel import new_key
+
+            self.key = new_key()
+            self.server.set_key(self.key)
 
     def _read_offer(self, durable: DurableDir) -> Offer:
         from .durable import Offer, Refused
@@ -207,6 +256,8 @@ class SnapshotNode:
         fields: dict[str, object] = {}
         if self.port:
             fields.update(replica_port=self.port, replica_key=self.key)
+            if self.cert:
+                fields["replica_cert"] = self.cert
         if self.offer is not None and self.offer.steps:
             fields.update(durable_world=self.offer.world, durable_steps=self.offer.steps)
         return fields
@@ -218,13 +269,21 @@ class SnapshotNode:
         local rank's restore step is here."""
         self.local = range(a.rank_offset, a.rank_offset + nproc)
         self._offered = {}
+        self._fetched = {}
         self.copying = -1
+        if ensure_dir(self.root):  # removed under us: what we knew of it is gone with it
+            self._holdings, self.digests, self._seen = None, {}, False
         if self.replicator is not None:
             if a.replica_to and a.replica_key:
                 host, port = _split(a.replica_to)
-                self.replicator.set_peer(host, port, a.replica_key)
+                self.replicator.set_peer(host, port, a.replica_key, cert_sha256=a.replica_cert)
             else:
                 self.replicator.set_peer(None)
+        if self.server is not None:
+            # Only the ring predecessor's ranks, only at the step the server asks to copy.
+            self._replica_ranks = range(a.replica_from, a.replica_from + a.replica_count)
+            self._push_steps = ()
+            self.server.allow_pushes(self._replica_ranks, ())
         world, self.world = self.world, a.world_size
         if self._written() or a.restore_step >= 0:  # a spare holds nothing yet: it fetches
             await self._fit(a, world)
@@ -247,30 +306,57 @@ class SnapshotNode:
             await self._read_back(a)
             return
         fetched = 0
+        received = self.server.received if self.server is not None else {}
         for i, rank in enumerate(self.local):
-            src = a.restore_source[i] if i < len(a.restore_source) else -1
-            if src < 0 or h.path(rank, a.restore_step) is not None:
+            step = a.restore_step
+            digest = a.restore_digests[i] if i < len(a.restore_digests) else ""
+            if h.path(rank, step) is not None:
+                if digest and (rank, step) in received:
+                    self._fetched[i] = digest  # a peer pushed it: its worker checks the bytes
                 continue
-            fetched += await self._fetch(a, rank, src)
+            sources = [x for x in (_at(a.restore_source, i), _at(a.restore_alt, i)) if x >= 0]
+            if not sources:
+                continue  # held nowhere the server knows: the worker says it is missing
+            await self._fetch(a, rank, list(dict.fromkeys(sources)), digest)
+            self._fetched[i] = digest
+            if digest:
+                self.digests[(rank, step)] = digest
+            fetched += 1
         how = f"; {fetched} fetched from peers" if fetched else ""
         self.log(f"round {a.round}: every rank restores the in-memory snapshot of step {a.restore_step}{how}")
 
-    async def _fetch(self, a: Assignment, rank: int, src: int) -> int:
+    async def _fetch(self, a: Assignment, rank: int, sources: list[int], digest: str) -> None:
+        """``rank``'s snapshot of the restore step from the first holder that has the owner's
+        bytes (each tried twice where the connection failed, once where the holder refused);
+        RestoreFailed when none does."""
         from .channel import ReplicaError, pull
 
-        host, port = _split(a.restore_addrs[src])
-        try:
-            key, step = a.restore_keys[src], a.restore_step
-            await pull(host, port, key, rank, step, self.holdings, timeout=PULL_TIMEOUT)
-        except (ReplicaError, OSError, asyncio.TimeoutError) as exc:
-            # The worker finds no snapshot and says so (SnapshotMissing): the job restarts.
-            self.log(
-                f"round {a.round}: could not fetch rank {rank}'s snapshot of step {a.restore_step} "
-                f"from {a.restore_addrs[src]}: {exc}",
-                "error",
-            )
-            return 0
-        return 1
+        step, said = a.restore_step, []
+        deadline_s = FETCH_BASE_S + self.limit / FETCH_MIN_RATE
+        for src in sources:
+            addr = a.restore_addrs[src]
+            host, port = _split(addr)
+            cert = a.restore_certs[src] if src < len(a.restore_certs) else ""
+            for _ in range(2):
+                try:
+                    await pull(
+                        host, port, a.restore_keys[src], rank, step, self.holdings,
+                        timeout=PULL_TIMEOUT, deadline=time.monotonic() + deadline_s,
+                        expected_sha256=digest, cert_sha256=cert,
+                    )  # fmt: skip
+                    return
+                except (ReplicaError, OSError) as exc:
+                    said.append(f"from {addr}: {exc}")
+                    self.log(
+                        f"round {a.round}: could not fetch rank {rank}'s snapshot of step {step} "
+                        f"from {addr}: {exc}",
+                        "warning",
+                    )
+                    if isinstance(exc, ReplicaError) and exc.remote:
+                        break  # the holder refused: asking again gets the same answer
+        raise RestoreFailed(
+            step, f"could not fetch rank {rank}'s snapshot of step {step} ({'; '.join(said)})"
+        )
 
     async def _read_back(self, a: Assignment) -> None:
         """Every local rank's snapshot of the restore step, from the snapshot directory."""
@@ -311,6 +397,9 @@ class SnapshotNode:
         env = {SNAPSHOT_DIR_VAR: self._rank_dir(rank), SNAPSHOT_LIMIT_VAR: str(self.limit)}
         if restore_step >= 0:
             env[RESTORE_STEP_VAR] = str(restore_step)
+            digest = self._fetched.get(rank - self.local.start, "") if rank in self.local else ""
+            if digest:
+                env[RESTORE_DIGEST_VAR] = digest
         return env
 
     def keep(self, step: int, replicate: int = -1) -> None:
@@ -320,6 +409,10 @@ class SnapshotNode:
         h.pin(step, replicate)
         h.prune()
         self.copying = replicate if self.replicator is not None else -1
+        if self.server is not None and replicate >= 0 and replicate not in self._push_steps:
+            # The step being copied now, and the one before (a push of it may be under way).
+            self._push_steps = (replicate, *self._push_steps[:1])
+            self.server.allow_pushes(self._replica_ranks, self._push_steps)
         self._offered = {}
         self._offer()
         if self.durable is not None and step > self._persisted and self.world:
@@ -417,7 +510,21 @@ class SnapshotNode:
         self._offer()
         inv = self.holdings.inventory()
         pairs = sorted(((r, s) for r, steps in inv.items() for s in steps), key=lambda p: (-p[1], p[0]))
-        return SnapshotsRead(world_size=self.world, pairs=tuple(pairs))
+        return SnapshotsRead(world_size=self.world, pairs=tuple(pairs), digests=self._digests_of(pairs))
+
+    def _digests_of(self, pairs: list[tuple[int, int]]) -> tuple[str, ...]:
+        """The digest of each pair this node knows (issue 42): its own ranks' once pushed (the
+        owner's), the replicas it received (computed as they came), the ones it fetched."""
+        known = self.digests
+        if self.replicator is not None:
+            for rank, (step, digest) in self.replicator.replicated_digest.items():
+                known[(rank, step)] = digest
+        if self.server is not None:
+            known.update(self.server.received)
+        held = set(pairs)
+        for gone in [p for p in known if p not in held]:
+            del known[gone]
+        return tuple(known.get(p, "") for p in pairs)
 
 
 async def start_snapshots(
@@ -453,6 +560,8 @@ async def start_snapshots(
         log=log,
         replicate=config.max_nodes > 1,
         durable=durable,
+        # The rendezvous is private (TLS): so are the snapshots the nodes send each other.
+        tls=config.tls_ca is not None,
     )
     try:
         await node.start(emit, addr)
@@ -461,6 +570,10 @@ async def start_snapshots(
         await node.close()
         return None
     return node
+
+
+def _at(items: tuple[int, ...], i: int) -> int:
+    return items[i] if i < len(items) else -1
 
 
 def _split(addr: str) -> tuple[str, int]:

@@ -144,6 +144,9 @@ def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_rep
             assert nodes[t].wait(timeout=JOB_BOUND) == 0, nodes[t].stderr
         spare = nodes["c"]
         assert "fetched from peers" in spare.stderr, spare.stderr
+        # Each replica a node takes is no console line (issue 42 item 8: two a step a node).
+        for t in survivors:
+            assert "snapshot replica: received" not in nodes[t].stderr, nodes[t].stderr
         history = "\n".join(_history(port))
         assert "resumes every rank from the in-memory snapshot of step 15" in history, history
     finally:

@@ -440,7 +440,9 @@ def test_the_agent_sets_the_variables_the_worker_reads() -> None:
     assert (S.DIR_VAR, S.LIMIT_VAR, S.RESTORE_VAR, S.DIGEST_VAR) == worker_env.SNAPSHOT_VARS
 
 
-def test_restore_refuses_a_file_that_is_not_the_owners(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_restore_refuses_a_file_that_is_not_the_owners(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 42: where the snapshot came from another node the agent says the owner's sha256;
     a file with other bytes is never handed to the script (torch.load would unpickle it)."""
     import hashlib
