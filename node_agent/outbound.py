@@ -21,12 +21,14 @@ def join_message(
     store_port: int = 0,
     replica_port: int = 0,
     replica_key: str = "",
+    replica_cert: str = "",
     durable_world: int = -1,
     durable_steps: tuple[int, ...] = (),
 ) -> Join:
     """This node's Join for the next round, with a master port free right now, or
     ``store_port``: the port this node's agent hosts the workers' store on (store/host.py);
-    ``replica_port``/``replica_key``: where it takes snapshot replicas (snapshots/node.py);
+    ``replica_port``/``replica_key``/``replica_cert``: where it takes snapshot replicas, the
+    key a peer proves and the certificate it pins (snapshots/node.py);
     ``durable_world``/``durable_steps``: what its --snapshot-dir offers (snapshots/durable.py)."""
     return Join(
         job_id=cfg.rdzv_id,
@@ -54,6 +56,7 @@ def join_message(
         node_secret=node_secret,
         replica_port=replica_port,
         replica_key=replica_key,
+        replica_cert=replica_cert,
         durable_world=durable_world,
         durable_steps=durable_steps,
     )
