@@ -18,6 +18,7 @@ The context manager kills every process it started, whatever happened.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import json
 import signal
 import time
@@ -52,9 +53,11 @@ async def http(
     headers: dict[str, str] | None = None,
     body: bytes | None = None,
     host: str = "127.0.0.1",
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int, Any]:
-    """One HTTP/1.1 request on its own connection: (status, decoded JSON or the raw body)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    """One HTTP/1.1 request on its own connection (HTTPS with ``tls``): (status, decoded JSON
+    or the raw body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
     try:
         extra = dict(headers or {})
         if token:

@@ -24,12 +24,14 @@ import json
 import os
 import re
 import signal
+import ssl
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
+from ..pki import make_pki
 from .live_job import get, wait_until
 from .procs import WORKERS, Proc, agent_cmd, server_cmd, start_server
 
@@ -108,14 +110,14 @@ def _node(port: int, tmp: Path, tag: str, *extra: str, **env: str) -> Proc:
     return Proc(argv, env=_env(tmp, NODE_TAG=tag, **env))
 
 
-def _history(port: int) -> list[str]:
-    status, body = get(port, "/v1/jobs/snap")
+def _history(port: int, tls: ssl.SSLContext | None = None) -> list[str]:
+    status, body = get(port, "/v1/jobs/snap", tls=tls)
     assert status == 200, body
     return [e["text"] for e in body["history"]]
 
 
-def _kept(port: int) -> int:
-    status, body = get(port, "/v1/jobs")
+def _kept(port: int, tls: ssl.SSLContext | None = None) -> int:
+    status, body = get(port, "/v1/jobs", tls=tls)
     jobs = body["jobs"] if status == 200 else []
     snap = jobs[0]["snapshot"] if jobs else None
     return snap["kept_step"] or -1 if snap else -1
@@ -124,18 +126,23 @@ def _kept(port: int) -> int:
 def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_replicas(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
-    srv, port = start_server()
+    # Over TLS (issue 42): the replica channel then uses TLS too, each peer pinned to the
+    # certificate its Join named; the spare's fetch checks the owner's digest.
+    pki = make_pki(tmp_path / "pki")
+    srv, port = start_server("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    https = ssl.create_default_context(cafile=str(pki.ca))
+    tls = ("--tls-ca", str(pki.ca))
     gate = tmp_path / "go"
     nodes: dict[str, Proc] = {}
     try:
         # Training waits at step 15 until the spare is in, so the loss lands mid-training.
         for tag in ("a", "b"):
-            nodes[tag] = _node(port, tmp_path, tag, WAIT_FILE=str(gate), WAIT_STEP="15")
+            nodes[tag] = _node(port, tmp_path, tag, *tls, WAIT_FILE=str(gate), WAIT_STEP="15")
         wait_until("both ranks at step 15", lambda: _at(tmp_path, 15, nodes.values()), JOB_BOUND)
-        nodes["c"] = _node(port, tmp_path, "c")
+        nodes["c"] = _node(port, tmp_path, "c", *tls)
         nodes["c"].wait_for_line("spare", timeout=30)
         # Every rank's step-15 snapshot is on two nodes before node b goes.
-        wait_until("step 15 kept", lambda: _kept(port) >= 15, 30)
+        wait_until("step 15 kept", lambda: _kept(port, https) >= 15, 30)
         lost = next(t for t in ("a", "b") if _rank_of(tmp_path, t) == 1)
         os.killpg(nodes[lost].p.pid, signal.SIGKILL)
         gate.touch()
@@ -147,8 +154,10 @@ def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_rep
         # Each replica a node takes is no console line (issue 42 item 8: two a step a node).
         for t in survivors:
             assert "snapshot replica: received" not in nodes[t].stderr, nodes[t].stderr
-        history = "\n".join(_history(port))
+        history = "\n".join(_history(port, https))
         assert "resumes every rank from the in-memory snapshot of step 15" in history, history
+        for t in survivors:
+            assert "without TLS" not in nodes[t].stderr, nodes[t].stderr
     finally:
         for p in nodes.values():
             p.kill()
