@@ -18,9 +18,9 @@ The context manager kills every process it started, whatever happened.
 from __future__ import annotations
 
 import asyncio
-import ssl
 import json
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
