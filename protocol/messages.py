@@ -406,7 +406,7 @@ class Join(_Schema):
     # HMAC of the server's challenge with the job's token (protocol.auth); "" without a token.
     proof: str = field(default="", metadata=_SECRET)
     # --node-rank, when the agent was given one (-1: not given). In a fixed-size job whose
-    # nodes all give one the server orders group ranks by it (rdzv_server/state.py, which
+    # nodes all give one the server orders group ranks by it (rdzv_server/machine/state.py, which
     # also refuses one that is out of range or taken: that is a rule of the job, not of
     # this message). Added within version 1: an older server ignores it.
     node_rank: int = field(default=-1, metadata=_integer(-1, MAX_NODES - 1))

@@ -25,7 +25,7 @@ from protocol import (
     error_message,
 )
 
-from .state import (
+from .machine.state import (
     SERVER_BUSY,
     ConnPhase,
     Received,

@@ -157,7 +157,7 @@ def open_state_dir(
     """Restore the machine from --state-dir, saying what was found; None (logged) if unusable.
     It is built with the server's handshake timeouts (the service is given the same ones)."""
     from .journal import StateLog, StateLogError
-    from .state import Log
+    from .machine.state import Log
 
     try:
         state_log, found, effects = StateLog.open(

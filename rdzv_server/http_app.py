@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from protocol.auth import TokenTable
 
     from .journal import LogHealth
-    from .state import Rendezvous
+    from .machine.state import Rendezvous
 
 
 class Served(Protocol):

@@ -108,7 +108,7 @@ from protocol.auth import TokenTable
 from protocol.records import record
 
 from . import snapshot
-from .state import (
+from .machine.state import (
     AUTH_TIMEOUT,
     HELLO_TIMEOUT,
     Close,

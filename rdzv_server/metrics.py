@@ -52,8 +52,8 @@ from prometheus_client.registry import Collector
 
 from protocol.records import record
 
-from .progress import flagged_scores
-from .state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
+from .machine.progress import flagged_scores
+from .machine.state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
 if TYPE_CHECKING:
     from .journal import LogHealth

@@ -83,7 +83,7 @@ from protocol.auth import TokenTable
 from . import limits
 from .connection import BUSY_TIMEOUT, HTTP_IDLE_TIMEOUT, WRITE_BUFFER_LIMIT, Connection
 from .listeners import check_port_free
-from .state import (
+from .machine.state import (
     AUTH_TIMEOUT,
     HELLO_TIMEOUT,
     SERVER_BUSY,

@@ -44,9 +44,9 @@ from protocol.errors import InvalidField, ProtocolError
 from protocol.failure_text import describe_failure
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
-from .history import Departure, EventKind, JobEvent
-from .jobs import REASON_LEN, Commit, HangVerdict
-from .state import (
+from .machine.history import Departure, EventKind, JobEvent
+from .machine.jobs import REASON_LEN, Commit, HangVerdict
+from .machine.state import (
     FAILURE_PATH_LEN,
     FAILURE_TEXT_LEN,
     Conn,

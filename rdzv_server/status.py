@@ -39,9 +39,9 @@ from protocol import Stacks
 from protocol.failure_text import describe_failure
 from protocol.hang_report import merge
 
-from .history import EventKind, JobEvent
-from .progress import HangState, NodeProgress, RankScore, stack_entries, straggler_scores
-from .state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
+from .machine.history import EventKind, JobEvent
+from .machine.progress import HangState, NodeProgress, RankScore, stack_entries, straggler_scores
+from .machine.state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
 
 K = EventKind
 # The kinds of history events that end a running round (the first one after it starts).

@@ -4,7 +4,7 @@ There is no rendezvous server. The job's state lives in etcd as an append-only *
 machine's input events* (a node connected, a node sent a message, a node's lease expired, a
 deadline passed), each entry stamped with its proposer's wall clock. etcd orders the entries
 (its revision is a total order every watcher sees alike), and every agent feeds them, in that
-order, into its own copy of :class:`rdzv_server.state.Rendezvous`, the very machine the
+order, into its own copy of :class:`rdzv_server.machine.state.Rendezvous`, the very machine the
 daemon runs. The machine is deterministic with time passed in, so every copy reaches the same
 state and computes the same effects; each agent carries out only those addressed to its own
 connection. Nothing is lost when etcd restarts (its data dir keeps the log), and a highly
@@ -53,7 +53,7 @@ from protocol import (
 from protocol.codec import decode_payload
 from protocol.errors import ProtocolError
 from protocol.records import record
-from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
+from rdzv_server.machine.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
 
 from ..config import AgentConfig, ConfigError
 from . import NotARendezvousServer, RendezvousRefused, RendezvousUnreachable

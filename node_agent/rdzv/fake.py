@@ -1,6 +1,6 @@
 """A rendezvous in this process, for tests: the server's real machine on a clock the test moves.
 
-:class:`FakeRendezvous` holds one :class:`rdzv_server.state.Rendezvous`, the machine the daemon
+:class:`FakeRendezvous` holds one :class:`rdzv_server.machine.state.Rendezvous`, the machine the daemon
 runs, and plays the daemon's part around it: each link is a connection (``Connected``, the
 hello, ``Received`` for each message, ``Disconnected`` when closed), and the machine's effects
 are carried out at once (``Send`` to the link's inbox, ``Close`` ends the link). Every message
@@ -32,7 +32,7 @@ from protocol import (
     Welcome,
 )
 from protocol.codec import decode_payload, encode
-from rdzv_server.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
+from rdzv_server.machine.state import Close, Connected, Disconnected, Effect, Received, Rendezvous, Send, Tick
 
 from . import RendezvousRefused
 

@@ -16,7 +16,7 @@ loopback: SkyPilot's recipe gives node 0 ``localhost:29500`` and the other nodes
 rendezvous nobody else can find stays on the endpoint's own address: ``--standalone`` and a
 port-0 endpoint (one node; the port is picked at random). The address node 0 then reports
 (127.0.0.1) is replaced by the server with the one the others reached it on
-(``rdzv_server/addresses.py``).
+(``rdzv_server/machine/addresses.py``).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def hosted_tokens(token: str | None) -> TokenTable | None:
 
 
 def _is_loopback(host: str) -> bool:
-    from rdzv_server.addresses import is_loopback
+    from rdzv_server.machine.addresses import is_loopback
 
     return is_loopback(host)  # all of 127.0.0.0/8 (a Debian host name's 127.0.1.1) and ::1
 

@@ -9,7 +9,7 @@
   (``SnapshotsRead``), which tells the server when they changed; the server's ``KeepSnapshot``
   comes back as :meth:`SnapshotNode.keep` (pinned, never pruned).
 - **Replicating.** The server names one step for the whole job to copy
-  (``KeepSnapshot.replicate``, see ``rdzv_server/restore_rules.py``); each local rank's
+  (``KeepSnapshot.replicate``, see ``rdzv_server/machine/restore_rules.py``); each local rank's
   snapshot of it is pushed to the round's ring peer (``Assignment.replica_to``) in the
   background, at ``--snapshot-replication-rate``, and offered again while the copy is missing:
   ``channel.py``. A job of one node has no peer: no replica server, no channel.

@@ -34,7 +34,7 @@ from protocol import (
     Resumed,
     WorkersFailed,
 )
-from rdzv_server.state import FAILURES_KEPT
+from rdzv_server.machine.state import FAILURES_KEPT
 
 from .live_job import LiveJob, Peer, http
 from .procs import Proc, server_cmd

@@ -5,7 +5,7 @@ The recipe gives node 0 ``--rdzv_endpoint=localhost:PORT`` and every other node
 rendezvous, and must listen where the other node can reach it (every interface, as torchrun's
 c10d store does), and node 0 reports 127.0.0.1 as its address, which must not become the
 job's ``MASTER_ADDR`` (the server replaces it with the address node 1 reached it on:
-``rdzv_server/addresses.py``). Each host sees only its own veth and loopback, so a worker given
+``rdzv_server/machine/addresses.py``). Each host sees only its own veth and loopback, so a worker given
 a loopback ``MASTER_ADDR`` on the other host fails instead of passing by accident.
 
 The same recipe runs under torchrun in the same namespaces, and both must exit 0 on both nodes.

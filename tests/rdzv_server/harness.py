@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol import SUPPORTED_VERSIONS, Failure, Hello, Join, Message
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     Close,
     Connected,
     Disconnected,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from protocol import SUPPORTED_VERSIONS, Assignment, Hello, Join
-from rdzv_server.addresses import Seen, is_loopback, peer_host, plain, reachable_addrs
-from rdzv_server.state import Connected, Received, Rendezvous, Send
+from rdzv_server.machine.addresses import Seen, is_loopback, peer_host, plain, reachable_addrs
+from rdzv_server.machine.state import Connected, Received, Rendezvous, Send
 
 
 @pytest.mark.parametrize(

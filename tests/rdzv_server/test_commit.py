@@ -23,10 +23,10 @@ from protocol import (
     WorkersFailed,
 )
 from rdzv_server import snapshot
-from rdzv_server.commits import COMMIT_LEAD, MAX_ARMS, PENDING_WAIT_S
-from rdzv_server.events import DrainRequested
-from rdzv_server.history import EventKind
-from rdzv_server.state import JobPhase
+from rdzv_server.machine.commits import COMMIT_LEAD, MAX_ARMS, PENDING_WAIT_S
+from rdzv_server.machine.events import DrainRequested
+from rdzv_server.machine.history import EventKind
+from rdzv_server.machine.state import JobPhase
 
 from .harness import Harness, failure
 from .test_journal import Recording, replayed, state

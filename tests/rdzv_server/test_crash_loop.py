@@ -6,8 +6,8 @@ import msgpack
 
 from protocol import Assignment, JobFailed, Restart, WorkersFailed
 from rdzv_server import snapshot
-from rdzv_server.history import EventKind
-from rdzv_server.state import JobPhase, Rendezvous
+from rdzv_server.machine.history import EventKind
+from rdzv_server.machine.state import JobPhase, Rendezvous
 
 from .harness import Harness, failure
 from .test_journal import Recording, replayed, state

@@ -490,7 +490,7 @@ async def hang_and_check(
 async def test_one_jobs_odd_numbers_never_blank_the_dashboard_for_the_others(
     browser: Browser, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rdzv_server import progress
+    from rdzv_server.machine import progress
 
     from .test_untrusted_values import two_jobs
 

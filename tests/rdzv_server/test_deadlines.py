@@ -11,9 +11,7 @@ import pytest
 
 from protocol import SUPPORTED_VERSIONS, Error, Heartbeat, Hello, Waiting
 from rdzv_server.journal import StateLog, apply_record, event_record
-from rdzv_server.service import RendezvousService
-from rdzv_server.snapshot import dump
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     Close,
     Connected,
     Disconnected,
@@ -23,6 +21,8 @@ from rdzv_server.state import (
     Rendezvous,
     Tick,
 )
+from rdzv_server.service import RendezvousService
+from rdzv_server.snapshot import dump
 
 from .harness import Harness
 

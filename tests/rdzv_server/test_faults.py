@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from protocol import MAX_TIMEOUT, Assignment, Heartbeat, JobFailed, Progress, Restart, StopAt
-from rdzv_server.commits import CommitRules
-from rdzv_server.state import JobPhase, Rendezvous, Tick
+from rdzv_server.machine.commits import CommitRules
+from rdzv_server.machine.state import JobPhase, Rendezvous, Tick
 
 from .harness import Harness
 from .test_journal import Recording, replayed, replays_from_every_cut, state

@@ -4,9 +4,9 @@ nodes' stacks merged into the job's latest hang report, bounded whatever the nod
 from __future__ import annotations
 
 from protocol import Assignment, CollectStacks, Error, HangDetected, Restart, Stacks, WorkersFailed
-from rdzv_server.history import EventKind
-from rdzv_server.progress import HANG_NODES_KEPT, HANG_RANKS_KEPT
-from rdzv_server.state import JobPhase
+from rdzv_server.machine.history import EventKind
+from rdzv_server.machine.progress import HANG_NODES_KEPT, HANG_RANKS_KEPT
+from rdzv_server.machine.state import JobPhase
 
 from .harness import Harness, failure
 from .test_journal import Recording, replayed, state

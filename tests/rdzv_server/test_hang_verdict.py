@@ -21,9 +21,9 @@ from protocol import (
 )
 from protocol.failure_text import HUNG
 from rdzv_server import tables
-from rdzv_server.hang_cause import HANG_VERDICT_WAIT_S
-from rdzv_server.progress import HANG_NODES_KEPT
-from rdzv_server.state import JobPhase
+from rdzv_server.machine.hang_cause import HANG_VERDICT_WAIT_S
+from rdzv_server.machine.progress import HANG_NODES_KEPT
+from rdzv_server.machine.state import JobPhase
 
 from .harness import Harness
 from .test_hang_server import first_rank

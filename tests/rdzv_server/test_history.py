@@ -10,8 +10,8 @@ from typing import Any
 from protocol import Leave, WorkersFailed
 from protocol.failure_text import describe_failure
 from rdzv_server import snapshot
-from rdzv_server.history import Departure, EventKind
-from rdzv_server.state import JobPhase, Rendezvous, Restarted
+from rdzv_server.machine.history import Departure, EventKind
+from rdzv_server.machine.state import JobPhase, Rendezvous, Restarted
 from rdzv_server.status import find_job
 
 from .harness import Harness, failure

@@ -28,8 +28,7 @@ from protocol import (
 from protocol.auth import TokenTable
 from rdzv_server import journal, snapshot, wal
 from rdzv_server.journal import LOG_NAME, StateLog, apply_record, event_record
-from rdzv_server.service import RendezvousService
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     Connected,
     Disconnected,
     DrainRequested,
@@ -42,6 +41,7 @@ from rdzv_server.state import (
     ShuttingDown,
     Tick,
 )
+from rdzv_server.service import RendezvousService
 from rdzv_server.wal import FILE_HEADER, StateLogError
 
 from .harness import Harness, failure
@@ -484,7 +484,7 @@ REPLAY_RSS = """
 import sys, time
 from pathlib import Path
 from rdzv_server import journal
-import rdzv_server.state
+import rdzv_server.machine.state
 
 def hwm():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))

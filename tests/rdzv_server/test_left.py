@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from protocol import Assignment, Leave, Left, Restart, WorkersFailed, WorkersSucceeded
-from rdzv_server.state import Close, Received, Send
+from rdzv_server.machine.state import Close, Received, Send
 
 from .harness import Harness, failure
 from .test_state import assignments

@@ -64,7 +64,7 @@ from protocol import (
 from protocol.failure_text import HUNG
 from protocol.messages import MAX_HELD
 from rdzv_server.journal import StateLog, apply_record, event_record
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     Close,
     Connected,
     ConnPhase,

@@ -1,6 +1,6 @@
 """--node-rank with our rendezvous: a fixed-size job whose nodes all give one is ordered by it.
 
-The rules (rdzv_server/state.py, "Node ranks"): every node of a fixed-size job gave a node
+The rules (rdzv_server/machine/state.py, "Node ranks"): every node of a fixed-size job gave a node
 rank -> group rank = node rank, in every round; some did not -> address order, said once in
 the job's history; an elastic job ignores node ranks. A rank out of range or held by another
 node is refused with an Error that names the value and both nodes; the others go on.
@@ -14,7 +14,7 @@ import msgpack
 
 from protocol import Assignment, Error, Leave, WorkersFailed
 from rdzv_server import snapshot
-from rdzv_server.state import Rendezvous
+from rdzv_server.machine.state import Rendezvous
 
 from .harness import Harness, failure
 from .test_journal import Recording, replayed, state

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import Assignment, Error, Progress, Restart, Waiting, WorkersFailed
-from rdzv_server.history import EventKind
-from rdzv_server.jobs import Job, JobSettings, Member, pop_member, put_member, rank_spans
-from rdzv_server.progress import (
+from rdzv_server.machine.history import EventKind
+from rdzv_server.machine.jobs import Job, JobSettings, Member, pop_member, put_member, rank_spans
+from rdzv_server.machine.progress import (
     SCORE_MAX,
     JobProgress,
     NodeProgress,
@@ -22,7 +22,7 @@ from rdzv_server.progress import (
     may_flag,
     straggler_scores,
 )
-from rdzv_server.state import JobPhase
+from rdzv_server.machine.state import JobPhase
 
 from .harness import Harness, failure
 from .test_journal import Recording, replayed, state

@@ -14,8 +14,8 @@ import pytest
 
 from protocol import Assignment, CollectStacks, HangDetected, Progress, Stacks, WorkersFailed
 from rdzv_server import tables
+from rdzv_server.machine.state import JobPhase
 from rdzv_server.service import RendezvousService
-from rdzv_server.state import JobPhase
 from rdzv_server.status import STRAGGLERS_SHOWN, age_state, find_job, jobs_view
 
 from .harness import Harness, failure

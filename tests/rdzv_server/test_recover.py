@@ -22,7 +22,7 @@ from protocol import (
     WorkersFailed,
     WorkersSucceeded,
 )
-from rdzv_server.state import RESUME_WINDOW, ConnPhase, JobPhase, Restarted, ShuttingDown
+from rdzv_server.machine.state import RESUME_WINDOW, ConnPhase, JobPhase, Restarted, ShuttingDown
 
 from .harness import Harness, failure
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from protocol import Assignment, KeepSnapshot, Progress, Restart, SnapshotsHeld, WorkersFailed
-from rdzv_server.restore_points import RestorePoints
+from rdzv_server.machine.restore_points import RestorePoints
 
 from .harness import Harness, failure
 

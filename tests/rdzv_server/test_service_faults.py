@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from protocol import Assignment, JobFailed, Join, Message, Progress, Welcome
-from rdzv_server.commits import CommitRules
 from rdzv_server.journal import StateLog
+from rdzv_server.machine.commits import CommitRules
+from rdzv_server.machine.state import JobPhase, Tick
 from rdzv_server.service import RendezvousService
-from rdzv_server.state import JobPhase, Tick
 
 from .test_service import RawAgent
 

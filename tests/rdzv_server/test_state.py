@@ -22,8 +22,7 @@ from protocol import (
     WorkersFailed,
     WorkersSucceeded,
 )
-from rdzv_server.snapshot import dump
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     JOIN_LINES,
     JOIN_LOG_WINDOW,
     SERVER_BUSY,
@@ -33,6 +32,7 @@ from rdzv_server.state import (
     Received,
     Restarted,
 )
+from rdzv_server.snapshot import dump
 
 from .harness import Harness, failure
 

@@ -22,8 +22,7 @@ from protocol import (
     Restart,
     WorkersFailed,
 )
-from rdzv_server.snapshot import dump, load
-from rdzv_server.state import (
+from rdzv_server.machine.state import (
     ENTRYPOINT_KEPT,
     FAILURE_TEXT_LEN,
     FAILURES_KEPT,
@@ -37,6 +36,7 @@ from rdzv_server.state import (
     Received,
     Rendezvous,
 )
+from rdzv_server.snapshot import dump, load
 
 from .harness import Harness, failure
 

@@ -37,8 +37,8 @@ from protocol import (
 )
 from rdzv_server import journal, service, snapshot, wal
 from rdzv_server.journal import LOG_NAME, SNAP_NAME, StateLog
+from rdzv_server.machine.state import Event, Rendezvous
 from rdzv_server.service import RendezvousService
-from rdzv_server.state import Event, Rendezvous
 
 from .harness import Harness
 

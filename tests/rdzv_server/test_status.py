@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from protocol import Heartbeat, Leave, WorkersFailed, WorkersSucceeded
-from rdzv_server.state import Rendezvous
+from rdzv_server.machine.state import Rendezvous
 from rdzv_server.status import find_job, jobs_view
 
 from .harness import Harness, failure

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from rdzv_server import snapshot
-from rdzv_server.history import Departure, EventKind
+from rdzv_server.machine.history import Departure, EventKind
 
 from .test_history import DATA, eventful, facts, view
 

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 
 from protocol import CollectStacks, HangDetected, Heartbeat, Progress, Stacks
-from rdzv_server import progress as progress_mod
-from rdzv_server.history import EventKind
-from rdzv_server.progress import straggler_scores
+from rdzv_server.machine import progress as progress_mod
+from rdzv_server.machine.history import EventKind
+from rdzv_server.machine.progress import straggler_scores
 from rdzv_server.service import RendezvousService
 from rdzv_server.status import find_job
 

@@ -19,7 +19,7 @@ from node_agent.rdzv.etcd import (
 )
 from node_agent.rdzv.etcd_client import prefix_end
 from protocol import SUPPORTED_VERSIONS, Assignment, Hello, Join, Waiting, Welcome
-from rdzv_server.state import Send
+from rdzv_server.machine.state import Send
 
 A, B = 0x1111, 0x2222  # lease ids stand for connections
 

@@ -3,10 +3,10 @@
 The asyncio layer (``service.py``), the state log's replay (``journal.py``) and the etcd
 backend's replicas turn what happens (a connection, a frame, a timer, an operator's drain, a
 shutdown, a restart) into these events, feed them to
-:meth:`rdzv_server.state.Rendezvous.handle` (the machine's one entry point), and carry out the
-effects it returns. The state log keeps one record kind per event (``journal.RECORDS``).
-They are here, apart from the machine, so that each of its modules can name them; import them
-from ``rdzv_server.state`` as before.
+:meth:`rdzv_server.machine.state.Rendezvous.handle` (the machine's one entry point), and
+carry out the effects it returns. The state log keeps one record kind per event
+(``journal.RECORDS``). They are here, apart from the machine, so that each of its modules can
+name them; import them from ``rdzv_server.machine.state`` as well.
 """
 
 from __future__ import annotations

@@ -163,8 +163,8 @@ AUTH_TIMEOUT = 90.0
 # The Error code of a join refused while ``Rendezvous.refuse_joins`` is set.
 SERVER_BUSY = "server_busy"
 
-# What ``from rdzv_server.state import ...`` has always given (the machine, its events and
-# effects, its state and bounds), wherever it now lives.
+# What ``from rdzv_server.machine.state import ...`` gives (the machine, its events and effects,
+# its state and bounds), wherever each now lives.
 __all__ = [
     "AUTH_TIMEOUT",
     "ENTRYPOINT_KEPT",

@@ -1,7 +1,7 @@
 """Commit points (issue 20): a planned change stops every rank at one step, so no work is lost.
 
-A layer of the rendezvous machine, between :class:`~rdzv_server.rounds.RoundRules` (which
-calls it where a planned change happens) and :class:`~rdzv_server.training_rules.TrainingRules`.
+A layer of the rendezvous machine, between :class:`~rdzv_server.machine.rounds.RoundRules` (which
+calls it where a planned change happens) and :class:`~rdzv_server.machine.training_rules.TrainingRules`.
 
 Planned changes are newcomers let into a running job (once their settle window closes), a
 drain (``rdzv-server drain``, or SIGTERM to an elastic agent: ``LeaveAfterCommit``) and, through
@@ -77,7 +77,7 @@ PENDING_WAIT_S = COMMIT_EARLY_S
 
 
 class CommitRules(TrainingRules):
-    """The commit-point layer of :class:`~rdzv_server.state.Rendezvous` (see ``RoundRules``)."""
+    """The commit-point layer of :class:`~rdzv_server.machine.state.Rendezvous` (see ``RoundRules``)."""
 
     if TYPE_CHECKING:  # the round rules above this layer, which it calls back
 

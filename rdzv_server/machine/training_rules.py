@@ -1,6 +1,6 @@
 """The job rules about training progress (issue 19), as a layer of the rendezvous machine.
 
-Under :class:`~rdzv_server.rounds.RoundRules`, which calls into it: a node's ``Progress`` (the
+Under :class:`~rdzv_server.machine.rounds.RoundRules`, which calls into it: a node's ``Progress`` (the
 job's progress view and its straggler flags), ``HangDetected`` (a HANG event, ``CollectStacks``
 to every node of the round, once per round), ``Stacks`` (the job's hang report), the verdict
 on a hang's failure (held until every node's stacks are in, then naming the rank they point
@@ -40,7 +40,7 @@ STRAGGLER_RANKS_NOTED = 64  # flagged ranks one STRAGGLER event names
 
 
 class TrainingRules:
-    """The lowest layer of :class:`~rdzv_server.state.Rendezvous` (see ``RoundRules``)."""
+    """The lowest layer of :class:`~rdzv_server.machine.state.Rendezvous` (see ``RoundRules``)."""
 
     jobs: dict[str, Job]
     unchanged: bool

@@ -112,7 +112,7 @@ MAX_UNRESTORABLE = 16
 
 
 class RoundRules(RestoreRules):
-    """The job rules, as the lowest layer of :class:`~rdzv_server.state.Rendezvous`.
+    """The job rules, as the lowest layer of :class:`~rdzv_server.machine.state.Rendezvous`.
 
     A mixin, not a helper object: every rule reads and changes the same few tables (and the
     rules call each other: a departure may complete a round, a failure regathers one), so they
