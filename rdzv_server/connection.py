@@ -2,7 +2,8 @@
 (our framed msgpack, HTTP relayed to aiohttp's protocol, TLS before either), its stage's frame
 limit and deadline, the per-turn budget and flood caps, backpressure, and the busy answer of a
 connection over the caps. What a frame means is the machine's; the connection hands it to
-the service (``service.py``), which owns the caps, the timer and the state log.
+its owner (``ConnectionOwner``: the service, ``service.py``, which owns the timer and the
+state log), and asks the owner's gate (``admission.py``) for its place in the caps.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import Protocol, cast
 
 from protocol import (
     CLIENT_MESSAGES,
@@ -25,23 +27,22 @@ from protocol import (
     error_message,
 )
 
+from .admission import Gate, Place
 from .machine.state import (
     SERVER_BUSY,
+    Connected,
     ConnPhase,
+    Disconnected,
     Received,
+    Rendezvous,
+    Tick,
 )
-
-if TYPE_CHECKING:
-    from .service import RendezvousService
-
-    pass
 
 logger = logging.getLogger("rdzv_server")
 
 HEARTBEAT_FRAME = encode(Heartbeat())  # a heartbeat's whole frame: recognised by its bytes
 
 HTTP_IDLE_TIMEOUT = 30.0  # an HTTP connection with no complete request head for this long
-BUSY_TIMEOUT = 2.0  # a connection over the caps that has not said what it speaks by then
 PREFACE_LIMIT = 64  # bytes we look at before deciding what a connection speaks
 WRITE_BUFFER_LIMIT = 4 << 20  # a peer that reads slower than this much backlog is dropped
 # One connection's share of a turn of the event loop: then reading pauses until the next turn.
@@ -58,13 +59,41 @@ IGNORED_BURST = 20
 _monotonic = time.monotonic
 
 
+class ConnectionOwner(Protocol):
+    """What a connection reads and asks of the server that accepted it
+    (``service.RendezvousService`` is one). The connection never imports the service."""
+
+    gate: Gate  # the caps, the frame limits, the client certificate check
+    machine: Rendezvous  # read only: what the last frame changed, and each connection's stage
+    clock: Callable[[], float]  # the machine's clock
+    hello_timeout: float
+    http_idle_timeout: float
+    write_buffer_limit: int
+    # aiohttp's protocol for a connection that speaks HTTP; None: HTTP is off
+    http_factory: Callable[[], asyncio.Protocol] | None
+    stall_total: float  # seconds the server stood still so far: no agent's flood
+
+    def agent_connected(self, conn: Connection) -> None:
+        """The connection spoke our protocol (its hello deadline is the machine's now)."""
+        ...
+
+    def agent_disconnected(self, conn: Connection, reason: str) -> None: ...
+
+    def heartbeat(self, conn_id: int) -> bool:
+        """A heartbeat frame, alone: noted (False: hand it to ``dispatch`` as any frame)."""
+        ...
+
+    def dispatch(self, event: Connected | Received | Disconnected | Tick) -> bool:
+        """Hand the machine an event; False when it was not handed."""
+        ...
+
+
 class Connection(asyncio.Protocol):
     """One accepted socket: until we know what it speaks, then an agent connection (frames
     decoded here) or an HTTP one (bytes relayed to aiohttp's protocol, so that its close still
     comes here and returns its place in the caps)."""
 
     __slots__ = (
-        "_accepted",
         "_buf",
         "_decoder",
         "_http",
@@ -80,16 +109,16 @@ class Connection(asyncio.Protocol):
         "_timer_kind",
         "_tokens",
         "_tokens_at",
-        "admitted",
+        "accepted",
         "conn_id",
         "host",
-        "refusing",
-        "service",
+        "owner",
+        "place",
         "transport",
     )
 
-    def __init__(self, service: RendezvousService, conn_id: int) -> None:
-        self.service = service
+    def __init__(self, owner: ConnectionOwner, conn_id: int) -> None:
+        self.owner = owner
         self.conn_id = conn_id
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
@@ -98,33 +127,35 @@ class Connection(asyncio.Protocol):
         self._http: asyncio.Protocol | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""
-        self.admitted = False  # holds a place in the caps
-        self.refusing = False  # over the caps: held only to be told "server busy"
+        self.place = Place.NONE  # in the caps (HELD), or held only to be told "server busy"
         self._magic_due = False  # our MAGIC goes out with the first frame: one write, not two
         self._lost = False
         self._paused = False  # reading paused: the frames of this turn's budget are spent
         self._tail = b""  # the last bytes relayed to HTTP, to find a head's end across reads
         self._tokens = float(FRAME_BURST)
         self._tokens_at = _monotonic()
-        self._stall_seen = service._stall_total
+        self._stall_seen = owner.stall_total
         self._ignored = 0.0
         self._ignored_at = 0.0
         self.host = ""
-        self._accepted = 0.0  # the machine's clock at the accept: the hello deadline counts from it
+        self.accepted = 0.0  # the machine's clock at the accept: the hello deadline counts from it
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream server's transport; uvloop's has a Transport's methods but not its class.
         t = self.transport = cast(asyncio.Transport, transport)
-        svc = self.service
-        if not svc._admit(self):
+        owner = self.owner
+        peer = t.get_extra_info("peername")
+        self.host = peer[0] if isinstance(peer, tuple) else str(peer)
+        self.place = owner.gate.admit(self.host)
+        if self.place is Place.NONE:
             t.abort()
             self.transport = None
             return
-        self._accepted = svc.clock()
+        self.accepted = owner.clock()
         # Until its first bytes say what it speaks; then the machine holds an agent's deadline.
-        self._arm(svc.hello_timeout if self.admitted else svc.busy_timeout, "hello")
+        self._arm(owner.hello_timeout if self.place is Place.HELD else owner.gate.busy_timeout, "hello")
 
     def data_received(self, data: bytes) -> None:
         if self._http is not None:
@@ -135,23 +166,25 @@ class Connection(asyncio.Protocol):
             kind = classify_preface(bytes(self._buf[:PREFACE_LIMIT]))
             if kind == "more" and len(self._buf) < PREFACE_LIMIT:
                 return
-            if self.refusing and kind in ("rdzv", "http"):
+            if self.place is Place.REFUSING and kind in ("rdzv", "http"):
                 self._refuse_busy(kind)
                 return
-            if kind in ("rdzv", "http") and self.service._lacks_client_cert(self):
+            if kind in ("rdzv", "http") and self.owner.gate.lacks_client_cert(self.transport):
                 self._refuse_without_cert(kind)
                 return
             if kind == "rdzv":
                 self._phase = ConnPhase.HELLO  # the stage whose frame limit the decoder has
                 self._decoder = FrameDecoder(
-                    max_frame_size=self.service._frame_limit(ConnPhase.HELLO),
+                    max_frame_size=self.owner.gate.frame_limit(ConnPhase.HELLO),
                     allowed=CLIENT_MESSAGES,
                     expect_magic=True,
                 )
-                self.service._agent_connected(self)
+                self._magic_due = True
+                self._cancel_timer()  # the hello deadline is the machine's from now on
+                self.owner.agent_connected(self)
                 data, self._buf = bytes(self._buf), bytearray()
-            elif kind == "http" and self.service.http_factory is not None:
-                self.service._hand_to_http(self, bytes(self._buf))
+            elif kind == "http" and self.owner.http_factory is not None:
+                self._to_http(self.owner.http_factory, bytes(self._buf))
                 self._buf = bytearray()
                 return
             elif kind == "tls":
@@ -167,7 +200,7 @@ class Connection(asyncio.Protocol):
         if self._paused:
             decoder.feed(data, limit=0)  # kept for the turn already scheduled
             return
-        if data == HEARTBEAT_FRAME and not decoder.buffered and self.service._heartbeat(self.conn_id):
+        if data == HEARTBEAT_FRAME and not decoder.buffered and self.owner.heartbeat(self.conn_id):
             # The common case, every second from every agent: no decoding, no dispatch.
             if not self._spend():
                 self._flooded()
@@ -192,20 +225,21 @@ class Connection(asyncio.Protocol):
             return
         self._lost = True
         self._cancel_timer()
-        self.service._release(self)
+        place, self.place = self.place, Place.NONE
+        self.owner.gate.release(self.host, place)
         self.transport = None
         if self._http is not None:
             http, self._http = self._http, None
             http.connection_lost(exc)
         if self._decoder is not None:
-            self.service._agent_disconnected(self, "connection lost" if exc else "connection closed")
+            self.owner.agent_disconnected(self, "connection lost" if exc else "connection closed")
 
     # -- frames ----------------------------------------------------------------------------
 
     def _work(self, data: bytes = b"") -> None:
         """Decode and dispatch the frames buffered so far, up to this turn's budget; the rest
         waits for a later turn with reading paused, so one connection cannot hold the loop."""
-        svc = self.service
+        owner = self.owner
         decoder = self._decoder
         assert decoder is not None
         frames = 0
@@ -235,11 +269,11 @@ class Connection(asyncio.Protocol):
                 return
             msg = msgs[0]
             # A heartbeat that came in one read with other frames (a busy server reads late).
-            if type(msg) is Heartbeat and svc._heartbeat(self.conn_id):
+            if type(msg) is Heartbeat and owner.heartbeat(self.conn_id):
                 if not left:
                     return
                 continue
-            handled = svc._dispatch(Received(self.conn_id, msg))
+            handled = owner.dispatch(Received(self.conn_id, msg))
             t = self.transport
             if not handled or t is None or t.is_closing():
                 return
@@ -250,8 +284,8 @@ class Connection(asyncio.Protocol):
     def _after(self, msg: Message) -> None:
         """What the machine made of a message: the connection's frame limit (its stage's);
         and whether it keeps sending what changes nothing."""
-        svc = self.service
-        machine = svc.machine
+        owner = self.owner
+        machine = owner.machine
         if machine.unchanged and type(msg) is not Heartbeat:
             now = _monotonic()
             level = max(0.0, self._ignored - (now - self._ignored_at) * IGNORED_RATE) + 1
@@ -268,16 +302,16 @@ class Connection(asyncio.Protocol):
             # A new stage (the limit depends on nothing else): not every frame of a member's.
             assert self._decoder is not None
             self._phase = conn.phase
-            self._decoder.max_frame_size = svc._frame_limit(conn.phase)
+            self._decoder.max_frame_size = owner.gate.frame_limit(conn.phase)
 
     def _spend(self) -> bool:
         """One frame from this connection's allowance (a token bucket); False: it floods."""
         now = _monotonic()
         cap = float(FRAME_BURST)
-        stalled = self.service._stall_total - self._stall_seen
+        stalled = self.owner.stall_total - self._stall_seen
         if stalled:
             # The server stood still: the agent's heartbeats of that time arrive at once.
-            self._stall_seen = self.service._stall_total
+            self._stall_seen = self.owner.stall_total
             cap += stalled * FRAME_RATE
             self._tokens += stalled * FRAME_RATE
         # min(max(cap, tokens), refilled), without the two calls (every frame of every agent)
@@ -323,13 +357,25 @@ class Connection(asyncio.Protocol):
 
     # -- HTTP ------------------------------------------------------------------------------
 
+    def _to_http(self, factory: Callable[[], asyncio.Protocol], preface: bytes) -> None:
+        """From now on the connection relays its bytes to aiohttp's protocol. It stays the
+        transport's protocol (not swapped for aiohttp's), so its close releases its place in
+        the caps; its hello timer becomes the deadline for the first request head."""
+        assert self.transport is not None
+        proto = factory()
+        self._http = proto
+        if self._timer_kind == "hello":
+            self._timer_kind = "http-first"
+        proto.connection_made(self.transport)
+        self._relay_http(preface)
+
     def _relay_http(self, data: bytes) -> None:
         """Bytes for aiohttp. Each request head must be complete within the deadline: the
         first within hello_timeout of the accept, each next one within http_idle_timeout of
         the previous (an idle keep-alive connection is closed then too)."""
         seen = self._tail + data
         if b"\r\n\r\n" in seen:
-            self._arm(self.service.http_idle_timeout, "http")
+            self._arm(self.owner.http_idle_timeout, "http")
         self._tail = seen[-3:]
         assert self._http is not None
         self._http.data_received(data)
@@ -349,20 +395,20 @@ class Connection(asyncio.Protocol):
 
     def _expired(self) -> None:
         kind, self._timer, self._timer_kind = self._timer_kind, None, ""
-        svc = self.service
-        if self.refusing:
+        owner = self.owner
+        if self.place is Place.REFUSING:
             logger.debug("closing %s: over the connection limit, and it said nothing", self.peer)
         elif kind == "http":
             logger.warning(
                 "closing %s: no complete HTTP request within %g s (an idle keep-alive, or a "
                 "request sent too slowly)",
                 self.peer,
-                svc.http_idle_timeout,
+                owner.http_idle_timeout,
             )
         elif self._http is not None:
-            logger.warning("closing %s: no complete HTTP request within %g s", self.peer, svc.hello_timeout)
+            logger.warning("closing %s: no complete HTTP request within %g s", self.peer, owner.hello_timeout)
         else:
-            logger.warning("closing %s: no hello within %g s", self.peer, svc.hello_timeout)
+            logger.warning("closing %s: no hello within %g s", self.peer, owner.hello_timeout)
         self._close_now()
 
     # -- writing and closing ---------------------------------------------------------------
@@ -390,7 +436,7 @@ class Connection(asyncio.Protocol):
         if self._magic_due:
             frame, self._magic_due = MAGIC + frame, False
         t.write(frame)
-        if t.get_write_buffer_size() > self.service.write_buffer_limit:
+        if t.get_write_buffer_size() > self.owner.write_buffer_limit:
             logger.warning("closing %s: it does not read what we send", self.peer)
             self._close_now()
 
@@ -405,7 +451,7 @@ class Connection(asyncio.Protocol):
     def _refuse_busy(self, kind: str) -> None:
         """Over the caps: say so, in the peer's own protocol, and close."""
         self._cancel_timer()
-        text = self.service._busy_text()
+        text = self.owner.gate.busy_text()
         if kind == "rdzv":
             self.write(MAGIC + encode(Error(code=SERVER_BUSY, message=text, fatal=False)))
         else:

@@ -62,8 +62,8 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     import signal
     import ssl
 
+    from .admission import kernel_accept_cap, listeners_for
     from .http_app import Access
-    from .listeners import kernel_accept_cap, listeners_for
     from .service import RendezvousService
 
     stop = asyncio.Event()
@@ -109,10 +109,10 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     tune_gc()
     where = "kept in memory only" if state_log is None else f"logged to {config.state_dir}"
     log.info("listening on %s:%d (agents and HTTP on the same port); state is %s", host, bound, where)
-    if service.listeners > 1:
+    if service.gate.listeners > 1:
         log.info(
             "accept queue: %d sockets on the port, %d connections each (net.core.somaxconn)",
-            service.listeners,
+            service.gate.listeners,
             cap,
         )
     if state_log is None:

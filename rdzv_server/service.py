@@ -11,9 +11,10 @@ decrypted bytes once the handshake is done (see ``protocol/tls.py``).
 What a stranger can make the server hold, and for how long, is bounded:
 
 - Caps on open connections, in all and per address, fit under the process's file
-  descriptor limit (``limits.py``). Every connection holds its place from the accept (after
-  its TLS handshake, which ``hello_timeout`` bounds) until it closes, HTTP ones too. A connection over a cap
-  is told "server busy" in its own protocol (an ``Error`` frame, or a 503), not just closed.
+  descriptor limit (``admission.py``: the ``Gate``, which also holds the listening sockets).
+  Every connection holds its place from the accept (after its TLS handshake, which
+  ``hello_timeout`` bounds) until it closes, HTTP ones too. A connection over a cap is told
+  "server busy" in its own protocol (an ``Error`` frame, or a 503), not just closed.
 - Each stage has a deadline: the hello (and a TLS handshake) within ``hello_timeout``, the
   join within ``auth_timeout`` after it, each HTTP request head within ``hello_timeout`` of
   the accept and then ``http_idle_timeout`` of the previous one. The hello and join deadlines
@@ -30,10 +31,10 @@ What a stranger can make the server hold, and for how long, is bounded:
   watchdog timer and credited to every agent (``Rendezvous.credit_stall``) before the
   heartbeat sweep can run, so it never counts as the agents' silence.
 
-Faults. The machine contains a fault of its rules itself (``faults.py``); this layer makes
+Faults. The machine contains a fault of its rules itself (``machine/faults.py``); this layer makes
 sure no fault can leave the server without its timer, which every deadline of every job
 (heartbeats, settle windows, commits, handshakes) hangs on. The timer is re-armed after every
-event whatever happens (``_dispatch``, ``_on_timer``), but a training summary or stacks that
+event whatever happens (``dispatch``, ``_on_timer``), but a training summary or stacks that
 told nobody anything and derived no fact, which can have moved no deadline; an exception that
 still escapes the machine is logged with its traceback and, with a state log, the machine is
 snapshotted as it is, since the event's record cannot say what the event did; the watchdog
@@ -61,7 +62,6 @@ Everything the machine decides comes back as effects; this module only carries t
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import ssl
@@ -76,13 +76,11 @@ from protocol import (
     SnapshotsHeld,
     Stacks,
     encode,
-    frame_limits,
 )
 from protocol.auth import TokenTable
 
-from . import limits
-from .connection import BUSY_TIMEOUT, HTTP_IDLE_TIMEOUT, WRITE_BUFFER_LIMIT, Connection
-from .listeners import check_port_free
+from .admission import Gate
+from .connection import HTTP_IDLE_TIMEOUT, WRITE_BUFFER_LIMIT, Connection
 from .machine.state import (
     AUTH_TIMEOUT,
     HELLO_TIMEOUT,
@@ -152,40 +150,36 @@ class RendezvousService:
         on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         """``max_connections``/``max_per_address``: None fits them under the open-files limit
-        (``limits.py``), which ``start`` first raises to the hard limit when
+        (``admission.py``), which ``start`` first raises to the hard limit when
         ``raise_fd_limit`` (default: with ``http``, i.e. a standalone server; an agent's
-        embedded server keeps its limit, which its workers inherit)."""
-        self.tls = tls  # None: plain TCP; else the port speaks only TLS
-        # Sockets sharing the port (SO_REUSEPORT), for an accept queue a join storm of
-        # thousands fits in (listeners.py). Embedded servers keep 1: agents racing to host
-        # one must see a plain bind fail.
-        self.listeners = listeners
-        self._raise_fd_limit = http if raise_fd_limit is None else raise_fd_limit
-        self._given_caps = (max_connections, max_per_address)
-        self._set_caps(limits.fd_limit())
+        embedded server keeps its limit, which its workers inherit). ``listeners``: sockets
+        sharing the port (SO_REUSEPORT), for an accept queue a join storm of thousands fits
+        in; embedded servers keep 1."""
+        # The port, the caps on its connections and what each may send (admission.py).
+        self.gate = Gate(
+            max_connections=max_connections,
+            max_per_address=max_per_address,
+            max_frame_size=max_frame_size,
+            tls=tls,
+            listeners=listeners,
+            raise_fd_limit=http if raise_fd_limit is None else raise_fd_limit,
+            hello_timeout=hello_timeout,
+        )
         self.hello_timeout = hello_timeout
         self.auth_timeout = auth_timeout
         self.http_idle_timeout = http_idle_timeout
-        self.busy_timeout = min(BUSY_TIMEOUT, hello_timeout)
         self.write_buffer_limit = write_buffer_limit
-        self._open = 0
-        self._refusing = 0
-        self._per_host: dict[str, int] = {}
-        self._refused = 0  # connections refused since the last warning about it
-        self._refused_logged = -1e9
         # The watchdog (see the module docstring): when it is due, and the stalls so far.
         self._watchdog: asyncio.TimerHandle | None = None
         self._watch_due = 0.0
-        self._stall_total = 0.0
+        self.stall_total = 0.0  # seconds the server stood still: credited to every agent
         self.machine = Rendezvous(tokens, hello_timeout=hello_timeout, auth_timeout=auth_timeout)
         self.tokens = tokens
         self.clock = clock
-        self.max_frame_size = max_frame_size
         self.http_enabled = http
         self.http_access = http_access  # the HTTP API's read token and Host names
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
         self._http_runner: web.AppRunner | None = None
-        self._servers: list[asyncio.Server] = []
         self._conns: dict[int, Connection] = {}
         self._next_id = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -237,70 +231,27 @@ class RendezvousService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _set_caps(self, fd_limit: int | None) -> None:
-        derived = limits.caps_for(fd_limit)
-        given_total, given_per_address = self._given_caps
-        self.max_connections = derived.max_connections if given_total is None else given_total
-        self.max_per_address = derived.max_per_address if given_per_address is None else given_per_address
-        self.max_refusing = derived.max_refusing
-        self.fd_limit = fd_limit
-
     async def start(self, host: str | None, port: int) -> int:
         """Listen on host:port (port 0 picks a free one); returns the bound port."""
-        if self._raise_fd_limit:
-            self._set_caps(limits.raise_fd_limit())
-        self._frame_limits = frame_limits()
+        self.gate.raise_limit()
         if self.http_enabled:
             from .http_app import make_http_runner
 
             runner = await make_http_runner(self)
             self._http_runner = runner
             self.http_factory = runner.server
-        shared = self.listeners > 1
-        if shared:
-            check_port_free(host, port)  # SO_REUSEPORT alone would let us share a taken port
-        try:
-            for _ in range(self.listeners):
-                self._servers.append(await self._listen(host, port, shared))
-                port = self.port  # the others join the first one's port (port 0 picked it)
-        except BaseException:
-            self._close_listeners()
-            raise
+        bound = await self.gate.listen(host, port, self._make_connection)
         self._watch_due = _monotonic() + WATCHDOG_INTERVAL
         self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
-        return self.port
-
-    async def _listen(self, host: str | None, port: int, shared: bool) -> asyncio.Server:
-        server = await asyncio.get_running_loop().create_server(
-            self._make_connection,
-            host=host or None,
-            port=port,
-            backlog=65535,  # the kernel caps it at net.core.somaxconn: ask for all it allows
-            reuse_address=True,
-            reuse_port=shared or None,
-            ssl=self.tls,
-            # A handshake happens before connection_made, so before the hello timer starts.
-            ssl_handshake_timeout=self.hello_timeout if self.tls is not None else None,
-        )
-        if not server.sockets or any(sock is None for sock in server.sockets):
-            # uvloop hands the loser of a race for a port a server with no real socket
-            # instead of raising: report it as the port being taken.
-            server.close()
-            raise OSError(errno.EADDRINUSE, f"port {port} is already in use")
-        return server
-
-    def _close_listeners(self) -> None:
-        for server in self._servers:
-            server.close()
+        return bound
 
     @property
     def port(self) -> int:
-        assert self._servers and self._servers[0].sockets
-        return self._servers[0].sockets[0].getsockname()[1]
+        return self.gate.port
 
     async def close(self) -> None:
         """Stop listening, close every connection and the HTTP side."""
-        self._close_listeners()
+        self.gate.close()
         for c in list(self._conns.values()):
             c.close()
         if self._timer is not None:
@@ -312,9 +263,7 @@ class RendezvousService:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        servers, self._servers = self._servers, []
-        for server in servers:
-            await server.wait_closed()
+        await self.gate.wait_closed()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None
@@ -322,96 +271,27 @@ class RendezvousService:
 
     # -- connections -----------------------------------------------------------------------
 
-    def _admit(self, conn: Connection) -> bool:
-        """Caps on open connections, in all and per address, so no one peer can exhaust us.
-
-        Over a cap, a connection is held a moment (``busy_timeout``) to be told "server
-        busy", while few enough are (``max_refusing``); beyond that it is closed at once.
-        """
-        peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
-        host = peer[0] if isinstance(peer, tuple) else str(peer)
-        conn.host = host
-        if self._open < self.max_connections and self._per_host.get(host, 0) < self.max_per_address:
-            conn.admitted = True
-            self._open += 1
-            self._per_host[host] = self._per_host.get(host, 0) + 1
-            return True
-        self._refused += 1
-        now = _monotonic()
-        if now - self._refused_logged >= 10.0:  # one line per 10 s, not one per connection
-            logger.warning(
-                "refusing connections: at the connection limit (%d open, at most %d, %d per address; "
-                "open-files limit %s); %d refused since the last such line, the latest from %s",
-                self._open,
-                self.max_connections,
-                self.max_per_address,
-                self.fd_limit if self.fd_limit is not None else "none",
-                self._refused,
-                host,
-            )
-            self._refused, self._refused_logged = 0, now
-        if self._refusing >= self.max_refusing:
-            return False
-        conn.refusing = True
-        self._refusing += 1
-        return True
-
-    def _busy_text(self) -> str:
-        return (
-            f"the rendezvous server is at its connection limit ({self.max_connections} connections, "
-            f"{self.max_per_address} per address); try again later"
-        )
-
-    def _frame_limit(self, phase: ConnPhase) -> int:
-        """The largest frame a connection in ``phase`` may send."""
-        fl = self._frame_limits
-        stage = fl.hello if phase is ConnPhase.HELLO else fl.join if phase is ConnPhase.READY else fl.member
-        return min(stage, self.max_frame_size)
-
-    def _lacks_client_cert(self, conn: Connection) -> bool:
-        """With --tls-client-ca the handshake lets a certificate-less peer in; we refuse it."""
-        if self.tls is None or self.tls.verify_mode == ssl.CERT_NONE or conn.transport is None:
-            return False
-        return not conn.transport.get_extra_info("peercert")
-
-    def _release(self, conn: Connection) -> None:
-        if conn.refusing:
-            conn.refusing = False
-            self._refusing -= 1
-        if not conn.admitted:
-            return
-        conn.admitted = False
-        self._open -= 1
-        left = self._per_host[conn.host] - 1
-        if left:
-            self._per_host[conn.host] = left
-        else:
-            del self._per_host[conn.host]
-
     def _make_connection(self) -> Connection:
         self._next_id += 1
         return Connection(self, self._next_id)
 
-    def _agent_connected(self, conn: Connection) -> None:
+    def agent_connected(self, conn: Connection) -> None:
+        """A connection spoke our protocol (its hello deadline is the machine's from now on)."""
         if self.read_only:
             # Read-only: a new agent would add to a log that cannot be written. Told so before
             # the machine sees it (nothing to hold); it tries again until its deadline.
             self._refused_read_only += 1
-            conn._cancel_timer()
-            conn._magic_due = True
             conn.write(self._busy_frame())
             conn.close()  # after the Error is written; its frames go nowhere (not in the machine)
             return
         self._conns[conn.conn_id] = conn
         self._idle.clear()
-        conn._magic_due = True
-        conn._cancel_timer()  # the hello deadline is the machine's from now on
         challenge = os.urandom(16).hex() if self.tokens is not None else ""
-        self._dispatch(Connected(conn.conn_id, conn.peer, challenge, since=conn._accepted, local=conn.local))
+        self.dispatch(Connected(conn.conn_id, conn.peer, challenge, since=conn.accepted, local=conn.local))
 
-    def _agent_disconnected(self, conn: Connection, reason: str) -> None:
+    def agent_disconnected(self, conn: Connection, reason: str) -> None:
         if self._conns.pop(conn.conn_id, None) is not None:
-            self._dispatch(Disconnected(conn.conn_id, reason))
+            self.dispatch(Disconnected(conn.conn_id, reason))
         if not self._conns:
             self._idle.set()
 
@@ -431,18 +311,6 @@ class RendezvousService:
             waiter = asyncio.get_running_loop().create_future()
             self._change_waiters.append(waiter)
             await waiter
-
-    def _hand_to_http(self, conn: Connection, preface: bytes) -> None:
-        """From now on the connection relays its bytes to aiohttp's protocol. It stays the
-        transport's protocol (not swapped for aiohttp's), so its close releases its place in
-        the caps; its hello timer becomes the deadline for the first request head."""
-        assert self.http_factory is not None and conn.transport is not None
-        proto = self.http_factory()
-        conn._http = proto
-        if conn._timer_kind == "hello":
-            conn._timer_kind = "http-first"
-        proto.connection_made(conn.transport)
-        conn._relay_http(preface)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -468,7 +336,7 @@ class RendezvousService:
         so a newer server (an upgrade) starts from the state this one had, not from a replay
         of its inputs under its own rules. Each step is logged once.
         """
-        self._close_listeners()
+        self.gate.close()
         logger.info("draining (%s): no new connections or joins", reason)
         now = self.clock()
         event = ShuttingDown(reason)
@@ -504,11 +372,11 @@ class RendezvousService:
 
     # -- the machine -----------------------------------------------------------------------
 
-    def _heartbeat(self, conn_id: int) -> bool:
+    def heartbeat(self, conn_id: int) -> bool:
         """A heartbeat frame, alone in its read: just note the agent is alive."""
         return not self._gone and self.machine.heartbeat(conn_id, self.clock())
 
-    def _dispatch(self, event: Connected | Received | Disconnected | Tick) -> bool:
+    def dispatch(self, event: Connected | Received | Disconnected | Tick) -> bool:
         """Hand the machine an event; False when it was not handed (we are going away, or
         the machine already closed the connection)."""
         if self._gone:
@@ -833,7 +701,7 @@ class RendezvousService:
         self._timer_at = None
         try:
             self._check_stall()  # before the sweep: a stall of ours is no agent's silence
-            self._dispatch(Tick())
+            self.dispatch(Tick())
         finally:
             self._schedule()
 
@@ -864,7 +732,7 @@ class RendezvousService:
         if late < STALL_MIN:
             return
         self._watch_due = now  # counted once, whichever of the watchdog and the sweep saw it
-        self._stall_total += late
+        self.stall_total += late
         self.machine.credit_stall(late)
         if late >= 1.0:
             logger.warning(

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from protocol import Assignment
-from rdzv_server.listeners import (
+from rdzv_server.admission import (
     ACCEPT_QUEUE,
     MAX_LISTENERS,
     check_port_free,

@@ -154,7 +154,7 @@ async def test_connection_caps_refuse_the_excess_and_recover() -> None:
         a.writer.close()
         await asyncio.wait_for(a.reader.read(), timeout=5)
         for _ in range(200):  # the server notices a's close asynchronously
-            if svc._open < 2:
+            if svc.gate.connections < 2:
                 break
             await asyncio.sleep(0.005)
         d = await RawAgent.open(port)

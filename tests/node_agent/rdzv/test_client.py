@@ -117,14 +117,14 @@ async def _full_server(tls: ssl.SSLContext | None = None) -> tuple[Any, int, lis
     from rdzv_server.service import RendezvousService
 
     svc = RendezvousService(max_connections=1, tls=tls)
-    svc.max_refusing = 0
+    svc.gate.max_refusing = 0
     port = await svc.start("127.0.0.1", 0)
     _, held = await asyncio.open_connection("127.0.0.1", port, ssl=_probe_ctx() if tls else None)
     for _ in range(500):  # until the server has counted it
-        if svc._open == 1:
+        if svc.gate.connections == 1:
             break
         await asyncio.sleep(0.01)
-    assert svc._open == 1
+    assert svc.gate.connections == 1
     return svc, port, [held]
 
 
@@ -240,7 +240,7 @@ def test_a_tls_agent_at_a_full_plain_server_is_waited_for(tmp_path) -> None:
             for w in held:
                 w.transport.abort()
             for _ in range(500):
-                if svc._open == 0:
+                if svc.gate.connections == 0:
                     break
                 await asyncio.sleep(0.01)
             # With a place free, the plain server is named at once.
