@@ -6,7 +6,10 @@ stopping them) runs in tasks owned by one ``TaskGroup``, so nothing outlives the
 
 Which rendezvous the agent talks to is not this module's business: it gets a
 :class:`~node_agent.rdzv.RendezvousBackend` (from :func:`~node_agent.rdzv.open_backend`, or one
-a test gives it) and only ever connects, sends, receives and closes. What each worker gets,
+a test gives it) and only ever connects, sends, receives and closes. What runs beside the
+workers (the event log, snapshots, the GPUs, the watch on the training, the workers' store) is
+not its business either: each is a :class:`~node_agent.parts.RoundPart`, walked in order at
+each step of a round (``parts.py``); this module only makes them. What each worker gets,
 what the agent sends and the failures it reports are plain functions (:mod:`node_agent.worker_env`,
 :mod:`node_agent.outbound`, :mod:`node_agent.machine.settings`);
 this module only carries them out. :meth:`Agent.run` returns an :class:`AgentOutcome`: the exit
@@ -38,16 +41,16 @@ from .health_check import health_check
 from .logs import RunLogs
 from .machine import events as st
 from .machine.agent import AgentMachine
-from .machine.events import DumpStacks, JobHangReport, WriteStop
 from .machine.settings import machine_settings, training
 from .outbound import failure_of, failures_of, join_message
+from .parts import RoundPart, RoundStart, StartFailed, StartWait, with_part
 from .progress.poll import RoundWatch
 from .rdzv import NotARendezvousServer, RendezvousError, open_backend
 from .report import failure_summary
 from .runtime_dir import RuntimeDir
-from .store.host import StoreHost, StoreUnavailable, hosts_round, start_store
+from .store.host import hosts_round, start_store
 from .supervisor.group import WorkerGroup
-from .supervisor.spec import WorkerGroupLike, WorkerSpawnError
+from .supervisor.spec import GroupResult, WorkerGroupLike, WorkerSpawnError
 from .supervisor.warm import warm_pool
 from .torch_events import EventLog
 from .worker_env import omp_threads_notice, worker_specs
@@ -55,7 +58,6 @@ from .worker_env import omp_threads_notice, worker_specs
 if TYPE_CHECKING:
     from .gpu.node import GpuNode
     from .rdzv import RendezvousBackend, RendezvousLink
-    from .snapshots.node import SnapshotNode
 
 
 @record(frozen=True, slots=True)
@@ -144,16 +146,15 @@ class Agent:
         self._assignment: Assignment | None = None
         self._ranks: dict[int, int] = {}
         # Watching the training (progress/poll.py): this round's pages, their poll, a stack dump.
-        self.watch = RoundWatch(self._spawn, self.events.put_nowait, self.log)
-        self.store: StoreHost | None = None  # the workers' TCPStore, hosted here (store/host.py)
-        # In-memory snapshots (snapshots/node.py); None: --snapshot-memory 0, or no tmpfs.
-        self.snaps: SnapshotNode | None = None
-        # GPU nodes (gpu/node.py, built when first needed): --numa-binding's CPUs, the visible
-        # GPUs, the GPU check; the wait for the last workers' GPU memory to be released, which
-        # the next start awaits; a start deferred behind that wait.
-        self._gpu: GpuNode | None = None
-        self._gpus_released: asyncio.Task[None] | None = None
-        self._start_task: asyncio.Task[None] | None = None
+        self.watch = RoundWatch(
+            self._spawn, self.events.put_nowait, self.log, pids=lambda: self.group.pids, node=self.node_id
+        )
+        # What runs beside the workers (parts.py), in ORDER; each added as it is made: the
+        # workers' TCPStore (store/host.py) before the first Join, in-memory snapshots
+        # (snapshots/node.py) once connected, the GPUs (gpu/node.py) when first needed.
+        self.parts: tuple[RoundPart, ...] = (self.events_log, self.watch)
+        self._gpu: GpuNode | None = None  # --numa-binding's CPUs, the visible GPUs, the GPU check
+        self._start_task: asyncio.Task[None] | None = None  # a start waiting (for the GPUs)
         self._started_us = int(time.monotonic() * 1e6)  # Xids the GPU check counts come after this
 
     # -- the whole run ---------------------------------------------------------------------
@@ -196,7 +197,9 @@ class Agent:
             from .liveness import start_liveness  # only with TORCHELASTIC_HEALTH_CHECK_PORT (json, HTTP)
 
             health = await start_liveness(self.config.health_check_port, lambda: self._phase, self.log)
-        self.store = await start_store(self.config, os.environ, self.log, self._store_lost)
+        store = await start_store(self.config, os.environ, self.log, self._store_lost)
+        if store is not None:
+            self.parts = with_part(self.parts, store)
         outcome = None
         try:
             outcome = await self._run_connected(backend)
@@ -207,17 +210,17 @@ class Agent:
             finally:
                 if health is not None:
                     await health.close()
-                if self.store is not None:
-                    await self.store.close()
-                if self.snaps is not None:
-                    # The job finished: its persisted snapshots are no fallback any more.
-                    await self.snaps.close(succeeded=self._exit is not None and self._exit.job_done)
+                # The job finished: its persisted snapshots are no fallback any more.
+                succeeded = self._exit is not None and self._exit.job_done
+                for part in reversed(self.parts):
+                    await part.close(succeeded=succeeded)
 
     def _gpu_node(self) -> GpuNode:
         if self._gpu is None:
             from .gpu.node import GpuNode  # GPU work only: a launch without it never imports it
 
-            self._gpu = GpuNode(self.config, os.environ, self.log, self.clock, self._started_us)
+            self._gpu = GpuNode(self.config, os.environ, self.log, self.clock, self._started_us, self._spawn)
+            self.parts = with_part(self.parts, self._gpu)
         return self._gpu
 
     def _cpus(self) -> dict[int, frozenset[int]]:
@@ -236,15 +239,15 @@ class Agent:
             self.conn = conn = await backend.connect(self.clock() + cfg.rdzv_conf.join_timeout)
         except RendezvousError as exc:
             return self._gave_up(str(exc))
-        if self.store is not None:
-            await self.store.verdict()  # overlapped the connect; the first Join must not offer in vain
+        for part in self.parts:
+            await part.connected()  # the store's verdict: the first Join must not offer in vain
         self.addr = cfg.local_addr or conn.local_ip
         if cfg.snapshot_memory != 0 and backend.snapshots:
             from .snapshots.node import start_snapshots  # light: see its header
 
-            self.snaps = await start_snapshots(
-                cfg, self.runtime.path, self.addr, self.log, self.events.put_nowait
-            )
+            snaps = await start_snapshots(cfg, self.runtime.path, self.addr, self.log, self.events.put_nowait)
+            if snaps is not None:
+                self.parts = with_part(self.parts, snaps)
         machine = AgentMachine(
             settings=machine_settings(
                 cfg,
@@ -294,7 +297,6 @@ class Agent:
                 loop.remove_signal_handler(sig)
             # Whatever happened, no worker outlives the agent.
             await self.group.stop(grace=0.0, sig=signal.SIGKILL)
-            self.watch.close()
             await self.conn.close()
         return self._finish()
 
@@ -364,12 +366,10 @@ class Agent:
             if isinstance(eff, st.Send):
                 self._send(eff.msg)
             elif isinstance(eff, st.SendJoin):
-                if self.store is not None:
-                    await self.store.end_round()  # no next-round connection may reach its store
+                for part in reversed(self.parts):
+                    await part.before_join()  # the last round's store dropped, a new replica key
                 self._joined_at = self.clock()
                 self._phase = "rendezvous"
-                if self.snaps is not None:
-                    self.snaps.new_key()  # a new round: the keys of the last one end (issue 42)
                 self._send(self._join())
             elif isinstance(eff, st.RunHealthCheck):
                 self._phase = "rendezvous"
@@ -390,15 +390,8 @@ class Agent:
                 self.log(eff.text, eff.level)
             elif isinstance(eff, st.Exit):
                 self._exit = eff
-            elif isinstance(eff, DumpStacks):
-                self.watch.dump(eff, self.group.pids, self.node_id)
-            elif isinstance(eff, WriteStop):
-                self.watch.write_stop(eff)
-            elif isinstance(eff, JobHangReport):
-                self.watch.file_job_report(eff)
-            elif isinstance(eff, st.KeepSteps):
-                if self.snaps is not None:
-                    self.snaps.keep(eff.step, eff.replicate)
+            else:  # a part's own: the stacks, the pages' stop records, the snapshots to keep
+                any(part.carry_out(eff) for part in self.parts)
 
     def _send(self, msg: Message) -> None:
         assert self.conn is not None
@@ -408,11 +401,12 @@ class Agent:
     def _join(self) -> Join:
         # Not where every agent of the job reads our Join (etcd): a secret there is none.
         shared = self.backend is not None and self.backend.shares_joins
+        fields: dict[str, Any] = {}
+        for part in self.parts:
+            fields.update(part.join_fields())  # the store's port, where replicas go
         return join_message(
             self.config, node_id=self.node_id, addr=self.addr, proof=self._proof(),
-            node_secret="" if shared else self.node_secret,
-            store_port=self.store.port if self.store is not None and self.store.hosting else 0,
-            **_replica(self.snaps),
+            node_secret="" if shared else self.node_secret, **fields,
         )  # fmt: skip
 
     def _proof(self) -> str:
@@ -424,73 +418,56 @@ class Agent:
 
     async def _start_workers(self, a: Assignment) -> None:
         rendezvous_ms = (self.clock() - self._joined_at) * 1000  # not counting a GPU wait below
-        released = self._gpus_released
-        if released is not None and not released.done():
+        waits = [w for part in self.parts if (w := part.start_wait()) is not None]
+        if waits:
             # The last workers' GPU memory is not free yet: start once it is (or the wait gave
             # up). The machine meanwhile handles signals and stops as in any start.
-            self._start_task = self._spawn(self._start_after(released, a, rendezvous_ms))
+            self._start_task = self._spawn(self._start_after(waits, a, rendezvous_ms))
             return
         await self._launch(a, rendezvous_ms)
 
-    async def _start_after(self, released: asyncio.Task[None], a: Assignment, rendezvous_ms: float) -> None:
-        done, _ = await asyncio.wait([released], timeout=1.0)  # the usual case: one quick query
-        if not done:
-            self.log(
-                f"round {a.round}: the workers start once the last ones' GPU memory is released "
-                f"(at most {self.config.gpu_release_timeout:g} s, --gpu-release-timeout)"
-            )
-            await asyncio.wait([released])
+    async def _start_after(self, waits: list[StartWait], a: Assignment, rendezvous_ms: float) -> None:
+        tasks = [w.task for w in waits]
+        _, pending = await asyncio.wait(tasks, timeout=1.0)  # the usual case: one quick query
+        for w in waits:
+            if w.task in pending:
+                self.log(f"round {a.round}: {w.why}")
+        if pending:
+            await asyncio.wait(pending)
         await self._launch(a, rendezvous_ms)
 
     async def _launch(self, a: Assignment, rendezvous_ms: float) -> None:
         self._assignment = a
-        self.events_log.round_started(a, rendezvous_ms)
         attempt = self.logs.new_attempt()
         specs = worker_specs(self.config, a, os.environ, attempt, self._cpus())
-        if self.snaps is not None:
-            from .snapshots.node import RestoreFailed
-
-            try:
-                await self.snaps.prepare(a, self.config.nproc_per_node)
-            except RestoreFailed as exc:
-                # No worker starts: one of ours without its snapshot would diverge from the rest.
-                self.events.put_nowait(st.WorkersStartFailed(str(exc), restore_failed=exc.step))
-                return
-            specs = [
-                replace(s, env={**s.env, **self.snaps.worker_env(s.rank, a.restore_step)}) for s in specs
-            ]
-        if self._gpu is not None and self._gpu.binding_table:
-            self._gpu.write_binding(attempt.numa_binding_path())
-        self._ranks = {spec.local_rank: spec.rank for spec in specs}
-        paths = [attempt.page_path(lr) for lr in range(self.config.nproc_per_node)]
-        self.watch.start_round(
-            paths, a.rank_offset, attempt.flight_recorder_stem("pipe"), attempt.hang_report_path()
-        )
+        ready = RoundStart(a, attempt, self.config.nproc_per_node, rendezvous_ms)
         try:
-            if self.store is not None:
-                await self.store.for_round(a)
+            env: dict[int, dict[str, str]] = {}
+            for part in self.parts:  # a failed restore starts nothing (a worker would diverge)
+                for rank, more in (await part.before_start(ready)).items():
+                    env.setdefault(rank, {}).update(more)
+            specs = [replace(s, env={**s.env, **env[s.rank]}) if s.rank in env else s for s in specs]
+            self._ranks = {spec.local_rank: spec.rank for spec in specs}
             self._starts += 1
             await self.group.start(specs)
-        except (WorkerSpawnError, StoreUnavailable) as exc:
-            self.events.put_nowait(st.WorkersStartFailed(str(exc)))
+        except (WorkerSpawnError, StartFailed) as exc:
+            restore_failed = exc.restore_failed if isinstance(exc, StartFailed) else -1
+            self.events.put_nowait(st.WorkersStartFailed(str(exc), restore_failed=restore_failed))
             return
         self._phase = "running"
-        self.events_log.workers_started(a, self.group.pids)
         self.events.put_nowait(st.WorkersStarted(tuple(self.group.pids.values())))
-        self._wait_task = self._spawn(self._wait_workers(a))
-        self.watch.start_poll()
+        self._wait_task = self._spawn(self._wait_workers())
+        for part in self.parts:
+            part.started(a, self.group.pids)  # the event log's START events, the pages' poll
 
-    async def _wait_workers(self, a: Assignment) -> None:
+    async def _wait_workers(self) -> None:
         result = await self.group.wait()
-        self.events_log.workers_exited(a, result.exits)
         failures = failures_of(result, self.node_id, self.addr)
         cause = result.first_failure
         first = None if cause is None else failure_of(cause, self.node_id, self.addr)
-        read = self.watch.read()
-        if read is not None:
-            # The steps reported since the last poll: the failure report carries the highest.
-            self.events.put_nowait(read)
-        self._read_snapshots()
+        # The steps reported since the last poll (the failure report carries the highest), the
+        # snapshots the workers left: the machine has them before the exit.
+        self._after_exit(result, stopped=False)
         self.events.put_nowait(st.WorkersExited(first, failures))
 
     def _stop_workers(self, signum: int, grace: float) -> None:
@@ -500,27 +477,24 @@ class Agent:
         if self._wait_task is not None:
             self._wait_task.cancel()
             self._wait_task = None
-        dumping = self.watch.stop()
+        # Stacks being collected (bounded): a rank signalled now could die halfway.
+        waits = [t for part in self.parts if (t := part.stopping()) is not None]
 
         async def stop() -> None:
-            if dumping is not None:
-                # Stacks are being collected (bounded): a rank signalled now could die halfway.
-                await asyncio.wait([dumping])
+            if waits:
+                await asyncio.wait(waits)
             # The watchdog stays for the next attempt's workers; the run's last stop ends it.
             result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
-            waiting = self._gpus_released is not None and not self._gpus_released.done()
-            if result.exits and self.config.gpu_release_timeout > 0 and not waiting:
-                self._gpus_released = self._spawn(self._gpu_node().wait_released())
-            self._read_snapshots()
+            if result.exits and self.config.gpu_release_timeout > 0:
+                self._gpu_node()  # made now if not yet: the next start waits for their GPU memory
+            self._after_exit(result, stopped=True)
             self.events.put_nowait(st.WorkersStopped())
 
         self._spawn(stop())
 
-    def _read_snapshots(self) -> None:
-        """The holdings as the workers left them: the server hears them before our failure
-        report or our next Join, so the round it forms restores the newest step."""
-        if self.snaps is not None:
-            read = self.snaps.read()
+    def _after_exit(self, result: GroupResult, *, stopped: bool) -> None:
+        for part in reversed(self.parts):
+            read = part.after_exit(result, stopped=stopped)
             if read is not None:
                 self.events.put_nowait(read)
 
@@ -623,14 +597,6 @@ class Agent:
         """The rendezvous could not be set up or reached: no run, so no summary and no event."""
         self.log(reason, "error")
         return AgentOutcome(st.EXIT_RDZV, reason)
-
-
-def _replica(snaps: SnapshotNode | None) -> dict[str, Any]:
-    """The Join's snapshot fields: where this node takes replicas, what its --snapshot-dir
-    offers (none: nothing)."""
-    if snaps is None:
-        return {}
-    return snaps.join_fields()
 
 
 def run_agent(config: AgentConfig, **kwargs: Any) -> tuple[Agent, AgentOutcome]:

@@ -5,6 +5,9 @@ the rendezvous, the rank assignment, each worker's start and end, and the agent'
 ``console`` handler each is one JSON object per line on stderr, which some clusters scrape. We
 write the same names and fields; ``null`` and ``dynamic_rendezvous`` discard them (as torchrun's
 handlers of those names do), and then nothing here costs anything.
+
+One of the agent's parts (``parts.py``): a round's start, its workers' start and their exit
+are recorded as the agent walks its parts; the agent's end by the agent itself.
 """
 
 from __future__ import annotations
@@ -14,16 +17,20 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
+from .parts import RoundPart, RoundStart
+
 if TYPE_CHECKING:
     from protocol import Assignment
 
     from .machine.events import Exit
-    from .supervisor.spec import WorkerExit
+    from .supervisor.spec import GroupResult, WorkerExit
 
 __all__ = ["EventLog"]
 
 
-class EventLog:
+class EventLog(RoundPart):
+    name = "events"
+
     def __init__(
         self,
         handler: str,
@@ -40,6 +47,22 @@ class EventLog:
         self._entrypoint = entrypoint
         self._hostname = socket.gethostname() if self.enabled else ""
         self.restarts = 0
+        self._round: Assignment | None = None  # the round whose workers' exit is recorded
+
+    # -- the agent's part (parts.py) --------------------------------------------------------
+
+    async def before_start(self, r: RoundStart) -> dict[int, dict[str, str]]:
+        self._round = r.assignment
+        self.round_started(r.assignment, r.rendezvous_ms)
+        return {}
+
+    def started(self, a: Assignment, pids: Mapping[int, int]) -> None:
+        self.workers_started(a, pids)
+
+    def after_exit(self, result: GroupResult, *, stopped: bool) -> None:
+        """Workers that exited by themselves (torchrun records no exit for a stop)."""
+        if not stopped and self._round is not None:
+            self.workers_exited(self._round, result.exits)
 
     # -- the agent's steps, as torchrun records them -----------------------------------------
 

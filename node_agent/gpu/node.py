@@ -5,18 +5,26 @@ last workers' GPU memory to be released before the next start, and ``--health-ch
 Built only when a launch asks for GPU work (the runner imports this module then): a launch
 without GPUs pays nothing for it. What it reads and runs is devices.py's, binding.py's and
 health.py's; this module holds what the agent remembers of them between rounds.
+
+One of the agent's parts (``parts.py``), from when it is made: each attempt gets the binding
+table (:meth:`GpuNode.before_start`); a stop that reaped workers starts the wait for their GPU
+memory (:meth:`GpuNode.after_exit`), which the next start follows (:meth:`GpuNode.start_wait`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..agent_log import AgentLog
 from ..config import AgentConfig
 from ..executables import which
+from ..parts import RoundPart, RoundStart, StartWait
+
+if TYPE_CHECKING:
+    from ..supervisor.spec import GroupResult
 
 T = TypeVar("T")
 
@@ -49,9 +57,12 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     return await fut
 
 
-class GpuNode:
+class GpuNode(RoundPart):
     """The agent's GPU state for one run (``started_us``: when the agent started, on the
-    monotonic clock in microseconds; the GPU check counts the Xids after it)."""
+    monotonic clock in microseconds; the GPU check counts the Xids after it). ``spawn`` runs
+    a task in the run's task group (the wait for the GPUs' memory)."""
+
+    name = "gpu"
 
     def __init__(
         self,
@@ -60,16 +71,42 @@ class GpuNode:
         log: AgentLog,
         clock: Callable[[], float],
         started_us: int,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]] | None = None,
     ) -> None:
         self.config = config
         self.environ = environ
         self.log = log
         self.clock = clock
         self.started_us = started_us
+        self.spawn = spawn or asyncio.ensure_future
         self.cpus: dict[int, frozenset[int]] = {}  # --numa-binding: each local rank's CPUs
         self.binding_table = ""  # written into each attempt's log dir
         self._uuids: list[str] | None = None
         self._xids_unread_said = False
+        self._released: asyncio.Task[None] | None = None  # the wait the next start follows
+
+    # -- the agent's part (parts.py) --------------------------------------------------------
+
+    async def before_start(self, r: RoundStart) -> dict[int, dict[str, str]]:
+        if self.binding_table:
+            self.write_binding(r.attempt.numa_binding_path())
+        return {}
+
+    def after_exit(self, result: GroupResult, *, stopped: bool) -> None:
+        """Workers reaped by a stop: the next start waits until their GPU memory is released."""
+        waiting = self._released is not None and not self._released.done()
+        if stopped and result.exits and self.config.gpu_release_timeout > 0 and not waiting:
+            self._released = self.spawn(self.wait_released())
+
+    def start_wait(self) -> StartWait | None:
+        released = self._released
+        if released is None or released.done():
+            return None
+        why = (
+            "the workers start once the last ones' GPU memory is released "
+            f"(at most {self.config.gpu_release_timeout:g} s, --gpu-release-timeout)"
+        )
+        return StartWait(released, why)
 
     def bind(self) -> None:
         """--numa-binding: each local rank's CPUs, found before any rendezvous (a machine we

@@ -22,11 +22,15 @@ from typing import TYPE_CHECKING, Any
 from protocol import Stacks
 from protocol.messages import MAX_PHASE_LEN, MAX_STACK_LEN, MAX_STACK_RANKS, MAX_TIMEOUT
 
-from ..machine.events import DumpStacks, JobHangReport, ProgressRead, StacksDumped, WriteStop
+from ..machine.events import DumpStacks, Effect, JobHangReport, ProgressRead, StacksDumped, WriteStop
+from ..parts import RoundPart, RoundStart
 from .pages import PageSet, create_page
 
 if TYPE_CHECKING:
+    from protocol import Assignment
+
     from ..machine.training import Training
+    from ..supervisor.spec import GroupResult
     from .pages import RankSample
 
 STACKS_TIMEOUT = 5.0  # every rank's stacks, in all
@@ -153,21 +157,34 @@ def add_job_report(path: str, text: str) -> bool:
     return append_report(path, f"\n\n{JOB_REPORT_TITLE}:\n\n{text}\n")
 
 
-class RoundWatch:
+class RoundWatch(RoundPart):
     """The runner's side of watching the training, round after round: this round's pages,
     their poll, a stack dump under way and the server's job-wide report filed into the
     round's report file. ``spawn`` runs a task in the run's task group; ``put`` hands the
-    machine an event; ``log`` is the agent's log."""
+    machine an event; ``log`` is the agent's log; ``pids`` the running workers' (by local
+    rank) and ``node`` this node's id, for a stack dump.
+
+    One of the agent's parts (``parts.py``): the pages are made before the workers start
+    (:meth:`before_start`), polled while they run (:meth:`started`), read once more when they
+    exit (:meth:`after_exit`); a stop waits for a dump under way (:meth:`stopping`); the stack
+    dump, the stop records and the job's hang report are its effects (:meth:`carry_out`)."""
+
+    name = "watch"
 
     def __init__(
         self,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
         put: Callable[[Any], None],
         log: Callable[[str], None],
+        *,
+        pids: Callable[[], Mapping[int, int]] = dict,
+        node: str = "",
     ) -> None:
         self._spawn = spawn
         self._put = put
         self._log = log
+        self._pids = pids
+        self._node = node
         self.pages: RoundPages | None = None
         self._poll_every = 1.0
         self._training: Training | None = None  # the machine's: its arming step picks the poll
@@ -181,6 +198,44 @@ class RoundWatch:
         """The machine's view of the training (None: nothing watched; the poll still reads)."""
         self._training = training
         self._poll_every = training.policy.poll_interval_s() if training else 1.0
+
+    # -- the agent's part (parts.py) --------------------------------------------------------
+
+    async def before_start(self, r: RoundStart) -> dict[int, dict[str, str]]:
+        attempt = r.attempt
+        paths = [attempt.page_path(lr) for lr in range(r.nproc)]
+        self.start_round(
+            paths, r.assignment.rank_offset, attempt.flight_recorder_stem("pipe"), attempt.hang_report_path()
+        )
+        return {}
+
+    def started(self, a: Assignment, pids: Mapping[int, int]) -> None:
+        self.start_poll()
+
+    def stopping(self) -> asyncio.Task[None] | None:
+        return self.stop()
+
+    def after_exit(self, result: GroupResult, *, stopped: bool) -> ProgressRead | None:
+        """The workers exited by themselves: the steps reported since the last poll (the
+        failure report carries the highest). Nothing after a stop (the poll ended first)."""
+        return None if stopped else self.read()
+
+    def carry_out(self, eff: Effect) -> bool:
+        if isinstance(eff, DumpStacks):
+            self.dump(eff, self._pids(), self._node)
+        elif isinstance(eff, WriteStop):
+            self.write_stop(eff)
+        elif isinstance(eff, JobHangReport):
+            self.file_job_report(eff)
+        else:
+            return False
+        return True
+
+    async def close(self, *, succeeded: bool = False) -> None:
+        if self.pages is not None:
+            self.pages.close()
+
+    # -- round by round ----------------------------------------------------------------------
 
     def start_round(self, paths: list[str], rank_offset: int, fr_pipe_stem: str, report_path: str) -> None:
         """The round's pages, created before its workers start (the last round's closed)."""
@@ -236,7 +291,3 @@ class RoundWatch:
             self._poll_task.cancel()
             self._poll_task = None
         return self._dump_task
-
-    def close(self) -> None:
-        if self.pages is not None:
-            self.pages.close()

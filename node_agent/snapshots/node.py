@@ -40,11 +40,13 @@ from protocol import Assignment
 
 from ..agent_log import AgentLog
 from ..config import AgentConfig
-from ..machine.events import SnapshotsRead
+from ..machine.events import Effect, KeepSteps, SnapshotsRead
+from ..parts import RoundPart, RoundStart, StartFailed
 from ..runtime_dir import ensure_dir
 from ..worker_env import RESTORE_DIGEST_VAR, RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
 
 if TYPE_CHECKING:
+    from ..supervisor.spec import GroupResult
     from .channel import ReplicaServer, Replicator
     from .durable import DurableDir, Offer
     from .holdings import Holdings
@@ -68,14 +70,14 @@ RETRY_S = 1.0  # a copy that failed is offered again after this long
 log_ = logging.getLogger("node_agent.snapshots")
 
 
-class RestoreFailed(Exception):
+class RestoreFailed(StartFailed):
     """A local rank's snapshot of the restore step could not be had from any holder the
     Assignment named (or none had the owner's bytes): the workers must not start; the server
     is told the step (WorkersFailed.restore_failed) and restores the next round from another."""
 
     def __init__(self, step: int, reason: str) -> None:
         super().__init__(reason)
-        self.step = step
+        self.step = self.restore_failed = step
 
 
 def default_memory(shm: str = "/dev/shm") -> int:
@@ -92,9 +94,17 @@ def file_limit(memory: int, nproc: int) -> int:
     return memory // (FILES_PER_RANK * max(1, nproc))
 
 
-class SnapshotNode:
+class SnapshotNode(RoundPart):
     """Holdings, replica server and replicator of one agent (``replicate``: a job that can
-    have several nodes; otherwise there is nobody to copy to or fetch from)."""
+    have several nodes; otherwise there is nobody to copy to or fetch from).
+
+    One of the agent's parts (``parts.py``): its Join says where it takes replicas
+    (:meth:`join_fields`), each fresh Join gets a new key (:meth:`before_join`), each start
+    fits the holdings to the round and restores (:meth:`before_start`), the workers' exit is
+    read (:meth:`after_exit`), and ``KeepSteps`` is its effect (:meth:`carry_out`).
+    """
+
+    name = "snapshots"
 
     def __init__(
         self,
@@ -261,6 +271,28 @@ class SnapshotNode:
         if self.offer is not None and self.offer.steps:
             fields.update(durable_world=self.offer.world, durable_steps=self.offer.steps)
         return fields
+
+    # -- the agent's part (parts.py) --------------------------------------------------------
+
+    async def before_join(self) -> None:
+        self.new_key()  # a new round: the keys of the last one end (issue 42)
+
+    async def before_start(self, r: RoundStart) -> dict[int, dict[str, str]]:
+        """The holdings fit for round ``r`` and its restore step here (else
+        :class:`RestoreFailed`); each local rank's worker environment."""
+        await self.prepare(r.assignment, r.nproc)
+        return {rank: self.worker_env(rank, r.assignment.restore_step) for rank in self.local}
+
+    def after_exit(self, result: GroupResult, *, stopped: bool) -> SnapshotsRead | None:
+        """The holdings as the workers left them: the server hears them before our failure
+        report or our next Join, so the round it forms restores the newest step."""
+        return self.read()
+
+    def carry_out(self, eff: Effect) -> bool:
+        if not isinstance(eff, KeepSteps):
+            return False
+        self.keep(eff.step, eff.replicate)
+        return True
 
     # -- a round ---------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from protocol import Assignment
 
+from ..parts import RoundPart, RoundStart, StartFailed
 from ..supervisor import procutil
 from ..worker_env import SECRETS
 
@@ -60,8 +61,9 @@ _BOOT_SOURCE = os.path.join(os.path.dirname(__file__), "boot.py")
 MIN_TORCH = (2, 8)
 
 
-class StoreUnavailable(Exception):
-    """This node's agent cannot serve the store a round counts on (say why)."""
+class StoreUnavailable(StartFailed):
+    """This node's agent cannot serve the store a round counts on (say why): the round's
+    workers do not start."""
 
 
 class Phase(enum.Enum):
@@ -145,12 +147,18 @@ def listen_socket(attempts: int = 5) -> socket.socket:
     raise OSError(f"no port to listen on for the workers' store: {last}")
 
 
-class StoreHost:
+class StoreHost(RoundPart):
     """This node's store process and the socket it serves on; see the module's header.
 
     ``on_lost(reason)`` is called once when the store stops being available after
     :meth:`start` (the runner stops a round that counted on it).
+
+    One of the agent's parts (``parts.py``): its Join offers the store (:meth:`join_fields`),
+    the first Join waits for the verdict (:meth:`connected`), each Join drops the last
+    round's store (:meth:`before_join`), each start serves the round's (:meth:`before_start`).
     """
+
+    name = "store"
 
     def __init__(
         self,
@@ -278,7 +286,23 @@ class StoreHost:
         if answer != "dropped":
             await self.give_up(f"the last round's store could not be dropped: {answer}")
 
-    async def close(self) -> None:
+    # -- the agent's part (parts.py) --------------------------------------------------------
+
+    def join_fields(self) -> dict[str, int]:
+        """The Join offers this node's store while it can host one (``hosts_store``)."""
+        return {"store_port": self.port} if self.hosting else {}
+
+    async def connected(self) -> None:
+        await self.verdict()  # overlapped the connect; the first Join must not offer in vain
+
+    async def before_join(self) -> None:
+        await self.end_round()  # no next-round connection may reach its store
+
+    async def before_start(self, r: RoundStart) -> dict[int, dict[str, str]]:
+        await self.for_round(r.assignment)
+        return {}
+
+    async def close(self, *, succeeded: bool = False) -> None:
         """Stop the store process and close the socket (the agent is exiting)."""
         self._closing = True
         await self._stop_process()
