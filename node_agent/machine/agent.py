@@ -260,7 +260,7 @@ class AgentMachine:
                 return []  # already on our way out
             why = f"asked to drain by the server: {shown(msg.reason)}" if msg.reason else "asked to drain"
             # Our own SIGTERM's drain, once the commit point it waited for is behind us.
-            return self._drain(self.leaving.commit_leave or why, now)
+            return self._drain(self.leaving.pending_commit or why, now)
         text = f"{msg.TYPE}, which a server never sends, while this node {doing(self.phase, self.assignment)}"
         return self._protocol_error(text, fatal=False)
 
@@ -271,7 +271,7 @@ class AgentMachine:
         report, that our workers finished, that we leave). ``Restart``: the round moved on (or
         it had dropped us): that is the verdict on any failure, and the round stops anyway, so
         only a due Leave still goes. Anything else ends our course as usual."""
-        self.link.resuming = False
+        self.link.answered()
         effects = self._on_server_now(msg, now)
         if self.phase is Phase.EXITED or isinstance(msg, JobFailed | JobDone | Error):
             return effects
@@ -295,7 +295,7 @@ class AgentMachine:
         note = Log("error", f"protocol error by the rendezvous server: {text}")
         if not fatal:
             return [note]
-        self.link.report, self.leaving.leave = None, None
+        self._drop_owed()
         return [
             note,
             *self._stop_then_exit(Exit(EXIT_RDZV, f"the rendezvous server broke the protocol: {text}")),
@@ -340,14 +340,14 @@ class AgentMachine:
 
     def _on_job_done(self) -> list[Effect]:
         if self.phase in (Phase.BARRIER, Phase.LEAVING):
-            self.leaving.awaiting_left = False
+            self.leaving.exit_decided()
             return self._exit_now(Exit(EXIT_OK, "all nodes finished", job_done=True))
         if self.phase is Phase.JOINING:
             note, exit_ = self.joining.not_needed()  # a hot spare (or a newcomer) outlived the job
             return [note, *self._exit_now(exit_)]
         if self.phase is Phase.STOPPING and self._after_stop is AfterStop.LEAVE:
             # Drained, and the job finished while our workers stop: a success, nothing to leave.
-            self.leaving.awaiting_left, self.leaving.leave = False, None
+            self.leaving.settled()
             self._after_stop, self._exit = AfterStop.EXIT, Exit(EXIT_OK, "all nodes finished", job_done=True)
             return []
         if self._exit is not None:
@@ -355,7 +355,7 @@ class AgentMachine:
         # Our workers run (or failed): the server finished the job without us, which it does
         # only after it dropped this node (frozen, or cut off, past the heartbeat timeout).
         what = doing(self.phase, self.assignment)
-        self.link.report, self.leaving.leave = None, None
+        self._drop_owed()
         return [
             Log("error", f"the rendezvous server says the job finished while this node {what}; stopping"),
             *self._stop_then_exit(Exit(EXIT_FAILED, f"the job finished without this node (it {what})")),
@@ -374,9 +374,10 @@ class AgentMachine:
             text = f"a restart {msg.restart_count}, past this node's budget (--max-restarts {budget})"
             return self._protocol_error(text, fatal=True)
         note = Log("warning", f"re-rendezvous after round {msg.round}: {shown(msg.reason)}")
-        self.link.report = None  # if we reported a failure, this is the verdict
-        if self.leaving.commit_leave is not None:
-            return [note, *self._drain(self.leaving.commit_leave, now)]  # no rejoin: we were leaving
+        self.link.verdict()  # if we reported a failure, this is the verdict
+        drained = self._drain_if_asked(now)
+        if drained:
+            return [note, *drained]  # no rejoin: we were leaving
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.REJOIN
@@ -403,10 +404,10 @@ class AgentMachine:
         failure = node_failure(self.settings, a, now, 127, event.reason)
         self.local_failures = (failure,)
         self._await_verdict(now)
-        self.link.report = WorkersFailed(
+        report = WorkersFailed(
             round=a.round, failure=failure, step=self._max_step(), restore_failed=event.restore_failed
         )
-        return [Log("error", f"workers failed to start: {event.reason}"), *self._send(self.link.report)]
+        return [Log("error", f"workers failed to start: {event.reason}"), *self.link.reported(report)]
 
     def _on_exited(self, event: WorkersExited, now: float) -> list[Effect]:
         if self.phase is not Phase.RUNNING or self.assignment is None:
@@ -419,19 +420,19 @@ class AgentMachine:
             if isinstance(stop, str):
                 self.phase = Phase.RUNNING  # (no success) a failure of this node's workers
                 return self._fail(node_failure(self.settings, self.assignment, now, 0, fit(stop)), (), now)
-            self.link.succeeded = True
+            self.link.finished()
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
             effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round))
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
-            if self.leaving.commit_leave is not None:
-                effects += self._drain(self.leaving.commit_leave, now)  # finished before any commit point
+            effects += self._drain_if_asked(now)  # finished before any commit point
             return effects
         signum = self.signals.killed_by(event.failure)
         if signum:
-            if self.leaving.commit_leave is not None:  # our drain's commit point is moot now
-                return self._drain(self.leaving.commit_leave, now)
+            drained = self._drain_if_asked(now)  # our drain's commit point is moot now
+            if drained:
+                return drained
             note, why = self.signals.witness(signum, event.failure)
             return [note, *self._stop_on_signal(why, signum)]
         return self._fail(event.failure, event.local_failures or (event.failure,), now)
@@ -442,10 +443,9 @@ class AgentMachine:
         bounds the wait, as it bounds a round forming (a drain waiting for this commit: its own
         deadline, then it drains)."""
         assert self.assignment is not None
-        self.link.committed = step
-        self.link.succeeded = False  # a Resume must not tell the server our work is done
+        self.link.committed_at(step)  # (a Resume must not tell the server our work is done)
         wait = now + self.settings.join_timeout
-        if self.leaving.commit_leave is not None and self.deadline is not None:
+        if self.leaving.pending_commit is not None and self.deadline is not None:
             wait = min(wait, self.deadline)
         self.deadline = wait
         return [
@@ -462,7 +462,7 @@ class AgentMachine:
         self.local_failures = local_failures
         self.phase = Phase.STOPPING
         self._after_stop = AfterStop.VERDICT
-        self.link.report = WorkersFailed(round=self.assignment.round, failure=failure, step=self._max_step())
+        report = WorkersFailed(round=self.assignment.round, failure=failure, step=self._max_step())
         if self.training is not None:
             self.training.stop()
         note: list[Effect] = []
@@ -474,15 +474,13 @@ class AgentMachine:
                     "the failure is reported once reconnected",
                 )
             ]
-        effects = [
+        return [
             *note,
-            *self._send(self.link.report),
+            *self.link.reported(report),
             StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
-        ]
-        if self.leaving.commit_leave is not None:
             # A drain waited for a commit point: no commit now; leave once the workers are down.
-            effects += self._drain(self.leaving.commit_leave, now)
-        return effects
+            *self._drain_if_asked(now),
+        ]
 
     # -- training progress and hangs (training.py decides; this routes) -------------------
 
@@ -497,7 +495,8 @@ class AgentMachine:
         a, t = self.assignment, self.training
         if self.phase is not Phase.RUNNING or a is None or t is None or msg.round != a.round:
             return []  # a round we no longer run, or workers on their way down: nothing to stop
-        if msg.state in ("arm", "go") and self.leaving.commit_leave is not None and self.deadline is not None:
+        draining = self.leaving.pending_commit is not None
+        if msg.state in ("arm", "go") and draining and self.deadline is not None:
             # Our drain waits for this commit as long as the server does: its one deadline,
             # which StopAt says (an older server's: the steps to S at our step times, the
             # lead, the checkpoint budget), and a second for the message's way.
@@ -562,7 +561,14 @@ class AgentMachine:
 
     def _nothing_to_say(self) -> None:
         """Our course ended for a reason of its own: no report, no Leave, no Left awaited."""
-        self.leaving.awaiting_left, self.link.report, self.leaving.leave = False, None, None
+        self.link.verdict()
+        self.leaving.settled()
+
+    def _drop_owed(self) -> None:
+        """Nothing of ours is said again: no failure report, no Leave (a Left may still be
+        awaited: the exit it picks is decided elsewhere)."""
+        self.link.verdict()
+        self.leaving.leave_moot()
 
     def _on_connection_lost(self, event: ConnectionLost, now: float) -> list[Effect]:
         if not self.link.lost():
@@ -610,7 +616,7 @@ class AgentMachine:
 
     def _gone(self, reason: str, *, unreachable: bool = False) -> list[Effect]:
         """The server is gone for good: stop the workers and exit (at the barrier: our part is done)."""
-        self.link.report, self.leaving.leave = None, None
+        self._drop_owed()
         drained = self.leaving.gone(reason, unreachable=unreachable)
         if drained is not None:
             return self._stop_then_exit(drained)
@@ -631,13 +637,13 @@ class AgentMachine:
             signum,
             delivered,
             self.phase,
-            committing=self.leaving.commit_leave is not None,
+            committing=self.leaving.pending_commit is not None,
             out=self.leaving.going or self._exit is not None,
             stale=stale,
         )
         if then is Then.DRAIN:
-            assert self.leaving.commit_leave is not None
-            return [*effects, *self._drain(self.leaving.commit_leave, now)]
+            assert self.leaving.pending_commit is not None
+            return [*effects, *self._drain_if_asked(now)]
         if then is Then.EXIT:
             why = f"{received(signum)} while leaving"
             return [*effects, *self._exit_now(self._exit or Exit(EXIT_FAILED, why))]
@@ -651,7 +657,7 @@ class AgentMachine:
         """Stop as torchrun does on a signal it handles: workers stopped, no restart, exit 1."""
         exit_ = Exit(EXIT_FAILED, f"{why}: workers stopped", None, self.local_failures)
         leave = self.leaving.quit(why)
-        self.link.report = None
+        self.link.verdict()
         if self.phase in (Phase.RUNNING, Phase.STARTING, Phase.STOPPING):
             # Workers first; the server hears now that we go, and that we are gone once they are.
             return [*self._stop_then_exit(exit_, self.signals.to_send(signum)), *self._send(notice(leave))]
@@ -680,7 +686,7 @@ class AgentMachine:
 
     def _drain(self, why: str, now: float) -> list[Effect]:
         """A clean leave (leaving.py): workers stop first, then the Leave; its Left picks the exit code."""
-        if self.leaving.commit_leave is not None:
+        if self.leaving.pending_commit is not None:
             self.deadline = None  # the commit point's wait is over
         # SIGTERM delivered to the workers by its sender is not sent again (0).
         sig = self.signals.to_send(signal.SIGTERM)
@@ -689,6 +695,11 @@ class AgentMachine:
             return [*effects, *self._send_leave(now)]
         self.phase, self._after_stop = phase, AfterStop.LEAVE
         return effects
+
+    def _drain_if_asked(self, now: float) -> list[Effect]:
+        """A drain that waits for a commit point goes now (none waits: nothing)."""
+        why = self.leaving.pending_commit
+        return [] if why is None else self._drain(why, now)
 
     def _send_leave(self, now: float) -> list[Effect]:
         """Workers down: say we leave, and wait (bounded) for the answer that picks the exit code."""
@@ -714,8 +725,8 @@ class AgentMachine:
         self.deadline = None
         if self.phase is Phase.JOINING:
             return [*self._send(Leave(reason="join timeout")), *self._exit_now(self.joining.timed_out())]
-        if self.leaving.commit_leave is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
-            return [self.leaving.no_drain(now), *self._drain(self.leaving.commit_leave, now)]
+        if self.leaving.pending_commit is not None and self.phase in (Phase.RUNNING, Phase.BARRIER):
+            return [self.leaving.no_drain(now), *self._drain_if_asked(now)]
         if self.phase is Phase.BARRIER and self.link.committed is not None:
             return [
                 *self._send(Leave(reason="no next round after a commit point")),
@@ -735,7 +746,7 @@ class AgentMachine:
         if self.phase is Phase.VERDICT:
             a = self.assignment
             held = f" of round {a.round}" if a is not None else ""
-            self.link.report = None
+            self.link.verdict()
             return self._exit_now(
                 Exit(
                     EXIT_FAILED,
@@ -768,7 +779,7 @@ class AgentMachine:
         return [] if self.link.away else self.joining.join()  # while away: once reconnected
 
     def _stop_then_exit(self, exit_: Exit, signum: int = signal.SIGTERM) -> list[Effect]:
-        self.leaving.awaiting_left = False
+        self.leaving.exit_decided()
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.EXIT

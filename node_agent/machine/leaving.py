@@ -63,6 +63,24 @@ class Leaving:
     commit_leave: str | None = None
     commit_asked_at: float = 0.0
 
+    @property
+    def pending_commit(self) -> str | None:
+        """The reason of a drain waiting for a commit point (None: none waits)."""
+        return self.commit_leave
+
+    def exit_decided(self) -> None:
+        """The exit code is decided without the server's ``Left`` (none is awaited any more)."""
+        self.awaiting_left = False
+
+    def leave_moot(self) -> None:
+        """The Leave is owed no more (the server dropped us, or the job ended)."""
+        self.leave = None
+
+    def settled(self) -> None:
+        """Nothing to say on the way out, nothing to await: no Leave, no Left."""
+        self.awaiting_left = False
+        self.leave = None
+
     def quit(self, why: str) -> Leave:
         """A signal stops this node without a drain: the Leave it owes the server."""
         self.going = True

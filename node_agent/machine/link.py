@@ -83,6 +83,27 @@ class Link:
         self.committed = None
         self.report = None
 
+    def reported(self, msg: WorkersFailed) -> list[Effect]:
+        """Our workers' failure: said now (or once we can), and again after a reconnect until
+        the server decides on it (:meth:`verdict`)."""
+        self.report = msg
+        return self.send(msg)
+
+    def verdict(self) -> None:
+        """The server decided on our failure report (its ``Restart``), or there is none to make
+        any more (our course ended otherwise): it is not said again."""
+        self.report = None
+
+    def finished(self) -> None:
+        """Every worker of our round exited 0: a Resume says so."""
+        self.succeeded = True
+
+    def committed_at(self, step: int) -> None:
+        """Every worker of our round stopped at the commit ``step``: said again after a
+        reconnect's ``Resumed``; a Resume must not tell the server our work is done."""
+        self.committed = step
+        self.succeeded = False
+
     def lost(self) -> bool:
         """The connection broke; False when it was down already (nothing new)."""
         if self.away:
@@ -123,6 +144,10 @@ class Link:
             Phase.LEAVING: "resuming our round to leave it",
         }.get(phase, "resuming our round")
         return [Log("info", f"reconnected; {what}"), SendResume(a, self.succeeded)]
+
+    def answered(self) -> None:
+        """The server answered our Resume: what waited for the answer can be said."""
+        self.resuming = False
 
     def answers(self, msg: Message) -> bool:
         """Whether ``msg`` is the server's answer to our Resume (a non-fatal ``Error`` is not:

@@ -209,3 +209,23 @@ def test_under_slurm_a_signal_drain_exits_one_even_when_the_job_goes_on() -> Non
     m.handle(st.WorkersStopped(), 3.5)
     (ex,) = m.handle(st.ServerSent(Left(job_continues=True, reason="1 node(s) remain")), 3.55)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "Slurm" in ex.reason
+
+
+def test_leaving_pending_commit_settled_and_moot_leave() -> None:
+    from node_agent.machine.leaving import Leaving
+
+    leaving = Leaving(settings(elastic=True, commit_timeout=10.0))
+    assert leaving.pending_commit is None
+    leaving.ask_commit("SIGTERM", 0, 1.0)
+    assert leaving.pending_commit == "SIGTERM"
+    leaving.quit("got SIGTERM")
+    assert leaving.leave is not None
+    leaving.leave_moot()
+    assert leaving.leave is None
+    leaving.awaiting_left = True
+    leaving.exit_decided()
+    assert not leaving.awaiting_left
+    leaving.quit("again")
+    leaving.awaiting_left = True
+    leaving.settled()
+    assert leaving.leave is None and not leaving.awaiting_left

@@ -282,3 +282,72 @@ def test_a_drain_whose_resume_is_never_answered_still_ends() -> None:
     assert m.phase is st.Phase.LEAVING and m.next_deadline() == 4.0 + st.LEAVE_ANSWER_TIMEOUT
     (ex,) = m.handle(st.Tick(), 4.0 + st.LEAVE_ANSWER_TIMEOUT)
     assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED and "did not answer" in ex.reason
+
+
+# --- the machine's helpers own their fields (h11's Connection never assigns ConnectionState's) --
+
+
+def test_the_machine_never_assigns_its_helpers_fields() -> None:
+    """``link.py`` and ``leaving.py`` change their own state through their methods; a field
+    written from ``agent.py`` would split one decision across two files again."""
+    import ast
+    from pathlib import Path
+
+    import node_agent.machine.agent as agent_module
+
+    tree = ast.parse(Path(agent_module.__file__).read_text())
+    written = []
+    for node in ast.walk(tree):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AugAssign | ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            for t in ast.walk(target):
+                if not isinstance(t, ast.Attribute) or not isinstance(t.value, ast.Attribute):
+                    continue
+                owner = t.value
+                mine = isinstance(owner.value, ast.Name) and owner.value.id == "self"
+                if mine and owner.attr in ("link", "leaving"):
+                    written.append(f"{node.lineno}: self.{owner.attr}.{t.attr}")
+    assert written == []
+
+
+def test_link_keeps_a_report_until_the_verdict() -> None:
+    from node_agent.machine.link import Link
+
+    link = Link(settings())
+    report = WorkersFailed(round=0, failure=failure(), step=3)
+    assert link.reported(report) == [st.Send(report)]
+    assert link.report == report
+    link.lost()
+    assert link.reported(report) == []  # said once back, from link.report
+    link.verdict()
+    assert link.report is None
+
+
+def test_link_a_commit_is_no_success_and_a_new_round_forgets_both() -> None:
+    from node_agent.machine.link import Link
+
+    link = Link(settings())
+    link.finished()
+    assert link.succeeded
+    link.committed_at(7)
+    assert link.committed == 7 and not link.succeeded
+    link.new_round()
+    assert link.committed is None and not link.succeeded
+
+
+def test_link_an_answered_resume_lets_the_link_speak() -> None:
+    from node_agent.machine.link import Link
+
+    link = Link(settings(reconnect_timeout=30.0))
+    link.lost()
+    link.back()
+    link.resume(st.Phase.RUNNING, assignment())
+    assert link.quiet
+    link.answered()
+    assert not link.quiet
