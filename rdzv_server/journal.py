@@ -31,7 +31,7 @@ told can be lost by a crash (``Journal.sync``).
 Files in DIR::
 
     state.log   HEADER, then records: 4-byte length, 4-byte CRC32 of (length + payload), payload
-    state.snap  one such record holding a snapshot (``snapshot.py``), replaced atomically
+    state.snap  one such record holding a snapshot (``state_image.py``), replaced atomically
     lock        flock'd while a server uses DIR
 
 A payload is a msgpack map (never pickle): ``k`` (kind), ``t`` (the machine's clock),
@@ -107,7 +107,7 @@ from protocol import (
 from protocol.auth import TokenTable
 from protocol.records import record
 
-from . import snapshot
+from . import state_image
 from .machine.state import (
     AUTH_TIMEOUT,
     HELLO_TIMEOUT,
@@ -537,7 +537,7 @@ class StateLog:
     def _snapshot(self) -> None:
         now = self.clock()
         body = msgpack.packb(
-            {"seq": self.seq, "t": now, "w": self._wall(), "state": snapshot.dump(self.machine)},
+            {"seq": self.seq, "t": now, "w": self._wall(), "state": state_image.dump(self.machine)},
             use_bin_type=True,
         )
         snap = FILE_HEADER.pack(SNAP_MAGIC, self.seq) + frame(body)
@@ -668,11 +668,11 @@ def _load_snapshot(path: Path, machine: Rendezvous) -> tuple[int, float | None, 
         raise StateLogError(f"{path} is damaged (its checksum fails)")
     try:
         body = msgpack.unpackb(found.records[0], raw=False, strict_map_key=True)
-        snapshot.load(body["state"], machine)
+        state_image.load(body["state"], machine)
         if body["seq"] != seq:
             raise StateLogError(f"{path}: header says record {seq}, body says {body['seq']}")
         return seq, float(body["t"]), float(body["w"])
-    except (snapshot.SnapshotError, KeyError, TypeError, ValueError) as exc:
+    except (state_image.StateImageError, KeyError, TypeError, ValueError) as exc:
         raise StateLogError(f"{path}: {exc}") from None
 
 

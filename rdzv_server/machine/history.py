@@ -5,7 +5,7 @@ Each event the rendezvous machine notes about a job is a :class:`JobEvent`: a ki
 how a node departed, ...) and a sentence for people, rendered from those facts by the
 functions below and nowhere else. Whoever needs a fact reads its field: the status API, the
 dashboard and the CLI never read one back out of a sentence, so a sentence can be reworded
-freely. The history is kept in the state log's snapshots (``snapshot.py``), and a replay of
+freely. The history is kept in the state log's snapshots (``state_image.py``), and a replay of
 the log's events writes the same history again.
 
 Also here: how a job's events reach the server's log (one line each, except a join storm's

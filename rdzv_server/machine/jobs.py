@@ -5,7 +5,7 @@ Plain records and the few functions that keep their invariants (``put_member``,
 ``Job.members_version``, from which ``rank_spans`` knows when to derive the round's ranks
 again; ``rank_holder`` and ``node_rank_problem`` keep node ranks unique). No rule of the
 rendezvous is here: those are in ``rounds.py`` (and ``recovery.py``), which change this state;
-``snapshot.py`` writes it down.
+``state_image.py`` writes it down.
 """
 
 from __future__ import annotations

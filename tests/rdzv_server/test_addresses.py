@@ -117,7 +117,7 @@ def test_the_round_hands_the_head_the_address_node_1_reached_and_says_so() -> No
 
 def test_the_state_log_and_snapshots_keep_the_servers_address() -> None:
     from rdzv_server.journal import RECORDS
-    from rdzv_server.snapshot import _dump_conn, _load_conn
+    from rdzv_server.state_image import _dump_conn, _load_conn
 
     kind = RECORDS["connected"]
     event = Connected(3, "198.18.1.2:5", local="198.18.0.2")

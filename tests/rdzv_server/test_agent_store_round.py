@@ -4,7 +4,7 @@ hosts the workers' TCPStore (its Join said hosts_store), so all ranks agree (iss
 from __future__ import annotations
 
 from protocol import Assignment, Restart, WorkersFailed
-from rdzv_server import snapshot
+from rdzv_server import state_image
 
 from .harness import Harness, failure
 
@@ -56,6 +56,6 @@ def test_a_snapshot_keeps_what_each_member_can_host() -> None:
     h = Harness()
     h.join(hosts_store=True, node="na")
     h.join(hosts_store=False, node="nb")
-    restored = snapshot.load(snapshot.dump(h.machine))
+    restored = state_image.load(state_image.dump(h.machine))
     members = restored.jobs["job"].members
     assert (members["na"].hosts_store, members["nb"].hosts_store) == (True, False)

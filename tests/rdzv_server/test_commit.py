@@ -22,7 +22,7 @@ from protocol import (
     WorkersCommitted,
     WorkersFailed,
 )
-from rdzv_server import snapshot
+from rdzv_server import state_image
 from rdzv_server.machine.commits import COMMIT_LEAD, MAX_ARMS, PENDING_WAIT_S
 from rdzv_server.machine.events import DrainRequested
 from rdzv_server.machine.history import EventKind
@@ -457,7 +457,7 @@ def test_a_commit_replays_from_the_state_log_and_survives_a_snapshot() -> None:
     assert m.jobs["job"].commit is not None
     # Mid-commit: the replay (which has no Progress) takes S from the logged facts.
     assert state(replayed(m.records)) == state(m)
-    assert state(snapshot.load(snapshot.dump(m))) == state(m)
+    assert state(state_image.load(state_image.dump(m))) == state(m)
     h.send(b, Armed(round=0, step=s, late=False))
     for c in (a, b):
         h.send(c, WorkersCommitted(round=0, step=s))
@@ -475,7 +475,7 @@ def test_an_early_commit_chosen_on_a_progress_replays_and_survives_a_snapshot() 
     m = h.machine
     assert m.jobs["job"].commit is not None and m.jobs["job"].commit.pending
     assert state(replayed(m.records)) == state(m)
-    assert state(snapshot.load(snapshot.dump(m))) == state(m)
+    assert state(state_image.load(state_image.dump(m))) == state(m)
     h.send(b, Progress(round=0, min_step=1, max_step=1, checks=True))
     s = asked(h, [a, b]).step
     assert state(replayed(m.records)) == state(m)
@@ -484,4 +484,4 @@ def test_an_early_commit_chosen_on_a_progress_replays_and_survives_a_snapshot() 
     for c in (a, b):
         h.send(c, WorkersCommitted(round=0, step=s + 5))
     assert state(replayed(m.records)) == state(m)
-    assert state(snapshot.load(snapshot.dump(m))) == state(m)
+    assert state(state_image.load(state_image.dump(m))) == state(m)

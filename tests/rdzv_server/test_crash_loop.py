@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 
 from protocol import Assignment, JobFailed, Restart, WorkersFailed
-from rdzv_server import snapshot
+from rdzv_server import state_image
 from rdzv_server.machine.history import EventKind
 from rdzv_server.machine.state import JobPhase, Rendezvous
 
@@ -108,7 +108,7 @@ def test_the_counters_survive_a_snapshot_and_a_replay() -> None:
     m = h.machine
     again = replayed(m.records)
     assert state(again) == state(m)
-    loaded = snapshot.load(msgpack.unpackb(msgpack.packb(snapshot.dump(m)), raw=False), Rendezvous())
+    loaded = state_image.load(msgpack.unpackb(msgpack.packb(state_image.dump(m)), raw=False), Rendezvous())
     job = loaded.jobs["job"]
     assert (job.best_step, job.stuck_restarts) == (41, 1)
     assert job.settings.crash_loop_restarts == 3
@@ -117,13 +117,13 @@ def test_the_counters_survive_a_snapshot_and_a_replay() -> None:
 def test_a_snapshot_from_before_crash_loops_loads_with_the_defaults() -> None:
     h = Harness()
     start(h)
-    data = msgpack.unpackb(msgpack.packb(snapshot.dump(h.machine)), raw=False)
+    data = msgpack.unpackb(msgpack.packb(state_image.dump(h.machine)), raw=False)
     for j in data["jobs"]:
         for key in ("best_step", "stuck_restarts", "fail_code"):
             del j[key]
         for key in ("straggler_threshold", "exclude_stragglers", "crash_loop_restarts"):
             del j["settings"][key]
-    job = snapshot.load(data, Rendezvous()).jobs["job"]
+    job = state_image.load(data, Rendezvous()).jobs["job"]
     assert (job.best_step, job.stuck_restarts, job.fail_code) == (-1, 0, "")
     s = job.settings
     assert (s.straggler_threshold, s.exclude_stragglers, s.crash_loop_restarts) == (0.75, False, 3)

@@ -22,7 +22,7 @@ from rdzv_server.machine.state import (
     Tick,
 )
 from rdzv_server.service import RendezvousService
-from rdzv_server.snapshot import dump
+from rdzv_server.state_image import dump
 
 from .harness import Harness
 

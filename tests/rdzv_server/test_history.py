@@ -9,7 +9,7 @@ from typing import Any
 
 from protocol import Leave, WorkersFailed
 from protocol.failure_text import describe_failure
-from rdzv_server import snapshot
+from rdzv_server import state_image
 from rdzv_server.machine.history import Departure, EventKind
 from rdzv_server.machine.state import JobPhase, Rendezvous, Restarted
 from rdzv_server.status import find_job
@@ -154,11 +154,11 @@ def test_one_sentence_describes_a_failure_everywhere() -> None:
 
 def test_replay_from_a_snapshot_keeps_the_typed_history() -> None:
     h = eventful()
-    data = snapshot.dump(h.machine)
-    assert data["version"] == snapshot.VERSION == 2
-    again = snapshot.load(json.loads(json.dumps(data)))
+    data = state_image.dump(h.machine)
+    assert data["version"] == state_image.VERSION == 2
+    again = state_image.load(json.loads(json.dumps(data)))
     assert list(again.jobs["job"].history) == list(h.machine.jobs["job"].history)
-    assert snapshot.dump(again) == data
+    assert state_image.dump(again) == data
 
 
 def test_a_version_1_snapshot_still_loads() -> None:
@@ -166,16 +166,16 @@ def test_a_version_1_snapshot_still_loads() -> None:
     events as [time, kind, text]), running the same story as ``eventful``."""
     data = json.loads((DATA / "snapshot_v1.json").read_text())
     assert data["version"] == 1 and len(data["jobs"][0]["history"][0]) == 3
-    m = snapshot.load(data)
+    m = state_image.load(data)
     job = m.jobs["job"]
     assert (job.phase, job.round, job.restart_count) == (JobPhase.RUNNING, 3, 1)
     assert [e.kind for e in job.history][:5] == [EventKind.CREATED, *[EventKind.JOINED] * 3, EventKind.ROUND]
     assert job.history[-2].text == "node node4 left (scale down) (2 remain)"
     j = view(m, 5.0)  # the view of an old job conforms to the schema
     assert [x["node_id"] for x in j["members"] if x["role"] == "member"] == ["node1", "node2"]
-    assert snapshot.dump(m)["version"] == 2  # written back in the new format
+    assert state_image.dump(m)["version"] == 2  # written back in the new format
     # The machine goes on from there.
-    h = Harness(machine=snapshot.load(data))
+    h = Harness(machine=state_image.load(data))
     h.now = 6.0
     h.machine.handle(Restarted(), h.now)
     assert h.machine.jobs["job"].history[-1].kind is EventKind.RECOVERED

@@ -1,7 +1,7 @@
 """The state log: replaying the machine's logged inputs rebuilds its state; torn tails drop.
 
 Pure where it can be: a machine that records what the log would keep, replayed into a fresh
-one, must dump (``snapshot.dump``) to the same state. The file tests use a real state dir.
+one, must dump (``state_image.dump``) to the same state. The file tests use a real state dir.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from protocol import (
     decode_payload,
 )
 from protocol.auth import TokenTable
-from rdzv_server import journal, snapshot, wal
+from rdzv_server import journal, state_image, wal
 from rdzv_server.journal import LOG_NAME, StateLog, apply_record, event_record
 from rdzv_server.machine.state import (
     Connected,
@@ -77,7 +77,7 @@ def replayed(records: list[dict[str, Any]]) -> Rendezvous:
 
 def state(m: Rendezvous) -> dict[str, Any]:
     """The machine's state, without what heartbeats alone change (not logged)."""
-    d = snapshot.dump(m)
+    d = state_image.dump(m)
     for c in d["conns"]:
         c.pop("last_seen")
     return d
@@ -87,8 +87,8 @@ def replays_from_every_cut(records: list[dict[str, Any]], live: Rendezvous) -> N
     """A snapshot taken after any record (through msgpack, as on disk), then the records after
     it replayed, gives the live machine's state."""
     for cut in range(len(records) + 1):
-        restored = snapshot.load(
-            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
+        restored = state_image.load(
+            msgpack.unpackb(msgpack.packb(state_image.dump(replayed(records[:cut]))), raw=False),
             Rendezvous(None, expire_silent=False),
         )
         for rec in records[cut:]:
@@ -137,8 +137,8 @@ def test_replay_from_any_snapshot_point_agrees() -> None:
     busy_history(h)
     records = h.machine.records
     for cut in (0, 5, len(records) // 2, len(records) - 1):
-        restored = snapshot.load(
-            msgpack.unpackb(msgpack.packb(snapshot.dump(replayed(records[:cut]))), raw=False),
+        restored = state_image.load(
+            msgpack.unpackb(msgpack.packb(state_image.dump(replayed(records[:cut]))), raw=False),
             Rendezvous(None, expire_silent=False),
         )
         for rec in records[cut:]:
@@ -187,12 +187,12 @@ def test_training_health_replays_from_any_snapshot_point() -> None:
 def test_snapshot_round_trips_and_rejects_what_it_does_not_know() -> None:
     h = Harness()
     busy_history(h)
-    d = snapshot.dump(h.machine)
-    assert snapshot.dump(snapshot.load(d)) == d
-    with pytest.raises(snapshot.SnapshotError, match="version"):
-        snapshot.load({**d, "version": 99})
-    with pytest.raises(snapshot.SnapshotError, match="bad snapshot"):
-        snapshot.load({**d, "jobs": [{"id": "x"}]})
+    d = state_image.dump(h.machine)
+    assert state_image.dump(state_image.load(d)) == d
+    with pytest.raises(state_image.StateImageError, match="version"):
+        state_image.load({**d, "version": 99})
+    with pytest.raises(state_image.StateImageError, match="bad snapshot"):
+        state_image.load({**d, "jobs": [{"id": "x"}]})
 
 
 def test_progress_refused_before_a_join_is_logged_and_replays() -> None:

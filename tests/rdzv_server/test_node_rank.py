@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 
 from protocol import Assignment, Error, Leave, WorkersFailed
-from rdzv_server import snapshot
+from rdzv_server import state_image
 from rdzv_server.machine.state import Rendezvous
 
 from .harness import Harness, failure
@@ -160,20 +160,20 @@ def test_node_ranks_survive_a_snapshot_and_old_snapshots_still_load() -> None:
     h = Harness()
     h.join(node="alpha", node_rank=1, **FIXED3)
     h.join(node_rank=2, **FIXED3)
-    d = msgpack.unpackb(msgpack.packb(snapshot.dump(h.machine)), raw=False)
+    d = msgpack.unpackb(msgpack.packb(state_image.dump(h.machine)), raw=False)
     assert [m["node_rank"] for m in d["jobs"][0]["members"]] == [1, 2]
-    restored = Harness(machine=snapshot.load(d))
+    restored = Harness(machine=state_image.load(d))
     restored._next = h._next
     dup = restored.join(node="beta", node_rank=1, **FIXED3)
     err = restored.last(dup, Error)
     assert err is not None and err.code == "duplicate_node_rank" and "alpha" in err.message
-    assert snapshot.dump(snapshot.load(d)) == d
+    assert state_image.dump(state_image.load(d)) == d
     # A snapshot written before node ranks existed: no such keys, every node "not given".
     for job in d["jobs"]:
         job.pop("ranks_noted")
         for m in job["members"] + job["spares"]:
             m.pop("node_rank")
-    old = snapshot.load(d)
+    old = state_image.load(d)
     assert {m.node_rank for m in old.jobs["job"].members.values()} == {-1}
     assert not old.jobs["job"].rank_holders
 

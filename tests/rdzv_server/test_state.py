@@ -32,7 +32,7 @@ from rdzv_server.machine.state import (
     Received,
     Restarted,
 )
-from rdzv_server.snapshot import dump
+from rdzv_server.state_image import dump
 
 from .harness import Harness, failure
 

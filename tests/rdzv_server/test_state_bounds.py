@@ -36,7 +36,7 @@ from rdzv_server.machine.state import (
     Received,
     Rendezvous,
 )
-from rdzv_server.snapshot import dump, load
+from rdzv_server.state_image import dump, load
 
 from .harness import Harness, failure
 

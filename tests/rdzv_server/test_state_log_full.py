@@ -35,7 +35,7 @@ from protocol import (
     WorkersSucceeded,
     encode,
 )
-from rdzv_server import journal, service, snapshot, wal
+from rdzv_server import journal, service, state_image, wal
 from rdzv_server.journal import LOG_NAME, SNAP_NAME, StateLog
 from rdzv_server.machine.state import Event, Rendezvous
 from rdzv_server.service import RendezvousService
@@ -74,7 +74,7 @@ class FullDisk(wal.Disk):
 
 def state(m: Rendezvous) -> dict[str, Any]:
     """The machine's state, without what heartbeats alone change (not logged)."""
-    d = snapshot.dump(m)
+    d = state_image.dump(m)
     for c in d["conns"]:
         c.pop("last_seen")
     return d

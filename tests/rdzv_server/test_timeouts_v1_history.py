@@ -1,5 +1,5 @@
 """A version 1 snapshot (history events as ``[time, kind, text]``) shows in the status API the
-facts its sentences state without doubt (``snapshot._V1Facts``). Named ``test_timeouts_*`` only
+facts its sentences state without doubt (``state_image._V1Facts``). Named ``test_timeouts_*`` only
 to keep clear of files other work adds at the same time."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import json
 from typing import Any
 
-from rdzv_server import snapshot
+from rdzv_server import state_image
 from rdzv_server.machine.history import Departure, EventKind
 
 from .test_history import DATA, eventful, facts, view
@@ -24,7 +24,7 @@ def test_a_version_1_snapshot_shows_what_the_same_story_shows_today() -> None:
     # snapshot_v1.json ran eventful()'s story on the server before typed history. Before the
     # recovery its departed node3 was not listed, its failure had no round, and no round a number.
     h = eventful()
-    old = view(snapshot.load(v1_data()), h.now)
+    old = view(state_image.load(v1_data()), h.now)
     assert facts(old) == facts(view(h.machine, h.now))
     assert facts(old)["members"] == [
         ("node3", "departed", "lost", "10.0.0.3", 2, None, old["rounds"][1]["ended_at"])
@@ -46,11 +46,11 @@ def test_a_sentence_that_does_not_say_for_sure_leaves_the_fields_empty() -> None
         [t, "round", "round x" + "9" * 400],
         [t, "joined", "node " + "(" * 500],
     ]
-    job = snapshot.load(copy.deepcopy(data)).jobs["job"]
+    job = state_image.load(copy.deepcopy(data)).jobs["job"]
     odd = list(job.history)[1:6]
     assert [(e.node, e.addr, e.nproc, e.round, e.departure) for e in odd] == [("", "", None, None, None)] * 5
     # The rest still recovered, and the history is written back in the typed format.
     assert [(e.kind, e.node, e.departure) for e in job.history if e.kind is EventKind.LEFT] == [
         (EventKind.LEFT, "node4", Departure.LEFT)
     ]
-    assert snapshot.dump(snapshot.load(data))["version"] == 2
+    assert state_image.dump(state_image.load(data))["version"] == 2

@@ -1,4 +1,6 @@
-"""The rendezvous machine's state as plain, versioned data (for the state log's snapshots).
+"""The state image: the rendezvous machine's state as plain, versioned data, which the state
+log's snapshots hold (``journal.py``). Not the training snapshots (``node_agent/snapshots/``,
+``machine/restore_rules.py``).
 
 ``dump(machine)`` gives nested dicts, lists, strings and numbers that msgpack can carry;
 ``load(data)`` builds an equal machine from them. Every field is named here on purpose
@@ -12,7 +14,7 @@ loads. A field added since is read with its default when missing (``Member.node_
 ``Job.hang_verdict``, a hang's failure waiting for every node's stacks; and the
 history's typed fields ``ranks``, ``step``, ``phase``, ``silent_s``, ``scores``,
 ``restarts``), so snapshots of every age load; such additions keep the version at 2. A
-job's training progress and latest hang report are volatile (``progress.py``): not kept.
+job's training progress and latest hang report are volatile (``machine/progress.py``): not kept.
 
 Versions: 1 kept each history event as ``[time, kind, text]``; 2 (typed history) adds the
 event's typed fields, ``[time, kind, text, {field: value}]`` (only those not empty). A
@@ -22,7 +24,7 @@ event reports), by a few bounded splits, never a regular expression; a field it 
 for sure stays empty (a ``lost`` node's kind of departure, an id that is not exactly one
 known id).
 
-Loading applies the machine's bounds (``jobs.py``) to what an older server kept without
+Loading applies the machine's bounds (``machine/jobs.py``) to what an older server kept without
 them: a job's failures (the first, the last few and a count), its history texts, exclusions
 and entrypoint.
 
@@ -68,7 +70,7 @@ VERSION = 2
 READS = (1, 2)  # the versions load() reads
 
 
-class SnapshotError(Exception):
+class StateImageError(Exception):
     """A snapshot that cannot be read: not ours, a version we do not know, or a bad field."""
 
 
@@ -262,11 +264,11 @@ def _dump_event(e: JobEvent) -> list[Any]:
 
 
 def load(data: Any, machine: Rendezvous | None = None) -> Rendezvous:
-    """Fill ``machine`` (a fresh one by default) from ``dump``'s output; SnapshotError if bad."""
+    """Fill ``machine`` (a fresh one by default) from ``dump``'s output; StateImageError if bad."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SnapshotError("not a rdzv-server state snapshot")
+        raise StateImageError("not a rdzv-server state snapshot")
     if data.get("version") not in READS:
-        raise SnapshotError(
+        raise StateImageError(
             f"snapshot version {data.get('version')!r}; this server reads versions "
             + ", ".join(map(str, READS))
         )
@@ -292,7 +294,7 @@ def load(data: Any, machine: Rendezvous | None = None) -> Rendezvous:
         m.resume_deadline = _opt_float(data["resume_deadline"])
         m.draining = bool(data["draining"])
     except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
-        raise SnapshotError(f"bad snapshot: {type(exc).__name__}: {exc}") from None
+        raise StateImageError(f"bad snapshot: {type(exc).__name__}: {exc}") from None
     return m
 
 
