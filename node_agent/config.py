@@ -28,6 +28,8 @@ from typing import Any, Literal, TypeVar
 from protocol.messages import MAX_TIMEOUT
 from protocol.records import record
 
+from .rdzv import BACKENDS
+
 __all__ = [
     "DEFAULT_RDZV_PORT",
     "DEFAULT_SIGNALS",
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Our rendezvous server's port (rdzv_server.cli uses the same). torchrun's c10d backend
 # defaults to 29400; an endpoint written with an explicit port is unaffected.
-DEFAULT_RDZV_PORT = 29500
+DEFAULT_RDZV_PORT = BACKENDS["c10d"].default_port
 DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 START_METHODS: tuple[str, ...] = ("spawn", "fork", "forkserver")
 PASS_LOCAL_RANK_STYLES: tuple[str, ...] = ("dash", "underscore")
@@ -576,8 +578,9 @@ class AgentConfig:
 
         True for --standalone, a port-0 endpoint (a free port nobody else could know), or
         ``is_host=true``; ``is_host`` unset leaves any auto-detection to ``rdzv/hosting.py``. Never
-        with etcd, which keeps the rendezvous itself.
+        with a backend that keeps the rendezvous itself (etcd).
         """
-        if self.rdzv_backend in ("etcd", "etcd-v2"):
+        traits = BACKENDS.get(self.rdzv_backend)
+        if traits is not None and traits.keeps_rendezvous:
             return False
         return self.standalone or self.rdzv_port == 0 or self.rdzv_conf.is_host is True

@@ -18,9 +18,6 @@ from ..config import (
     PASS_LOCAL_RANK_STYLES,
 )
 
-SUPPORTED_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")  # both etcd names use etcd's v3 API
-ETCD_BACKENDS = ("etcd", "etcd-v2")
-DEFAULT_ETCD_PORT = 2379
 # torch's registered event handlers: "null" and "dynamic_rendezvous" discard events, "console"
 # prints them to stderr; any other name fails in torchrun at the first event.
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")

@@ -49,11 +49,10 @@ from ..config import (
     parse_int,
 )
 from ..executables import which
+from ..rdzv import BACKENDS
 from .flags import (
     BY_DEST,
-    DEFAULT_ETCD_PORT,
     DEFAULT_SHUTDOWN_TIMEOUT,
-    ETCD_BACKENDS,
     EVENT_LOG_HANDLERS,
     LOG_LEVELS,
     build_parser,
@@ -102,9 +101,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
     )
 
     standalone, backend, endpoint, rdzv_id = resolve_rendezvous(inputs, max_nodes)
-    rdzv_host, rdzv_port = parse_endpoint(endpoint, inputs.get("rdzv_endpoint"), max_nodes)
-    if backend in ETCD_BACKENDS and ":" not in endpoint.rsplit("]", 1)[-1]:
-        rdzv_port = DEFAULT_ETCD_PORT  # etcd's client port, as torch's etcd backends default to
+    traits = BACKENDS[backend]  # resolve_rendezvous admits no other name
+    given_endpoint = inputs.get("rdzv_endpoint")
+    rdzv_host, rdzv_port = parse_endpoint(endpoint, given_endpoint, max_nodes, traits.default_port)
     conf = inputs.get("rdzv_conf")
     rdzv_conf = RdzvConf.parse(conf.value or "", origin=conf.what(BY_DEST["rdzv_conf"]))
 
@@ -118,7 +117,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
     node_rank = read_int(inputs, "node_rank", minimum=0)
     master_addr = inputs.get("master_addr").value
     master_port = read_port(inputs, "master_port")
-    if backend == "static":
+    if traits.static_ranks:
         rdzv_host, rdzv_port = static_master(
             inputs, endpoint, rdzv_host, rdzv_port, master_addr, master_port, min_nodes, max_nodes, node_rank
         )
@@ -171,7 +170,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> AgentConfig
         log_level=_log_level(environ),
         log_format=read_choice(inputs, "log_format", LOG_FORMATS),  # type: ignore[arg-type]
         node_rank=node_rank,
-        node_rank_given=inputs.given("node_rank") and backend == "c10d" and not standalone,
+        node_rank_given=inputs.given("node_rank") and traits.joins_node_rank and not standalone,
         master_addr=master_addr,
         master_port=master_port,
         local_addr=inputs.get("local_addr").value or None,
@@ -273,8 +272,9 @@ def _tls(
         raise ConfigError(str(exc)) from None
     if files is None:
         return None, None, None
-    if backend != "c10d" or hosts:
-        why = f"--rdzv-backend={backend}" if backend != "c10d" else "this agent hosts its own rendezvous"
+    tls = BACKENDS[backend].tls
+    if not tls or hosts:
+        why = f"--rdzv-backend={backend}" if not tls else "this agent hosts its own rendezvous"
         logger.warning("%s: ignored (%s; TLS applies to a rdzv-server only)", files.origins, why)
         return None, None, None
     if is_host is True:

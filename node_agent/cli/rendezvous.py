@@ -10,7 +10,8 @@ from ..config import (
     ConfigError,
     is_count,
 )
-from .flags import BY_DEST, ETCD_BACKENDS, STANDALONE_ENDPOINT, SUPPORTED_BACKENDS, random_uuid4
+from ..rdzv import BACKENDS
+from .flags import BY_DEST, STANDALONE_ENDPOINT, random_uuid4
 from .inputs import Given, Inputs
 
 logger = logging.getLogger(__name__)
@@ -82,10 +83,8 @@ def resolve_rendezvous(inputs: Inputs, max_nodes: int) -> tuple[bool, str, str, 
 
     backend = "c10d" if backend_given.value is None else backend_given.value
     what = backend_given.what(BY_DEST["rdzv_backend"])
-    if backend not in SUPPORTED_BACKENDS:
-        raise ConfigError(
-            f"{what}={backend!r} is not a rendezvous backend: use one of {', '.join(SUPPORTED_BACKENDS)}"
-        )
+    if backend not in BACKENDS:
+        raise ConfigError(f"{what}={backend!r} is not a rendezvous backend: use one of {', '.join(BACKENDS)}")
     endpoint = (endpoint_given.value or "").strip()
     if not endpoint and max_nodes > 1 and backend_given.origin is None:
         # torchrun would run static with every node rank 0 (none of its flags was given): both
@@ -113,7 +112,7 @@ def warn_unused_static_flags(inputs: Inputs, backend: str, standalone: bool, nod
             "it" if len(unused) == 1 else "them",
             "--standalone" if standalone else f"--rdzv-backend={backend}",
         )
-    if inputs.given("node_rank") and (standalone or backend in ETCD_BACKENDS):
+    if inputs.given("node_rank") and (standalone or not BACKENDS[backend].takes_node_rank):
         logger.warning(
             "--node-rank=%d: ignored with %s (torchrun too); the rendezvous assigns node ranks",
             node_rank,
@@ -152,12 +151,15 @@ def static_master(
     return master_addr or "127.0.0.1", master_port or DEFAULT_RDZV_PORT
 
 
-def parse_endpoint(endpoint: str, given: Given, max_nodes: int) -> tuple[str, int]:
-    """Split HOST[:PORT] / [V6]:PORT / [V6]; an empty endpoint means 127.0.0.1 (torchrun: localhost)."""
+def parse_endpoint(
+    endpoint: str, given: Given, max_nodes: int, default_port: int = DEFAULT_RDZV_PORT
+) -> tuple[str, int]:
+    """Split HOST[:PORT] / [V6]:PORT / [V6]; an empty endpoint means 127.0.0.1 (torchrun: localhost).
+    ``default_port``: the backend's, where none is written."""
     what = given.what(BY_DEST["rdzv_endpoint"])
     text = endpoint.strip()
     if not text:
-        return "127.0.0.1", DEFAULT_RDZV_PORT
+        return "127.0.0.1", default_port
     port_text: str | None = None
     if text.startswith("["):
         host, bracket, rest = text[1:].partition("]")
@@ -174,7 +176,7 @@ def parse_endpoint(endpoint: str, given: Given, max_nodes: int) -> tuple[str, in
     if not host or not all(c.isalnum() or c in "_.:-" for c in host):
         raise ConfigError(f"{what}={endpoint!r}: the host must be a hostname, an IPv4 or an IPv6 address")
     if port_text is None:
-        return host, DEFAULT_RDZV_PORT
+        return host, default_port
     if not is_count(port_text) or int(port_text) > 65535:
         raise ConfigError(f"{what}={endpoint!r}: the port must be a number in 1..65535")
     port = int(port_text)

@@ -7,8 +7,12 @@ Every backend gives the runner the same two things, so the runner never asks whi
 - a :class:`RendezvousBackend`: what opens those links (first at start-up, then again after
   a lost connection) and what outlives them (a rendezvous server this agent hosts).
 
-:func:`open_backend` is the only code that looks at ``--rdzv-backend``. The backends, each
-imported only when chosen (a launch pays for none it does not use):
+What a backend is, apart from its code, is one row of :data:`BACKENDS` (its :class:`Traits`:
+its default port, whether ranks come from the command line, whether it keeps the rendezvous
+itself, whether an agent may host the workers' store, what it does with ``--node-rank``,
+whether TLS applies): the command line, the config and the store read the row, never the
+name. :func:`open_backend` is the only code that looks at the name, to import the one chosen.
+The backends, each imported only when chosen (a launch pays for none it does not use):
 
 ==================  ===============================================================================
 ``server.py``       ``c10d`` (the default): a connection to ``rdzv-server`` over TCP or TLS
@@ -20,8 +24,9 @@ imported only when chosen (a launch pays for none it does not use):
 ``fake.py``         tests: the server's real machine in this process, on a clock the test moves
 ==================  ===============================================================================
 
-Adding a backend: write a link and a backend class that satisfy the two protocols below, give
-it a branch in :func:`open_backend` and a name in ``node_agent.args.SUPPORTED_BACKENDS``.
+Adding a backend takes three files: its module (a link and a backend class that satisfy the
+two protocols below), its row in :data:`BACKENDS` and its branch in :func:`open_backend` (both
+here), and its test.
 
 A backend that cannot be used raises a :class:`RendezvousError`; the agent then exits with
 ``EXIT_RDZV`` and the error's text as its last line.
@@ -30,7 +35,7 @@ A backend that cannot be used raises a :class:`RendezvousError`; the agent then 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from protocol import Message
@@ -38,14 +43,69 @@ if TYPE_CHECKING:
     from ..config import AgentConfig
 
 __all__ = [
+    "BACKENDS",
     "NotARendezvousServer",
     "RendezvousBackend",
     "RendezvousError",
     "RendezvousLink",
     "RendezvousRefused",
     "RendezvousUnreachable",
+    "Traits",
     "open_backend",
 ]
+
+
+class Traits(NamedTuple):
+    """What one ``--rdzv-backend`` is, for the code that is not the backend's own."""
+
+    default_port: int  # the endpoint's port when none is given
+    # No rendezvous: every rank comes from the command line (--node-rank, and the master from
+    # --master-addr/--master-port or the endpoint; worker rank 0 hosts torch's store there).
+    static_ranks: bool
+    # The rendezvous lives in a service of its own (etcd): no agent ever hosts it.
+    keeps_rendezvous: bool
+    # An agent may host the workers' TCPStore: the nodes agree through the rendezvous on who does.
+    agent_store: bool
+    # --node-rank is used (torchrun's etcd backends ignore it, and so do we, saying so).
+    takes_node_rank: bool
+    # A given --node-rank goes in the Join: the server orders a fixed-size job's group ranks by it.
+    joins_node_rank: bool
+    tls: bool  # --tls-* apply: the rendezvous is a rdzv-server
+
+
+_ETCD = Traits(
+    default_port=2379,  # etcd's client port, as torch's etcd backends default to
+    static_ranks=False,
+    keeps_rendezvous=True,
+    agent_store=True,
+    takes_node_rank=False,
+    joins_node_rank=False,
+    tls=False,
+)
+
+# Every --rdzv-backend, by name (c10d first: the default).
+BACKENDS: dict[str, Traits] = {
+    "c10d": Traits(
+        default_port=29500,
+        static_ranks=False,
+        keeps_rendezvous=False,
+        agent_store=True,
+        takes_node_rank=True,
+        joins_node_rank=True,
+        tls=True,
+    ),
+    "static": Traits(
+        default_port=29500,  # torchrun's --master-port default
+        static_ranks=True,
+        keeps_rendezvous=False,
+        agent_store=False,  # no rendezvous to agree through: worker rank 0 hosts it, as torchrun's
+        takes_node_rank=True,
+        joins_node_rank=False,
+        tls=False,
+    ),
+    "etcd": _ETCD,
+    "etcd-v2": _ETCD,  # both names use etcd's v3 API
+}
 
 
 class RendezvousError(Exception):
@@ -137,4 +197,4 @@ async def open_backend(
         from .server import ServerBackend
 
         return await ServerBackend.open(config, node_id=node_id, log=log, clock=clock)
-    raise ValueError(f"unknown rendezvous backend {backend!r}")  # cli/rendezvous.py admits none other
+    raise ValueError(f"unknown rendezvous backend {backend!r}")  # not in BACKENDS: the CLI admits none

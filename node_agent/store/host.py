@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from protocol import Assignment
 
 from ..parts import RoundPart, RoundStart, StartFailed
+from ..rdzv import BACKENDS
 from ..supervisor import procutil
 from ..worker_env import SECRETS
 
@@ -416,7 +417,8 @@ async def start_store(
     """The workers' TCPStore host, started before the first Join; None with the static backend
     (no server to agree through), --no-python (no interpreter of ours), or no core to spare
     beside the workers (CPU affinity: cores <= --nproc-per-node)."""
-    if cfg.rdzv_backend == "static" or cfg.no_python:
+    traits = BACKENDS.get(cfg.rdzv_backend)
+    if (traits is not None and not traits.agent_store) or cfg.no_python:
         return None
     cores = len(os.sched_getaffinity(0))
     if cores <= cfg.nproc_per_node:

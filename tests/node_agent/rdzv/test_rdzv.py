@@ -11,7 +11,7 @@ import pytest
 
 from node_agent.cli.parse import parse_config
 from node_agent.config import AgentConfig
-from node_agent.rdzv import RendezvousBackend, RendezvousError, open_backend
+from node_agent.rdzv import BACKENDS, RendezvousBackend, RendezvousError, open_backend
 
 
 def config(tmp_path: Path, *flags: str) -> AgentConfig:
@@ -29,15 +29,20 @@ def opened(cfg: AgentConfig) -> RendezvousBackend:
     return asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(
-    ("flags", "kind", "reconnects", "shares_joins"),
-    [
-        (("--rdzv-backend=c10d", "--rdzv-endpoint=10.255.255.1:29400"), "ServerBackend", True, False),
-        (("--rdzv-backend=static", "--rdzv-endpoint=10.0.0.1:29400"), "StaticBackend", False, False),
-        (("--rdzv-backend=etcd", "--rdzv-endpoint=etcd.invalid:2379"), "EtcdBackend", True, True),
-        (("--rdzv-backend=etcd-v2", "--rdzv-endpoint=etcd.invalid:2379"), "EtcdBackend", True, True),
-    ],
-)
+OPENS = [
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=10.255.255.1:29400"), "ServerBackend", True, False),
+    (("--rdzv-backend=static", "--rdzv-endpoint=10.0.0.1:29400"), "StaticBackend", False, False),
+    (("--rdzv-backend=etcd", "--rdzv-endpoint=etcd.invalid:2379"), "EtcdBackend", True, True),
+    (("--rdzv-backend=etcd-v2", "--rdzv-endpoint=etcd.invalid:2379"), "EtcdBackend", True, True),
+]
+
+
+def test_every_backend_of_the_table_is_opened_below() -> None:
+    """A row added to ``BACKENDS`` (what the command line admits) comes with its case here."""
+    assert sorted(flags[0].removeprefix("--rdzv-backend=") for flags, *_ in OPENS) == sorted(BACKENDS)
+
+
+@pytest.mark.parametrize(("flags", "kind", "reconnects", "shares_joins"), OPENS)
 def test_each_backend_name_opens_its_backend(
     tmp_path: Path, flags: tuple[str, ...], kind: str, reconnects: bool, shares_joins: bool
 ) -> None:
