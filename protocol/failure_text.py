@@ -19,7 +19,10 @@ def how_it_failed(f: Failure) -> str:
     """``signal SIGKILL``, ``exit code 1``, or ``a hang (no progress past its deadline)``."""
     if f.signal == HUNG:
         return "a hang (no progress past its deadline)"
-    return f"signal {f.signal}" if f.signal else f"exit code {f.exitcode}"
+    if f.signal:
+        # A signal with no name is given as "signal 38" already: not "signal signal 38".
+        return f.signal if f.signal.startswith("signal ") else f"signal {f.signal}"
+    return f"exit code {f.exitcode}"
 
 
 def describe_failure(f: Failure, *, node: bool = True) -> str:

@@ -166,3 +166,15 @@ def test_init_is_compiled_when_the_class_is_declared() -> None:
     declared = Point.__dict__["__init__"]
     assert Point(1).y == 0
     assert Point.__dict__["__init__"] is declared
+
+
+def test_a_signal_without_a_name_is_said_once() -> None:
+    """A worker killed by a real-time signal has no name: "signal 38", not "signal signal 38"."""
+    import dataclasses
+
+    from protocol import Failure
+    from protocol.failure_text import how_it_failed
+
+    f = Failure(node_id="n", addr="a", rank=0, local_rank=0, exitcode=-38, signal="signal 38", timestamp=0.0)
+    assert how_it_failed(f) == "signal 38"
+    assert how_it_failed(dataclasses.replace(f, signal="SIGKILL")) == "signal SIGKILL"
