@@ -425,7 +425,7 @@ class Connection(asyncio.Protocol):
     @property
     def local(self) -> str:
         """Our own address on this connection: the one the peer reached (an I/O fact for the
-        machine's choice of a loopback member's address, ``addresses.py``)."""
+        machine's choice of a loopback member's address, ``machine/addresses.py``)."""
         addr = None if self.transport is None else self.transport.get_extra_info("sockname")
         return str(addr[0]) if isinstance(addr, tuple) and addr else ""
 

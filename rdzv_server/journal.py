@@ -3,7 +3,7 @@
 Why inputs. The rendezvous machine is pure and deterministic with time passed in, so the
 events fed to it, with the time each was handled, rebuild its state exactly: jobs, rounds,
 rank order, failures, exclusions, restart counts, history and counters, with no second
-description of each state change to keep in step with ``state.py``. Three kinds of input
+description of each state change to keep in step with ``machine/state.py``. Three kinds of input
 are rewritten so that replay needs nothing but the log:
 
 - heartbeats, and any event the machine marks ``unchanged`` (a stale or ignored message),

@@ -18,7 +18,7 @@ What a stranger can make the server hold, and for how long, is bounded:
 - Each stage has a deadline: the hello (and a TLS handshake) within ``hello_timeout``, the
   join within ``auth_timeout`` after it, each HTTP request head within ``hello_timeout`` of
   the accept and then ``http_idle_timeout`` of the previous one. The hello and join deadlines
-  are the machine's (``state.py``, "Handshake deadlines"), delivered as its ``Tick``; this
+  are the machine's (``machine/state.py``, "Handshake deadlines"), delivered as its ``Tick``; this
   layer times only what the machine never sees: the TLS handshake, a socket whose first bytes
   have not yet said what it speaks, HTTP connections, and one over the caps being refused.
 - Each stage has a frame limit (``protocol.frame_limits``): 2 KiB before the hello, the

@@ -17,9 +17,9 @@ job's best step, steps/s, the oldest last-progress age and its phase), each memb
 (step, lag behind the fastest node, phase, age with a verdict, step-time percentiles, its
 slowest rank's straggler score), the job's ``stragglers`` and its latest ``hang`` report (the
 stacks every node sent, merged by ``protocol.hang_report``). All of it is volatile machine
-state (``progress.py``): empty after a server restart until the agents' next Progress.
+state (``machine/progress.py``): empty after a server restart until the agents' next Progress.
 
-Facts come from the history events' typed fields (``history.py``: a round's number, a departed
+Facts come from the history events' typed fields (``machine/history.py``: a round's number, a departed
 node's address, which failure an event reports), never from their sentences, which are for
 people. An event older than its field (restored from a version 1 snapshot) has the field
 empty, and the fact it would give shows as ``None``.
