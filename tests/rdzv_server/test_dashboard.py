@@ -383,9 +383,11 @@ async def test_dashboard_shows_step_age_stragglers_and_a_hang_report(
             "return document.querySelector('section.job[data-job-id=\"train\"] .job-step').innerText"
         )
         assert head == "124"
-        # node-a holds all four ranks' snapshots of step 120 (its own and node-b's replicas): the
-        # job's newest consistent snapshot, and its age
-        a.send(SnapshotsHeld(world_size=4, ranks=(0, 1, 2, 3), steps=(120, 120, 120, 120)))
+        # Each node holds its own ranks' snapshots of step 120 (a node's word about another's
+        # ranks is not believed unless it was asked to hold their copies): the job's newest
+        # consistent snapshot, and its age
+        for node in (a, b):
+            node.send(SnapshotsHeld(world_size=4, ranks=(0, 1, 2, 3), steps=(120, 120, 120, 120)))
         await watch.until(lambda: jobs["train"].snapshot_step == 120)
         clock.now += 7.0
         snap = await browser.until(

@@ -24,6 +24,7 @@ ran (``pytest -s``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -265,9 +266,19 @@ class ServerModel(RuleBasedStateMachine):
             if isinstance(e, Close):
                 self.agents.pop(e.conn, None)
             elif isinstance(e, Send) and isinstance(e.msg, Assignment):
+                self.keys_current(e.msg)
                 agent = self.agents.get(e.conn)
                 if agent is not None and agent.join is not None:
                     self.held[(agent.job, agent.node)] = (agent.join, e.msg)
+
+    def keys_current(self, a: Assignment) -> None:
+        """Issue 42: an Assignment names only the keys its job's members joined with last
+        (a node that left, or an earlier round's key, reaches nobody's snapshots)."""
+        job = self.machine.jobs.get(a.job_id)
+        if job is None or not job.members:
+            return  # the job ended within the same event: nothing is served any more
+        keys = {m.replica_key for m in [*job.members.values(), *job.spares.values()]}
+        assert set(a.restore_keys) <= keys and a.replica_key in keys | {""}, (a, keys)
 
     def send(self, conn: int, msg: Message) -> None:
         if conn in self.machine.conns:
@@ -351,7 +362,10 @@ class ServerModel(RuleBasedStateMachine):
             hosts_store=data.draw(st.booleans()),
             # Most nodes offer replicas (in-memory snapshots, issue 35), some do not.
             replica_port=data.draw(mostly(st.just(40000 + NODES.index(node)), st.integers(0, 65535))),
-            replica_key=data.draw(mostly(st.just(f"{NODES.index(node):02x}" * 32), st.just(""))),
+            # A new key at most Joins (issue 42: keys per round), now and then the last one's.
+            replica_key=data.draw(
+                mostly(st.just(f"{NODES.index(node):02x}{self.next_conn % 256:02x}" * 16), st.just(""))
+            ),
             **self.durable(data, chosen),
             **chosen,
         )
@@ -375,7 +389,8 @@ class ServerModel(RuleBasedStateMachine):
         job, node = data.draw(st.sampled_from(sorted(self.held)))
         join, assignment = self.held[(job, node)]
         self.agents[c] = Agent(stage="joined", job=job, node=node, join=join)
-        self.send(c, Resume(join=join, assignment=assignment, succeeded=data.draw(st.booleans())))
+        held = assignment._copy_with(restore_digests=())  # as the agent echoes it
+        self.send(c, Resume(join=join, assignment=held, succeeded=data.draw(st.booleans())))
         return None
 
     def rejoin(self, data: st.DataObject) -> None:
@@ -424,9 +439,28 @@ class ServerModel(RuleBasedStateMachine):
         world = data.draw(mostly(st.just(usual), st.integers(1, MAX_COUNT)), label="world")
         rank = mostly(st.integers(0, min(world, MAX_HELD) - 1), st.integers(0, MAX_COUNT))
         step = mostly(st.integers(0, 50), st.integers(0, MAX_COUNT), st.just(MAX_COUNT))
-        pairs = data.draw(st.lists(st.tuples(rank, step), max_size=12), label="held")
+        if job is not None and world == job.world_size and data.draw(st.booleans(), label="honest"):
+            # As a real agent says them: its own ranks at a few recent steps, and the copies of
+            # its ring predecessor's ranks at the step the server asks to copy.
+            node = self.agents[c].node
+            mine = job.round_spans.get(node)
+            own = list(mine)[:64] if mine is not None and data.draw(st.booleans()) else self.span(data, c, 8)
+            recent = data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=3, unique=True))
+            pairs = [(r, x) for x in recent for r in own]
+            order = [n for n in job.order if n in job.round_spans]
+            if node in order and job.replicate_step >= 0 and len(order) > 1:
+                before = order[order.index(node) - 1]
+                pairs += [(r, job.replicate_step) for r in job.round_spans[before]][:8]
+        else:
+            pairs = data.draw(st.lists(st.tuples(rank, step), max_size=12), label="held")
+        # Issue 42: mostly the true digest of (rank, step), else a forged one or none.
+        forged = st.sampled_from(["", "ee" * 32, honest_digest(0, 0)])
+        digests = [data.draw(mostly(st.just(honest_digest(r, x)), forged), label="digest") for r, x in pairs]
         msg = SnapshotsHeld(
-            world_size=world, ranks=tuple(r for r, _ in pairs), steps=tuple(x for _, x in pairs)
+            world_size=world,
+            ranks=tuple(r for r, _ in pairs),
+            steps=tuple(x for _, x in pairs),
+            digests=tuple(digests) if data.draw(mostly(st.just(True), st.just(False))) else (),
         )
         self.send(c, msg)
 
@@ -504,7 +538,16 @@ class ServerModel(RuleBasedStateMachine):
             timestamp=data.draw(st.floats(0.0, float(2**53))),
             message=data.draw(texts),
         )
-        self.send(c, WorkersFailed(round=self.round_of(data, c), failure=failure, step=data.draw(steps)))
+        job = self.job_of(c)
+        # A node that could not get the round's restore step (issue 42), now and then another.
+        restore = st.just(job.restore_step if job is not None else -1)
+        failed = data.draw(mostly(st.just(-1), restore, steps), label="restore_failed")
+        self.send(
+            c,
+            WorkersFailed(
+                round=self.round_of(data, c), failure=failure, step=data.draw(steps), restore_failed=failed
+            ),
+        )
 
     def succeeded(self, data: st.DataObject) -> None:
         c = self.pick(data)
@@ -609,6 +652,29 @@ class ServerModel(RuleBasedStateMachine):
         if any(c.phase is ConnPhase.JOINED and c.job_id in m.jobs for c in m.conns.values()):
             assert due is not None, "members, and no heartbeat sweep"
         assert state(self.replica) == state(m)
+        for job in m.jobs.values():
+            trusted(job)
+
+
+def honest_digest(rank: int, step: int) -> str:
+    return hashlib.sha256(f"{rank}@{step}".encode()).hexdigest()
+
+
+def trusted(job: Any) -> None:
+    """Issue 42: what a job can restore from is only what was believed, and every believed
+    snapshot a node did not make carries its maker's digest: no forged claim is a source."""
+    prov = job.provenance
+    held = job.restore_points._held
+    for node, (world, believed) in prov._believed.items():
+        assert held.get(node, (world, frozenset()))[1] <= frozenset(believed), node
+        for (rank, step), digest in believed.items():
+            key = (world, rank, step)
+            maker = prov._maker.get(key)
+            assert maker is not None, (node, key)
+            if maker != node:
+                assert digest and digest == prov._digest[key], (node, key, digest)
+    for node in held:
+        assert node in prov._believed, node
 
 
 ServerModel.TestCase.settings = settings(
