@@ -43,6 +43,8 @@ PROC = {
     "node_agent/rdzv/test_rdzv.py",
     "node_agent/rdzv/test_static_ranks.py",
     "node_agent/snapshots/test_channel.py",
+    "node_agent/snapshots/test_replica_tls.py",
+    "node_agent/snapshots/test_restore_fetch.py",
     "node_agent/store/test_store_env.py",
     "node_agent/store/test_store_host.py",
     "node_agent/supervisor/test_signal_witness.py",
