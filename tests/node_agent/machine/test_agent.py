@@ -105,6 +105,20 @@ def test_spawn_failure_is_reported_as_worker_failure() -> None:
     assert m.phase is st.Phase.VERDICT
 
 
+def test_a_restore_step_the_node_could_not_get_is_told_with_its_failure() -> None:
+    """Issue 42: no holder had the owner's bytes of a local rank's restore step; the server is
+    told which step, and restores the next round from another."""
+    m = AgentMachine(settings())
+    m.start(0.0)
+    m.handle(st.ServerSent(assignment()), 0.5)
+    eff = m.handle(
+        st.WorkersStartFailed("could not fetch rank 1's snapshot of step 7", restore_failed=7), 0.6
+    )
+    (send,) = [e for e in eff if isinstance(e, st.Send)]
+    assert isinstance(send.msg, WorkersFailed) and send.msg.restore_failed == 7
+    assert "step 7" in send.msg.failure.message
+
+
 def test_an_assignment_we_did_not_join_for_is_the_servers_protocol_error() -> None:
     m = running()
     eff = m.handle(st.ServerSent(assignment(1)), 2.0)
