@@ -34,8 +34,11 @@ __all__ = [
     "Holdings",
     "HoldingsError",
     "NoRoom",
+    "file_sha256",
+    "hash_fd",
     "part_name",
     "snap_name",
+    "write_all",
 ]
 
 MAX_RANK = 2**31  # ranks are below it (torch's ranks are 32-bit ints)
@@ -330,3 +333,47 @@ class Holdings:
                 os.unlink(reserved.path)
             except OSError:
                 pass
+
+
+# -- the files' bytes (the replica channel's server and client) -------------------------------
+
+
+def hash_fd(fd: int, size: int, chunk: int) -> str:
+    """sha256 of the first ``size`` bytes of ``fd`` (in a thread: a large file takes seconds).
+    Closes ``fd``: the caller hands over a dup, so a cancelled caller never closes it under us."""
+    import hashlib  # here: a node that only holds snapshots never initialises OpenSSL
+
+    try:
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < size:
+            data = os.pread(fd, min(chunk, size - offset), offset)
+            if not data:
+                raise OSError(f"the file ended {size - offset} bytes short")
+            digest.update(data)
+            offset += len(data)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a held file, read ``chunk`` bytes at a time (never whole; no symlink followed).
+    Blocking: call it in a thread from an event loop. Raises OSError."""
+    import hashlib
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        digest = hashlib.sha256()
+        while data := os.read(fd, chunk):
+            digest.update(data)
+        return digest.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``data`` into ``fd`` whole (a write may take less)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

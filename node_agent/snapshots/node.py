@@ -12,7 +12,8 @@
   (``KeepSnapshot.replicate``, see ``rdzv_server/machine/restore_rules.py``); each local rank's
   snapshot of it is pushed to the round's ring peer (``Assignment.replica_to``) in the
   background, at ``--snapshot-replication-rate``, and offered again while the copy is missing:
-  ``channel.py``. A job of one node has no peer: no replica server, no channel.
+  ``client.py`` (to a peer's ``server.py``, over ``wire.py``). A job of one node has no peer: no
+  replica server, no channel.
 - **Restoring.** Before a round's workers start (:meth:`SnapshotNode.prepare`): snapshots of a
   job of another world size are dropped (they can never be restored), half-written ones and
   any newer than the round's restore step are removed (another attempt's, which some rank
@@ -47,9 +48,10 @@ from ..worker_env import RESTORE_DIGEST_VAR, RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR,
 
 if TYPE_CHECKING:
     from ..supervisor.spec import GroupResult
-    from .channel import ReplicaServer, Replicator
+    from .client import Replicator
     from .durable import DurableDir, Offer
     from .holdings import Holdings
+    from .server import ReplicaServer
 
 __all__ = ["POLL_S", "RestoreFailed", "SnapshotNode", "default_memory", "file_limit", "start_snapshots"]
 
@@ -141,7 +143,8 @@ class SnapshotNode(RoundPart):
         self._replica_ranks: range = range(0)  # whose replicas we take (our ring predecessor's)
         self._push_steps: tuple[int, ...] = ()
         if replicate:
-            from .channel import ReplicaServer, Replicator, new_key
+            from .client import Replicator
+            from .server import ReplicaServer, new_key
 
             self.key = new_key()
             self.server = ReplicaServer(self.holdings, key=self.key, on_received=self._wake.set)
@@ -214,7 +217,7 @@ class SnapshotNode(RoundPart):
         """A new replica key for the next Join (issue 42): the server gives it to that round's
         members only, so a node that left can no longer read or write here."""
         if self.server is not None:
-            from .channel import new_key
+            from .server import new_key
 
             self.key = new_key()
             self.server.set_key(self.key)
@@ -361,7 +364,7 @@ class SnapshotNode(RoundPart):
         """``rank``'s snapshot of the restore step from the first holder that has the owner's
         bytes (each tried twice where the connection failed, once where the holder refused);
         RestoreFailed when none does."""
-        from .channel import ReplicaError, pull
+        from .client import ReplicaError, pull
 
         step, said = a.restore_step, []
         deadline_s = FETCH_BASE_S + self.limit / FETCH_MIN_RATE

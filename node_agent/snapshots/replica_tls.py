@@ -11,7 +11,7 @@ travels to the job's other agents through the rendezvous, which is TLS-protected
 rendezvous uses TLS, as the replica key does.
 
 A client (:func:`client_context`) verifies no chain and no name: it checks, right after the
-handshake, that the peer's certificate has the fingerprint announced for it (``channel`` does,
+handshake, that the peer's certificate has the fingerprint announced for it (``client.py`` does,
 with :func:`peer_cert_sha256`), and refuses any other. Expiry is not checked either, so a job
 that outlives the validity keeps replicating: the pin, not the dates, is what is trusted.
 

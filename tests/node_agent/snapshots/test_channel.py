@@ -1,6 +1,7 @@
-"""node_agent/snapshots/channel.py on real loopback sockets: a push and a pull round-trip; a
-stranger, a malformed or oversized request, a lying or short or stalled stream are each refused
-with nothing left behind while the server keeps serving; the pacing and the Replicator's skipping.
+"""The snapshot channel (node_agent/snapshots/wire.py, server.py, client.py) on real loopback
+sockets: a push and a pull round-trip; a stranger, a malformed or oversized request, a lying or
+short or stalled stream are each refused with nothing left behind while the server keeps
+serving; the pacing and the Replicator's skipping.
 Issue 42's: a former round's key, a push the server did not ask for, idle strangers filling the
 connections, TLS pinned to an ephemeral certificate, a pull's deadline and the owner's digest.
 
@@ -24,22 +25,12 @@ from typing import Any
 import pytest
 
 from edge.tls import client_context, server_context
-from node_agent.snapshots.channel import (
-    MAGIC,
-    ReplicaError,
-    ReplicaServer,
-    Replicator,
-    TokenBucket,
-    file_sha256,
-    new_key,
-    pull,
-    push,
-    reply_mac,
-    request_mac,
-)
-from node_agent.snapshots.holdings import Holdings, snap_name
+from node_agent.snapshots.client import ReplicaError, Replicator, TokenBucket, pull, push
+from node_agent.snapshots.holdings import Holdings, file_sha256, snap_name
 from node_agent.snapshots.replica_tls import ReplicaTLS, make_server_tls
 from node_agent.snapshots.replica_tls import client_context as pinning_context
+from node_agent.snapshots.server import ReplicaServer, new_key
+from node_agent.snapshots.wire import MAGIC, reply_mac, request_mac
 from tests.pki import make_pki
 
 HOST = "127.0.0.1"
