@@ -47,13 +47,13 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO, Literal, TextIO, cast
 
 from node_agent.supervisor import procutil
 from node_agent.supervisor.console import Console, LineFilter, open_pty
 from node_agent.supervisor.signal_witness import SignalWitness
-from node_agent.supervisor.warm import WarmHandoffError, WarmInterpreter, WarmPool
+from node_agent.supervisor.warm import WarmInterpreter, WarmPool, hand_off
 
 from .output import SharedFile, StreamSink, plan_stdio
 from .process import (
@@ -61,10 +61,8 @@ from .process import (
     Watchdog,
     Worker,
     WorkerProtocol,
-    is_open,
     wait_futures,
     wait_pids_dead,
-    write_all,
 )
 from .spec import DRAIN_TIMEOUT, REAP_TIMEOUT, GroupResult, WorkerSpawnError, WorkerSpec
 
@@ -320,7 +318,7 @@ class WorkerGroup:
                     cpus = sorted(spec.cpus or ())
                     raise OSError(errno.EINVAL, f"cannot bind it to CPUs {cpus} ({e})") from e
             else:
-                transport = await self._hand_off(worker, warm, stdio, direct)
+                transport = await hand_off(worker, warm, stdio, direct, self._log)
         except BaseException:
             for sink in worker.sinks.values():
                 sink.close()
@@ -339,69 +337,19 @@ class WorkerGroup:
         for fd, read_end in reads.items():
             await worker.read_pipe(fd, read_end)
 
-    async def _hand_off(
-        self,
-        worker: Worker,
-        warm: WarmInterpreter,
-        stdio: Mapping[int, int],
-        direct: Mapping[int, int | BinaryIO],
-    ) -> asyncio.SubprocessTransport:
-        """Make a warm interpreter this worker: its warm-up's output first goes where the
-        worker's would (so it comes before the worker's own), then it gets the descriptors a
-        cold worker would get, stdin being ours as a cold worker inherits it."""
-        spec = worker.spec
-        for fd in (1, 2):
-            data = warm.prelude(fd)
-            if not data:
-                continue
-            if fd in worker.sinks:
-                worker.feed(fd, data)
-                continue
-            target = direct.get(fd)
-            try:
-                if isinstance(target, int):
-                    write_all(target, data)
-                elif target is not None:
-                    target.write(data)
-                    target.flush()
-            except OSError as e:
-                self._log(f"local_rank {spec.local_rank}: cannot write its preload output ({e})")
-        fds = dict(stdio)
-        if is_open(0):
-            fds[0] = 0
-        await warm.handoff(
-            argv=spec.argv,
-            env=spec.env,
-            cwd=spec.cwd or os.getcwd(),
-            fds=fds,
-            on_exit=worker.on_exited,
-        )
-        assert warm.transport is not None
-        worker.warm = True
-        return warm.transport
-
     async def _warm_worker(
         self, spec: WorkerSpec, loop: asyncio.AbstractEventLoop, preexec: Callable[[], None] | None
     ) -> Worker | None:
-        """The worker made from this rank's warm interpreter, or None: start it cold (the
-        pool said why).  A failed handoff leaves nothing behind: the pool kills that one."""
-        pool = self._warm
-        if pool is None:
+        """The worker made from this rank's warm interpreter (warm.py), or None: start it cold."""
+        if self._warm is None:
             return None
-        interp = await pool.take(spec.local_rank, spec.argv, spec.env, spec.cpus)
-        if interp is None:
-            return None
-        worker = Worker(spec, loop)
-        try:
+
+        async def become(interp: WarmInterpreter) -> Worker:
+            worker = Worker(spec, loop)
             await self._spawn(worker, loop, preexec, interp)
-        except (WarmHandoffError, OSError) as e:
-            pool.failed(interp, e)
-            return None
-        except BaseException:
-            pool.discard(interp)
-            raise
-        pool.taken(spec.local_rank)
-        return worker
+            return worker
+
+        return await self._warm.become(spec, become)
 
     def _refill(self, local_rank: int, _exited: object = None) -> None:
         if self._warm is not None:

@@ -19,6 +19,11 @@ Whatever goes wrong (an import error, an interpreter that dies or takes longer t
 ``PRELOAD_TIMEOUT``, a handoff that fails, an entrypoint that is ``--no-python``) the workers
 start cold as before, and the agent says why once; a failed preload turns warm-ups off for the
 rest of the run.
+
+The supervisor's side of a hand-off is here too: :meth:`WarmPool.become` (take this rank's
+interpreter, make it the worker, or say why the worker starts cold) and :func:`hand_off` (the
+warm-up's output first, then the worker's descriptors); ``group.py`` only opens the worker's
+stdio, as for a cold worker.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import os
 import signal
 import socket
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
 from ..config import AgentConfig
 from ..worker_env import (
@@ -41,6 +47,13 @@ from ..worker_env import (
     worker_env,
 )
 from . import procutil
+from .process import is_open, write_all
+
+if TYPE_CHECKING:
+    from .process import Worker
+    from .spec import WorkerSpec
+
+T = TypeVar("T")
 
 __all__ = [
     "PRELOAD_TIMEOUT",
@@ -49,6 +62,7 @@ __all__ = [
     "WarmHandoffError",
     "WarmInterpreter",
     "WarmPool",
+    "hand_off",
     "warm_env",
     "warm_pool",
 ]
@@ -451,6 +465,24 @@ class WarmPool:
             return None
         return interp
 
+    async def become(self, spec: WorkerSpec, start: Callable[[WarmInterpreter], Awaitable[T]]) -> T | None:
+        """The worker ``start`` makes of this rank's warm interpreter (``start`` calls
+        :func:`hand_off`), or None: it starts cold (said once). A failed hand-off leaves nothing
+        behind: that interpreter is killed, and warm-ups are off from then on."""
+        interp = await self.take(spec.local_rank, spec.argv, spec.env, spec.cpus)
+        if interp is None:
+            return None
+        try:
+            made = await start(interp)
+        except (WarmHandoffError, OSError) as e:
+            self.failed(interp, e)
+            return None
+        except BaseException:
+            self.discard(interp)
+            raise
+        self.taken(spec.local_rank)
+        return made
+
     def taken(self, local_rank: int) -> None:
         """A warm interpreter of this rank became its worker: warm the next one a bit later."""
         if self._closed or self.disabled is not None or local_rank in self._timers:
@@ -539,6 +571,49 @@ class WarmPool:
             self.discard(interp)
             raise
         return interp
+
+
+async def hand_off(
+    worker: Worker,
+    warm: WarmInterpreter,
+    stdio: Mapping[int, int],
+    direct: Mapping[int, int | BinaryIO],
+    log: Callable[[str], None],
+) -> asyncio.SubprocessTransport:
+    """Make a warm interpreter this worker: its warm-up's output first goes where the
+    worker's would (so it comes before the worker's own), then it gets the descriptors a
+    cold worker would get, stdin being ours as a cold worker inherits it. ``stdio``: the
+    descriptor for each of the worker's fds; ``direct``: those the worker writes itself."""
+    spec = worker.spec
+    for fd in (1, 2):
+        data = warm.prelude(fd)
+        if not data:
+            continue
+        if fd in worker.sinks:
+            worker.feed(fd, data)
+            continue
+        target = direct.get(fd)
+        try:
+            if isinstance(target, int):
+                write_all(target, data)
+            elif target is not None:
+                target.write(data)
+                target.flush()
+        except OSError as e:
+            log(f"local_rank {spec.local_rank}: cannot write its preload output ({e})")
+    fds = dict(stdio)
+    if is_open(0):
+        fds[0] = 0
+    await warm.handoff(
+        argv=spec.argv,
+        env=spec.env,
+        cwd=spec.cwd or os.getcwd(),
+        fds=fds,
+        on_exit=worker.on_exited,
+    )
+    assert warm.transport is not None
+    worker.warm = True
+    return warm.transport
 
 
 def warm_pool(cfg: AgentConfig, environ: Mapping[str, str], log: Callable[[str], None]) -> WarmPool | None:
