@@ -12,9 +12,31 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .api import LaunchConfig, LaunchError, ProcessFailure, elastic_launch, launch, launch_async
+    from .api import (
+        ChildFailedError,
+        LaunchConfig,
+        LaunchError,
+        ProcessFailure,
+        RendezvousError,
+        RendezvousTimeoutError,
+        SignalException,
+        elastic_launch,
+        launch,
+        launch_async,
+    )
 
-__all__ = ["LaunchConfig", "LaunchError", "ProcessFailure", "elastic_launch", "launch", "launch_async"]
+__all__ = [
+    "ChildFailedError",
+    "LaunchConfig",
+    "LaunchError",
+    "ProcessFailure",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "SignalException",
+    "elastic_launch",
+    "launch",
+    "launch_async",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,9 +21,12 @@ one: each worker runs ``python -m node_agent.api PAYLOAD RESULTS``, which restor
 ``sys.path``, unpickles the callable and its arguments (so the callable must be importable at the
 top level of a module, as for ``multiprocessing``'s spawn), calls it, and pickles its return
 value into ``RESULTS/<RANK>.pkl``. ``launch`` returns ``{global_rank: value}`` for this node's
-ranks of the attempt that succeeded (``None`` for a script or command). A failed job raises
-:class:`LaunchError`, whose message names the job's root cause: the rank, its exit code and its
-error, as torch's ``ChildFailedError`` does.
+ranks of the attempt that succeeded (``None`` for a script or command). A failed job raises a
+:class:`LaunchError` in the shape of what torch's ``elastic_launch`` raises for the same ending
+(and, where torch is importable, of torch's class too): :class:`ChildFailedError` when a worker
+failed, whose message names the job's root cause (the rank, its exit code and its error),
+:class:`SignalException` when a signal stopped the launch, :class:`RendezvousError` when the
+rendezvous could not be completed.
 
 Pickle is used only here, between this process and its own workers through a private temporary
 directory, for the user's Python objects (as torch and multiprocessing do); the wire protocol
@@ -47,7 +50,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import KW_ONLY, field
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
@@ -64,9 +67,13 @@ if TYPE_CHECKING:
     from .runner import AgentOutcome
 
 __all__ = [
+    "ChildFailedError",
     "LaunchConfig",
     "LaunchError",
     "ProcessFailure",
+    "RendezvousError",
+    "RendezvousTimeoutError",
+    "SignalException",
     "elastic_launch",
     "from_torch",
     "launch",
@@ -173,13 +180,23 @@ class LaunchConfig:
 _NOT_AVAILABLE = "<N/A>"  # torch's spelling of "no error file" / "no signal"
 
 
+def _signal_name(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return _NOT_AVAILABLE
+    return _NOT_AVAILABLE
+
+
 @record(frozen=True)
 class ProcessFailure:
     """One failed worker, in the shape of torch's ``ProcessFailure`` (``LaunchError.failures``).
 
     ``message`` is the error file's ``message`` entry (a dict with the traceback, or a str) as
-    torch reads it, else node-agent's description of the failure (exit code, signal, the last
-    lines of stderr); ``error_file`` is ``"<N/A>"`` when the worker wrote none, as in torch.
+    torch reads it, else node-agent's description of the failure (the last lines of stderr),
+    else torch's own text (``To enable traceback see: ...``, or ``Signal N (SIGX) received by
+    PID P``); ``error_file`` is ``"<N/A>"`` when the worker wrote none, as in torch.
     """
 
     local_rank: int
@@ -193,12 +210,7 @@ class ProcessFailure:
     node_id: str = ""
 
     def signal_name(self) -> str:
-        if self.exitcode < 0:
-            try:
-                return signal.Signals(-self.exitcode).name
-            except ValueError:
-                return _NOT_AVAILABLE
-        return _NOT_AVAILABLE
+        return _signal_name(self.exitcode)
 
     def timestamp_isoformat(self) -> str:
         from datetime import datetime
@@ -218,6 +230,14 @@ class ProcessFailure:
             if loaded is not None and "message" in loaded:
                 message = loaded["message"]
                 data = loaded
+        if not message:  # torch's ProcessFailure makes one up, as here
+            if failure.exitcode < 0:
+                name = failure.signal or _signal_name(failure.exitcode)
+                message = f"Signal {-failure.exitcode} ({name}) received by PID {failure.pid}"
+            else:
+                from .error_file import TRACEBACK_HINT
+
+                message = TRACEBACK_HINT
         return cls(
             local_rank=failure.local_rank,
             pid=failure.pid,
@@ -232,17 +252,31 @@ class ProcessFailure:
 
 
 class LaunchError(Exception):
-    """The job failed. ``str()`` names the root cause first, then torch's failure summary.
+    """The launch failed. ``str()`` names the root cause first, then torch's failure summary.
 
-    Shaped as torch's ``ChildFailedError``: ``name`` (the entrypoint), ``failures``
-    (``{global rank: ProcessFailure}`` of this node's failed workers, or of the root cause when
-    it failed on another node) and ``get_first_failure()``. Where torch is importable, what
-    :func:`launch` raises is also an instance of torch's ``ChildFailedError`` (a subclass made
-    on first failure), so ``except ChildFailedError`` and torch's ``@record`` see it as theirs.
+    The base of every error a failed launch raises; what is raised is one of its subclasses,
+    in the shape of what torch's ``elastic_launch`` raises for the same ending:
 
-    ``root_cause`` is the job's first failure (which may be on another node), a
-    ``protocol.Failure``. Without a worker failure (the rendezvous could not be reached, the
-    agent was stopped) ``failures`` is empty and ``reason`` says what happened.
+    * :class:`ChildFailedError`: a worker failed (here or, as the job's root cause, on another
+      node): ``name`` (the entrypoint), ``failures`` (``{global rank: ProcessFailure}`` of this
+      node's failed workers, or of the root cause when it failed elsewhere; never empty) and
+      ``get_first_failure()``;
+    * :class:`SignalException`: the launcher got one of ``signals_to_handle`` (a scheduler's
+      SIGTERM, Ctrl-C) and stopped the workers; ``sigval`` is the signal;
+    * :class:`RendezvousError` (:class:`RendezvousTimeoutError` for a join timeout): no worker
+      failed and the rendezvous could not be completed, reached or kept;
+    * :class:`LaunchError` itself: no worker failed for another reason of the agent's (a
+      failed health check, a NUMA binding that cannot be made); ``reason`` says it.
+
+    Where torch is importable each of these is also torch's class of the same name (a subclass
+    made on first use: ``ChildFailedError``, ``SignalException``, ``RendezvousError``,
+    ``RendezvousTimeoutError``), so ``except`` clauses written for torch catch them, and
+    torch's ``@record`` handles them as its own (only a ``ChildFailedError`` has failures to
+    copy, and only it is one).
+
+    ``exit_code`` is the ``node-agent`` command's exit code for the same ending, ``reason`` the
+    agent's last line, ``root_cause`` the job's first failure (a ``protocol.Failure``, maybe
+    on another node; None when no worker failed) and ``local_failures`` this node's.
     """
 
     def __init__(
@@ -254,13 +288,15 @@ class LaunchError(Exception):
         root_cause: Failure | None = None,
         failures: Mapping[int, ProcessFailure] | None = None,
         name: str = "",
+        local_failures: Sequence[Failure] = (),
     ) -> None:
-        Exception.__init__(self, message)  # not super(): torch's ChildFailedError may follow in the MRO
+        Exception.__init__(self, message)  # not super(): torch's class may follow in the MRO
         self.exit_code = exit_code
         self.reason = reason
         self.root_cause = root_cause
         self.failures: dict[int, ProcessFailure] = dict(failures or {})
         self.name = name
+        self.local_failures: tuple[Failure, ...] = tuple(local_failures)
 
     @property
     def rank(self) -> int | None:
@@ -280,55 +316,107 @@ class LaunchError(Exception):
         return str(self)
 
     def __reduce__(self) -> Any:
-        return (_rebuild_error, (str(self), dict(self.__dict__)))
+        return (_rebuild_error, (_OURS[_ours_of(type(self))], str(self), dict(self.__dict__)))
 
 
-def _rebuild_error(message: str, state: dict[str, Any]) -> LaunchError:
-    error = _error_class().__new__(_error_class())
+class ChildFailedError(LaunchError):
+    """A worker failed: torch's ``ChildFailedError`` (``failures``, ``get_first_failure()``)."""
+
+
+class SignalException(LaunchError):
+    """The launcher got a signal it handles and stopped the workers: torch's ``SignalException``
+    (``sigval``, a ``signal.Signals``; torch's message, ``Process PID got signal: N``)."""
+
+    sigval: signal.Signals
+
+
+class RendezvousError(LaunchError):
+    """No worker failed; the rendezvous could not be completed, reached or kept: torch's
+    ``RendezvousError`` (``torch.distributed.elastic.rendezvous.api``)."""
+
+
+class RendezvousTimeoutError(RendezvousError):
+    """The rendezvous did not complete within its join timeout: torch's ``RendezvousTimeoutError``."""
+
+
+# Our classes by name (for unpickling), and where torch's of the same name lives.
+_OURS: dict[type[LaunchError], str] = {
+    LaunchError: "LaunchError",
+    ChildFailedError: "ChildFailedError",
+    SignalException: "SignalException",
+    RendezvousError: "RendezvousError",
+    RendezvousTimeoutError: "RendezvousTimeoutError",
+}
+_TORCH_HOME = {
+    "ChildFailedError": "torch.distributed.elastic.multiprocessing.errors",
+    "SignalException": "torch.distributed.elastic.multiprocessing.api",
+    "RendezvousError": "torch.distributed.elastic.rendezvous.api",
+    "RendezvousTimeoutError": "torch.distributed.elastic.rendezvous.api",
+}
+_RAISED: dict[str, type[LaunchError]] = {}  # what is raised for each of ours, made on first use
+
+
+def _ours_of(cls: type[LaunchError]) -> type[LaunchError]:
+    """Our class that ``cls`` is (itself, or the torch flavour made of it)."""
+    return next(c for c in cls.__mro__ if c in _OURS)
+
+
+def _rebuild_error(kind: str, message: str, state: dict[str, Any]) -> LaunchError:
+    cls = _raised_class(next(c for c, name in _OURS.items() if name == kind))
+    error = cls.__new__(cls)
     Exception.__init__(error, message)
     error.__dict__.update(state)
     return error
 
 
-_ERROR_CLASS: list[type[LaunchError]] = []
+def _raised_class(ours: type[LaunchError]) -> type[LaunchError]:
+    """``ours``, or where torch is importable a subclass of it and of torch's class of the same
+    name. Made on first use, not at import: the agent and its workers never import torch."""
+    name = _OURS[ours]
+    if name not in _RAISED:
+        cls = ours
+        home = _TORCH_HOME.get(name)
+        if home is not None:
+            import importlib
+            import importlib.util
 
-
-def _error_class() -> type[LaunchError]:
-    """LaunchError, or where torch is importable a subclass of it and of torch's ChildFailedError.
-
-    Made on the first failure, not at import: the agent and its workers never import torch.
-    """
-    if not _ERROR_CLASS:
-        cls: type[LaunchError] = LaunchError
-        import importlib.util
-
-        try:
-            if importlib.util.find_spec("torch") is not None:
-                from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-                cls = type(
-                    "ChildFailedError",
-                    (LaunchError, ChildFailedError),
-                    {"__module__": __name__, "__doc__": LaunchError.__doc__},
-                )
-        except Exception:  # a broken torch install: our own error still says it all
-            cls = LaunchError
-        _ERROR_CLASS.append(cls)
-    return _ERROR_CLASS[0]
+            try:
+                if importlib.util.find_spec("torch") is not None:
+                    theirs = getattr(importlib.import_module(home), name)
+                    cls = type(name, (ours, theirs), {"__module__": __name__, "__doc__": ours.__doc__})
+            except Exception:  # a broken torch install: our own error still says it all
+                cls = ours
+        _RAISED[name] = cls
+    return _RAISED[name]
 
 
 def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int, Any]:
     """Run ``entrypoint`` under a node agent on this node and wait for the whole job to end.
 
     Returns ``{global_rank: return value}`` for this node's workers (``None`` for a script or
-    command). Raises :class:`LaunchError` when the job fails, and
+    command). Raises a :class:`LaunchError` when the job fails (:class:`ChildFailedError`,
+    :class:`SignalException`, :class:`RendezvousError`: see there), and
     :class:`~node_agent.config.ConfigError` for a bad configuration, before anything starts.
 
+    As torch's ``elastic_launch``, it neither sets ``OMP_NUM_THREADS`` for the workers nor
+    prints torchrun's banner about it (the ``node-agent`` command and
+    :func:`node_agent.run.run` do, as the ``torchrun`` command does): workers inherit this
+    process's environment.
+
     ``launch`` runs its own event loop, so it cannot be called from a running one: there, use
-    ``await launch_async(...)``. It must be called from the main thread, since the agent
-    handles signals (SIGTERM, SIGINT, ... are forwarded to the workers while the job runs);
-    the signal handlers in place before the call are put back afterwards.
+    ``await launch_async(...)``. It runs in any thread. In the main thread the agent handles
+    ``signals_to_handle`` (and SIGUSR1/SIGUSR2, passed on to the workers) while the job runs,
+    and puts the handlers in place before the call back afterwards; one of those signals ends
+    the launch with :class:`SignalException`, as torch's agent. In another thread, as torch's
+    agent there, it handles no signal (a signal is the main thread's to handle, and Python
+    delivers it there): it says so in a warning, and a launcher killed then leaves it to the
+    orphan watchdog and the workers' PDEATHSIG (tied to the launching thread) to stop them.
     """
+    return _launch(config, entrypoint, args, torchrun=False)
+
+
+def _launch(config: Any, entrypoint: Entrypoint, args: tuple[Any, ...], *, torchrun: bool) -> dict[int, Any]:
+    """:func:`launch`; ``torchrun``: as the torchrun command (OMP_NUM_THREADS and its banner)."""
     import asyncio  # here, not at the top: a callable's worker imports this module first
 
     try:
@@ -340,13 +428,13 @@ def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int
             "node_agent.launch() cannot be called from a running event loop (it runs its own); "
             "use `await node_agent.launch_async(...)` there"
         )
-    _require_main_thread("launch")
     config = from_torch(config)
     from edge.loop import run_loop  # uvloop where installed, as the node-agent command
 
-    saved = _signal_handlers(config)
+    main = threading.current_thread() is threading.main_thread()
+    saved = _signal_handlers(config) if main else {}
     try:
-        return run_loop(launch_async(config, entrypoint, *args))
+        return run_loop(_launch_async(config, entrypoint, args, torchrun=torchrun))
     finally:
         for signum, handler in saved.items():
             with contextlib.suppress(OSError, ValueError, TypeError):
@@ -354,28 +442,90 @@ def launch(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int
 
 
 async def launch_async(config: LaunchConfig, entrypoint: Entrypoint, *args: Any) -> dict[int, Any]:
-    """:func:`launch` for code that already runs an event loop (in the main thread).
+    """:func:`launch` for code that already runs an event loop (in any thread, as :func:`launch`).
 
-    The agent adds its signal handlers to the running loop while the job runs and removes them
-    afterwards; a handler the caller had added for the same signal with
+    In the main thread the agent adds its signal handlers to the running loop while the job
+    runs and removes them afterwards; a handler the caller had added for the same signal with
     ``loop.add_signal_handler`` must be added again.
     """
-    _require_main_thread("launch_async")
-    config = from_torch(config)
-    from .runner import Agent
+    return await _launch_async(config, entrypoint, args, torchrun=False)
 
-    with tempfile.TemporaryDirectory(prefix="node-agent-launch-") as tmp:
+
+async def _launch_async(
+    config: Any, entrypoint: Entrypoint, args: tuple[Any, ...], *, torchrun: bool
+) -> dict[int, Any]:
+    import asyncio
+
+    from .runner import Agent
+    from .worker_env import SETS_OMP_THREADS
+
+    config = from_torch(config)
+    seen: list[int] = []  # the signals the agent got while it ran, in order
+    with (
+        tempfile.TemporaryDirectory(prefix="node-agent-launch-") as tmp,
+        _signals_seen(asyncio.get_running_loop(), seen),
+    ):
         results_dir = os.path.join(tmp, "results")
         os.mkdir(results_dir)
         name, entry_argv, is_callable = _entry(config, entrypoint, args, tmp, results_dir)
         agent_config = agent_config_for(config, entry_argv)
-        outcome = await Agent(agent_config).run()
+        omp = SETS_OMP_THREADS.set(torchrun)  # this task's and its children's, not another launch's
+        try:
+            outcome = await Agent(agent_config).run()
+        finally:
+            SETS_OMP_THREADS.reset(omp)
         if outcome.code != 0:
-            raise _launch_error(name, outcome)
+            handled = {int(signal.Signals[s]) for s in agent_config.signals_to_handle}
+            signum = next((s for s in seen if s in handled), None)
+            raise _launch_error(name, outcome, signum)
         ranks = sorted(outcome.ranks.values())
         if not is_callable:
             return dict.fromkeys(ranks)
         return {rank: _load_result(results_dir, rank) for rank in ranks}
+
+
+@contextlib.contextmanager
+def _signals_seen(loop: Any, seen: list[int]) -> Iterator[None]:
+    """While the agent runs on ``loop``: each signal its handlers get is noted in ``seen``
+    (what :class:`SignalException` says); off the main thread it adds none, as torch's agent
+    (``loop.add_signal_handler`` works only in the main thread)."""
+    main = threading.current_thread() is threading.main_thread()
+    real_add, real_remove = loop.add_signal_handler, loop.remove_signal_handler
+    names = ("add_signal_handler", "remove_signal_handler")
+    own = {name: vars(loop)[name] for name in names if name in vars(loop)}  # the caller's own, if any
+    warned: list[int] = []
+
+    def add(sig: int, callback: Callable[..., Any], *args: Any) -> None:
+        if not main:
+            if not warned:
+                warned.append(sig)
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "node-agent runs in a thread other than the main one, where it handles no "
+                    "signal (as torch's agent); should this process be killed, the workers are "
+                    "stopped by its orphan watchdog"
+                )
+            return
+
+        def noted(*given: Any) -> None:
+            seen.append(int(sig))
+            callback(*given)
+
+        real_add(sig, noted, *args)
+
+    def remove(sig: int) -> bool:
+        return bool(real_remove(sig)) if main else False
+
+    loop.add_signal_handler, loop.remove_signal_handler = add, remove
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in own:
+                setattr(loop, name, own[name])
+            else:
+                delattr(loop, name)
 
 
 class elastic_launch:  # torch's name (a class), so that a wrapper can switch by import
@@ -386,6 +536,12 @@ class elastic_launch:  # torch's name (a class), so that a wrapper can switch by
     command (torchrun's ``sys.executable, "-u", [-m], script, ...``) runs the script or module
     as node-agent runs a Python script. Our argv lists and script paths work as for
     :func:`launch` (a str that is an existing ``.py`` file is a script, run with this Python).
+
+    As torch's: ``OMP_NUM_THREADS`` and its banner are left to the command line (the workers
+    inherit this process's environment); it runs in any thread (in one other than the main
+    thread it handles no signal, as torch's); a failed launch raises torch's exception for
+    that ending (:class:`LaunchError`'s subclasses: ``ChildFailedError`` with ``failures``,
+    ``SignalException`` with ``sigval``, ``RendezvousError``).
     """
 
     def __init__(self, config: Any, entrypoint: Entrypoint | None, health_check_server: Any = None) -> None:
@@ -401,7 +557,7 @@ class elastic_launch:  # torch's name (a class), so that a wrapper can switch by
 
     def __call__(self, *args: Any) -> dict[int, Any]:
         config, entrypoint, rest = _torch_entry(self._config, self._entrypoint, args)
-        return launch(config, entrypoint, *rest)
+        return _launch(config, entrypoint, rest, torchrun=False)
 
 
 def _is_python(command: str) -> bool:
@@ -688,39 +844,44 @@ def _load_result(results_dir: str, rank: int) -> Any:
         return None  # the worker ended with sys.exit(0) before returning
 
 
-def _launch_error(name: str, outcome: AgentOutcome) -> LaunchError:
+def _launch_error(name: str, outcome: AgentOutcome, signum: int | None = None) -> LaunchError:
+    """The error for a launch that ended with ``outcome``; ``signum``: a handled signal the
+    agent got (the launch ended because of it, as torch's agent ends on one)."""
     from protocol.failure_text import describe_failure
 
     from .agent_log import shown
     from .report import failure_summary
 
-    error_class = _error_class()
     code = outcome.code
     reason = outcome.reason or f"the agent exited with {code}"
     local = outcome.local_failures
     root = outcome.failure or (min(local, key=lambda f: f.timestamp) if local else None)
+    failures = {} if root is None else {f.rank: ProcessFailure.from_failure(f) for f in (local or (root,))}
+    common: dict[str, Any] = {
+        "exit_code": code,
+        "reason": reason,
+        "root_cause": root,
+        "failures": failures,
+        "name": name,
+        "local_failures": local,
+    }
+    if signum is not None:
+        sigval = signal.Signals(signum)
+        error = _raised_class(SignalException)(f"Process {os.getpid()} got signal: {sigval}", **common)
+        error.sigval = sigval  # type: ignore[attr-defined]
+        return error
     if root is None:
-        return error_class(
-            f"{name} failed: {reason} (exit code {code})", exit_code=code, reason=reason, name=name
-        )
-    failures = {f.rank: ProcessFailure.from_failure(f) for f in (local or (root,))}
+        kind: type[LaunchError] = LaunchError
+        if "(join_timeout)" in reason:
+            kind = RendezvousTimeoutError
+        elif "rendezvous" in reason.lower():
+            kind = RendezvousError
+        return _raised_class(kind)(f"{name} failed: {reason} (exit code {code})", **common)
     # Worded as everywhere else a failure is shown; its texts may come from another node.
-    error = next((line for line in root.message.splitlines() if line.strip()), "no error message")
-    headline = f"{name} failed: {shown(describe_failure(root))}: {shown(error)}"
+    first = next((line for line in root.message.splitlines() if line.strip()), "no error message")
+    headline = f"{name} failed: {shown(describe_failure(root))}: {shown(first)}"
     summary = failure_summary(name, root, local)
-    return error_class(
-        f"{headline}\n{summary}",
-        exit_code=code,
-        reason=reason,
-        root_cause=root,
-        failures=failures,
-        name=name,
-    )
-
-
-def _require_main_thread(what: str) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(f"node_agent.{what}() must run in the main thread: the agent handles signals")
+    return _raised_class(ChildFailedError)(f"{headline}\n{summary}", **common)
 
 
 def _signal_handlers(config: LaunchConfig) -> dict[int, Any]:

@@ -7,9 +7,11 @@ module offers the same functions, with torch's names, flags, defaults and return
 * :func:`get_args_parser` - torch's parser (every flag in each of torch's spellings, torch's
   defaults and types, ``PET_*`` read as torch does), plus node-agent's own flags;
 * :func:`parse_args`, :func:`config_from_args` (``(LaunchConfig, cmd, cmd_args)``, our
-  :class:`~node_agent.api.LaunchConfig`), :func:`run` (launches; raises the error
-  :func:`node_agent.launch` raises, a torch ``ChildFailedError`` where torch is importable);
-* :func:`main`, which raises on failure as torch's does (``node_agent.cli.main`` returns the
+  :class:`~node_agent.api.LaunchConfig`), :func:`run` (launches; raises what torch's raises
+  for the same ending, in torch's classes where torch is importable: ``ChildFailedError``
+  with its failures, ``SignalException`` with ``sigval``, ``RendezvousError``);
+* :func:`main`, which raises on failure as torch's does and, as torch's ``@record``-wrapped
+  one, writes the launcher's ``TORCHELASTIC_ERROR_FILE`` (``node_agent.cli.main`` returns the
   exit code instead);
 * :func:`install`: replaces ``torch.distributed.run.run`` and ``main`` in this process with
   ours, so a wrapper that calls them launches with node-agent. ``python -m node_agent.inprocess
@@ -33,7 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .api import LaunchConfig, elastic_launch
+from .api import ChildFailedError, LaunchConfig, _launch, _torch_entry
 from .config import ConfigError
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torch's
@@ -291,16 +293,53 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """torch's ``run(args)``: launch this node's workers and wait for the job; raise on failure
-    (:class:`~node_agent.api.LaunchError`, also torch's ``ChildFailedError`` where torch is
-    importable; :class:`~node_agent.config.ConfigError` for a bad command line)."""
+    what torch's raises for that ending (:class:`~node_agent.api.LaunchError`'s subclasses,
+    also torch's classes where torch is importable: ``ChildFailedError`` when a worker failed,
+    ``SignalException`` when a signal stopped the launch, ``RendezvousError``), and
+    :class:`~node_agent.config.ConfigError` for a bad command line.
+
+    As torch's ``run`` (whose ``config_from_args`` does it), the workers get
+    ``OMP_NUM_THREADS=1`` with torchrun's banner when the variable is unset and several run
+    on the node; this process's own environment is left alone."""
     config, cmd, cmd_args = config_from_args(args)
-    elastic_launch(config, cmd)(*cmd_args)
+    config, entrypoint, rest = _torch_entry(config, cmd, tuple(cmd_args))
+    _launch(config, entrypoint, rest, torchrun=True)
 
 
 def main(args: Sequence[str] | None = None) -> None:
     """torch's ``main``: parse ``args`` (default ``sys.argv[1:]``) and :func:`run`; raises on
-    failure (torch's does too), never returns an exit code."""
-    run(parse_args(args))
+    failure (torch's does too), never returns an exit code.
+
+    As torch's, which is wrapped in ``@record``: when the launch fails, the launcher's
+    ``TORCHELASTIC_ERROR_FILE`` (named in this process's environment at the call) receives
+    what the ``node-agent`` command writes there for a worker failure (the root cause's own
+    error file, copied with its ``errorCode``, else the failure as reported) and, for any
+    other exception (a signal, the rendezvous, a bad command line), the exception as torch's
+    ``@record`` writes it. A ``SystemExit(0)`` returns, as under ``@record``."""
+    from . import error_file as ef
+
+    path = ef.launcher_error_file(os.environ)
+    try:
+        run(parse_args(args))
+    except SystemExit as exc:
+        if exc.code == 0:
+            return
+        raise
+    except ChildFailedError as exc:
+        if path:
+            record = ef.outcome_record(exc.exit_code or 1, exc.reason, exc.root_cause, exc.local_failures)
+            if record is not None:
+                ef.write(path, record, _warn)
+        raise
+    except Exception as exc:
+        if path:
+            ef.write(path, ef.exception_record(exc), _warn)
+        raise
+
+
+def _warn(text: str, level: str) -> None:
+    if level != "debug":
+        print(f"[node-agent] {text}", file=sys.stderr)
 
 
 # --- install(): torch.distributed.run's functions, replaced in this process ---------------------

@@ -41,6 +41,7 @@ import os
 import socket
 import string
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Protocol
 
 from protocol import Assignment
@@ -76,6 +77,11 @@ _OMP_NOTICE = (
     "*****************************************"
 )
 _DEFAULT_OMP_THREADS = 1
+# Whether the agent sets OMP_NUM_THREADS (and says so) as the torchrun command does: the
+# node-agent command and node_agent.run.run do; node_agent.launch()/elastic_launch() set it
+# False for their own run (a context variable: one launch's, not another thread's), as torch's
+# elastic_launch leaves the variable to the command line.
+SETS_OMP_THREADS: ContextVar[bool] = ContextVar("SETS_OMP_THREADS", default=True)
 # What the agent reads from its environment that a worker must never see.
 SECRETS: tuple[str, ...] = ("RDZV_TOKEN",)
 
@@ -200,7 +206,7 @@ def _own_device(parent_visible: str | None, local_rank: int) -> str:
 
 def _sets_omp_threads(config: AgentConfig, base_env: Mapping[str, str]) -> bool:
     # torchrun's rule: only when the user left it unset and several workers share the node.
-    return "OMP_NUM_THREADS" not in base_env and config.nproc_per_node > 1
+    return SETS_OMP_THREADS.get() and "OMP_NUM_THREADS" not in base_env and config.nproc_per_node > 1
 
 
 def omp_threads_notice(config: AgentConfig, base_env: Mapping[str, str]) -> str | None:

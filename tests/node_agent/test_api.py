@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from node_agent import LaunchConfig, LaunchError, launch, launch_async
-from node_agent.api import WORKER_MODULE, agent_argv, agent_config_for
+from node_agent import (
+    ChildFailedError,
+    LaunchConfig,
+    LaunchError,
+    ProcessFailure,
+    RendezvousError,
+    RendezvousTimeoutError,
+    SignalException,
+    launch,
+    launch_async,
+)
+from node_agent.api import WORKER_MODULE, _launch_error, agent_argv, agent_config_for
 from node_agent.config import ConfigError, Std
+from node_agent.runner import AgentOutcome
+from protocol import Failure
 
 
 def rank_times_ten() -> int:
@@ -34,6 +49,10 @@ def describe(prefix: str, *, scale: int = 1) -> tuple[str, int, int]:
 
 def describe_doubled(prefix: str) -> tuple[str, int, int]:
     return describe(prefix, scale=2)
+
+
+def rank_and_omp() -> tuple[int, str | None]:
+    return int(os.environ["RANK"]), os.environ.get("OMP_NUM_THREADS")
 
 
 # --- real runs (standalone, this machine) ---------------------------------------------------
@@ -91,6 +110,21 @@ def test_a_failing_script_names_rank_and_exit_code(tmp_path: Path) -> None:
     assert caught.value.rank == 0
 
 
+def test_a_launch_runs_in_another_thread_and_leaves_omp_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As torch's elastic_launch: no OMP_NUM_THREADS=1 for the workers (the command line's), no
+    # signal handler off the main thread, and this thread's handlers untouched.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    box: dict[int, object] = {}
+    thread = threading.Thread(target=lambda: box.update(launch(LaunchConfig(nproc_per_node=2), rank_and_omp)))
+    thread.start()
+    thread.join(timeout=100)
+    assert box == {0: (0, None), 1: (1, None)}
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 async def test_launch_async_runs_in_a_running_loop() -> None:
     result = await launch_async(LaunchConfig(nproc_per_node=2), describe_doubled, "a")
     assert result == {0: ("a", 0, 2), 1: ("a", 2, 2)}
@@ -100,6 +134,87 @@ async def test_launch_refuses_a_running_loop() -> None:
     with pytest.raises(RuntimeError, match=r"running event loop.*launch_async"):
         launch(LaunchConfig(), rank_times_ten)
     await asyncio.sleep(0)
+
+
+# --- how a launch ends: torch's exception for each ----------------------------------------------
+
+
+def _failure(exitcode: int, message: str = "", signal_name: str = "") -> Failure:
+    return Failure(
+        node_id="n:1:ab", addr="127.0.0.1", rank=1, local_rank=1, exitcode=exitcode, timestamp=1.0,
+        message=message, pid=12, signal=signal_name,
+    )  # fmt: skip
+
+
+ENDINGS = [
+    # (outcome, the handled signal the agent got, the class raised)
+    (AgentOutcome(1, "rank 1 failed", _failure(3), (_failure(3),)), None, ChildFailedError),
+    (AgentOutcome(1, "received SIGTERM: workers stopped"), int(signal.SIGTERM), SignalException),
+    (
+        AgentOutcome(1, "timed out after 1 s waiting for the rendezvous (join_timeout)"),
+        None,
+        RendezvousTimeoutError,
+    ),
+    (AgentOutcome(1, "rendezvous server refused us: no"), None, RendezvousError),
+    (AgentOutcome(1, "health check failed, not joining: sick"), None, LaunchError),
+]
+
+
+@pytest.mark.parametrize(("outcome", "signum", "kind"), ENDINGS, ids=lambda v: getattr(v, "__name__", ""))
+def test_each_ending_raises_torchs_class_for_it_which_torchs_record_takes(
+    outcome: AgentOutcome, signum: int | None, kind: type[LaunchError], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    torch_errors = pytest.importorskip("torch.distributed.elastic.multiprocessing.errors")
+    from torch.distributed.elastic.multiprocessing.api import SignalException as TorchSignal
+    from torch.distributed.elastic.rendezvous import api as torch_rdzv
+
+    error = _launch_error("train.py", outcome, signum)
+    assert isinstance(error, kind) and _ours_only(type(error)) is kind
+    theirs = {
+        ChildFailedError: torch_errors.ChildFailedError,
+        SignalException: TorchSignal,
+        RendezvousTimeoutError: torch_rdzv.RendezvousTimeoutError,
+        RendezvousError: torch_rdzv.RendezvousError,
+    }.get(kind)
+    if theirs is not None:
+        assert isinstance(error, theirs)
+    # only a worker failure is a ChildFailedError, and it has failures (torch's @record reads them)
+    assert isinstance(error, torch_errors.ChildFailedError) == (kind is ChildFailedError)
+    if kind is ChildFailedError:
+        assert error.get_first_failure()[0] == 1
+    if kind is SignalException:
+        assert error.sigval == signal.SIGTERM and str(error) == f"Process {os.getpid()} got signal: 15"
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and copy.__dict__ == error.__dict__ and str(copy) == str(error)
+
+    # torch's @record around a launch (tune run's): it records and re-raises, never ValueError
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    @torch_errors.record
+    def launcher() -> None:
+        raise error
+
+    with pytest.raises(kind):
+        launcher()
+    if kind is not ChildFailedError:  # a failure without an error file: torch's @record writes none
+        assert type(error).__name__ in path.read_text()
+
+
+def _ours_only(cls: type) -> type:
+    """Our class of an error (itself, or the one torch's class was joined to)."""
+    return next(c for c in cls.__mro__ if c in OURS)
+
+
+OURS = (ChildFailedError, SignalException, RendezvousTimeoutError, RendezvousError, LaunchError)
+
+
+def test_a_failure_without_error_file_or_stderr_has_torchs_message() -> None:
+    assert ProcessFailure.from_failure(_failure(3)).message.startswith("To enable traceback see: https://")
+    killed = ProcessFailure.from_failure(_failure(-9, signal_name="SIGKILL"))
+    assert killed.message == "Signal 9 (SIGKILL) received by PID 12"
+    assert ProcessFailure.from_failure(_failure(3, "Boom\n")).message == "Boom\n"  # the stderr tail
 
 
 # --- errors before anything starts ------------------------------------------------------------
