@@ -214,9 +214,10 @@ class AgentMachine:
         if isinstance(msg, Left):
             return self._on_left(msg)
         if isinstance(msg, JobFailed):
-            return [*job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
+            summary = job_summary(msg.summary)
+            return [*summary, *job_hang_report(msg.report, restart=False), *self._on_job_failed(msg)]
         if isinstance(msg, JobDone):
-            return self._on_job_done()
+            return [*job_summary(msg.summary), *self._on_job_done()]
         if isinstance(msg, Error):
             return self._on_error(msg)
         if isinstance(msg, GoingAway):
@@ -799,3 +800,9 @@ class AgentMachine:
         if not exit_.local_failures and self.local_failures:
             exit_ = Exit(exit_.code, exit_.reason, exit_.failure, self.local_failures, exit_.job_done)
         return [exit_]
+
+
+def job_summary(summary: str) -> list[Effect]:
+    """The job's goodput in one line, as the server said it as the job ended (issue 47:
+    ``JobDone``/``JobFailed.summary``); nothing from an older server."""
+    return [Log("info", f"job: {shown(summary)}")] if summary else []

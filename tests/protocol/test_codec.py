@@ -69,6 +69,7 @@ from protocol import (
     frame_limits,
 )
 from protocol.codec import MAX_CONTAINERS, MAX_MAP_LEN, computed_frame_limits, largest_client_messages
+from protocol.messages import MAX_SUMMARY_LEN
 
 FAILURE = Failure(
     node_id="node-1",
@@ -333,7 +334,14 @@ def test_largest_possible_messages_fit_the_default_frame_size():
             addr=wide * MAX_ADDR_LEN,
             entrypoint=wide * MAX_TEXT_LEN,
         ),
-        JobFailed(reason=wide * MAX_TEXT_LEN, failure=failure, report=wide * MAX_TEXT_LEN),
+        JobFailed(
+            reason=wide * MAX_TEXT_LEN,
+            failure=failure,
+            report=wide * MAX_TEXT_LEN,
+            code=wide * MAX_CODE_LEN,
+            summary=wide * MAX_SUMMARY_LEN,
+        ),
+        JobDone(summary=wide * MAX_SUMMARY_LEN),
         Restart(round=2**63 - 1, reason=wide * MAX_TEXT_LEN, restart_count=0, report=wide * MAX_TEXT_LEN),
         WorkersFailed(round=2**63 - 1, failure=failure),
         Error(code=wide * MAX_CODE_LEN, message=wide * MAX_TEXT_LEN, field=wide * MAX_ID_LEN),

@@ -159,6 +159,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "failure": Failure(**FAILURE),
         "code": "crash_loop",
         "report": "hang: suspect rank 3",
+        "summary": "goodput unknown (no training progress reported) over 9 s: rendezvous 2 s",
     },
     Progress: {
         "round": 3,
@@ -192,7 +193,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "digests": ("ab" * 32, "", "cd" * 32),
     },
     KeepSnapshot: {"step": 40, "replicate": 41},
-    JobDone: {},
+    JobDone: {"summary": "goodput 97.3 % over 2 h 14 min: 2 failures cost 41 s and 3 steps"},
     Drain: {"reason": "operator asked"},
     GoingAway: {"reason": "SIGTERM"},
     Left: {"job_continues": False, "reason": "this node was the last of the job"},
