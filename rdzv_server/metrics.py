@@ -27,6 +27,16 @@ here, one must run a larger one (each node is a connection of its own, heartbeat
 older one cannot be made after the fact. The choice is stable from scrape to scrape while the
 jobs keep their sizes.
 
+Goodput (issue 47, ``machine/goodput.py``): server-wide, the active jobs' training and wall
+seconds (jobs that report progress; their ratio is the fleet's goodput) and their badput seconds
+by cause (``rdzv_badput_seconds{cause}``: ``rendezvous``, ``startup``, ``checkpoint`` and each
+cause of a restart, its downtime and the time its lost steps took again). Per job, within the
+same ``--metrics-jobs`` bound: ``rdzv_job_goodput_ratio``, ``rdzv_job_training_seconds``,
+``rdzv_job_wall_seconds``, ``rdzv_job_badput_seconds{cause}``, ``rdzv_job_restarts_by_cause``
+and ``rdzv_job_steps_lost``. Gauges (a share of time can be moved between parts: the time of
+steps found lost later is taken out of training), and only what is known: a job that reports
+no progress has no training, ratio or badput-seconds series of its own, only its restarts.
+
 The state log (``--state-dir``): ``rdzv_state_log_read_only`` is 1 while it cannot be written
 for want of room (a full disk: the server serves running jobs from memory and takes no new
 agents; ``journal.py``, "A full disk"), with the changes of state held in memory meanwhile and
@@ -37,7 +47,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
@@ -52,6 +62,7 @@ from prometheus_client.registry import Collector
 
 from protocol.records import record
 
+from .machine import goodput
 from .machine.progress import flagged_scores
 from .machine.state import LATENCY_BUCKETS, ConnPhase, JobPhase, Rendezvous
 
@@ -147,6 +158,7 @@ class RendezvousCollector(Collector):
         )
         running = _running(m, now)
         yield from _training(running)
+        yield from _goodput([goodput.figures(j, now) for j in m.jobs.values()])
         if self._jobs:
             yield from _per_job(running, self._jobs)
         yield from _state_log(self._state_log() if self._state_log is not None else None)
@@ -186,6 +198,7 @@ class _JobNow:
     hung: bool  # the running round has a hang report
     snapshot_step: int  # the newest in-memory snapshot every rank has (-1: none; issue 35)
     snapshot_age: float  # since the server saw it complete (0: none)
+    goodput: dict[str, Any]  # goodput.figures
 
 
 def _running(m: Rendezvous, now: float) -> list[_JobNow]:
@@ -209,6 +222,7 @@ def _running(m: Rendezvous, now: float) -> list[_JobNow]:
                 hung=j.hang is not None and j.hang.round == j.round,
                 snapshot_step=j.snapshot_step,
                 snapshot_age=now - j.snapshot_since if j.snapshot_step >= 0 else 0.0,
+                goodput=goodput.figures(j, now),
             )
         )
     return out
@@ -248,6 +262,42 @@ def _training(running: list[_JobNow]) -> Iterator[Metric]:
     )
 
 
+def _badput(f: dict[str, Any]) -> dict[str, float]:
+    """A job's known badput seconds by cause (none without progress)."""
+    if not f["progress_reported"]:
+        return {}
+    out = {"rendezvous": f["rendezvous_s"], "startup": f["startup_s"], "checkpoint": f["checkpoint_s"]}
+    out.update((cause, c["seconds"]) for cause, c in f["causes"].items())
+    return out
+
+
+def _goodput(figures: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The active jobs' goodput, summed: no ids (see the module's docstring)."""
+    known = [f for f in figures if f["progress_reported"]]
+    yield GaugeMetricFamily(
+        "rdzv_goodput_training_seconds",
+        "Training seconds of the active jobs that report progress (goodput.py's training time).",
+        value=sum(f["training_s"] for f in known),
+    )
+    yield GaugeMetricFamily(
+        "rdzv_goodput_wall_seconds",
+        "Wall seconds of the active jobs that report progress (training / wall: their goodput).",
+        value=sum(f["wall_s"] for f in known),
+    )
+    bad = GaugeMetricFamily(
+        "rdzv_badput_seconds",
+        "Seconds of the active jobs that report progress not spent training, by cause.",
+        labels=["cause"],
+    )
+    totals: dict[str, float] = dict.fromkeys(("rendezvous", "startup", "checkpoint", *goodput.CAUSES), 0.0)
+    for f in known:
+        for cause, seconds in _badput(f).items():
+            totals[cause] += seconds
+    for cause, seconds in totals.items():
+        bad.add_metric([cause], seconds)
+    yield bad
+
+
 def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
     """The training gauges of the ``limit`` largest running jobs (the module's docstring),
     labelled ``job``."""
@@ -276,8 +326,40 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
         "Seconds since the job's newest in-memory snapshot step became complete (0: none).",
         labels=["job"],
     )
+    ratio = GaugeMetricFamily(
+        "rdzv_job_goodput_ratio",
+        "The job's training time / wall time (only if it reports progress).",
+        labels=["job"],
+    )
+    trained = GaugeMetricFamily(
+        "rdzv_job_training_seconds",
+        "The job's training seconds (only if it reports progress).",
+        labels=["job"],
+    )
+    wall = GaugeMetricFamily("rdzv_job_wall_seconds", "Seconds since the job was created.", labels=["job"])
+    bad = GaugeMetricFamily(
+        "rdzv_job_badput_seconds",
+        "The job's seconds not spent training, by cause (only if it reports progress).",
+        labels=["job", "cause"],
+    )
+    stops = GaugeMetricFamily(
+        "rdzv_job_restarts_by_cause", "The job's rounds stopped, by cause.", labels=["job", "cause"]
+    )
+    lost = GaugeMetricFamily(
+        "rdzv_job_steps_lost", "Steps the job did again after restarts (known ones).", labels=["job"]
+    )
     for j in sorted(running, key=lambda j: (-j.nodes, j.created_at, j.id))[:limit]:
         label = [j.id]
+        f = j.goodput
+        wall.add_metric(label, f["wall_s"])
+        if f["progress_reported"]:
+            ratio.add_metric(label, f["goodput"] or 0.0)
+            trained.add_metric(label, f["training_s"])
+            lost.add_metric(label, sum(c["steps_lost"] for c in f["causes"].values()))
+        for cause, seconds in _badput(f).items():
+            bad.add_metric([j.id, cause], seconds)
+        for cause, c in f["causes"].items():
+            stops.add_metric([j.id, cause], c["count"])
         step.add_metric(label, j.step)
         rate.add_metric(label, j.steps_per_s)
         age.add_metric(label, j.age if j.age is not None else 0.0)
@@ -285,7 +367,7 @@ def _per_job(running: list[_JobNow], limit: int) -> Iterator[Metric]:
         hung.add_metric(label, 1 if j.hung else 0)
         snap.add_metric(label, j.snapshot_step)
         snap_age.add_metric(label, j.snapshot_age)
-    yield from (step, rate, age, slow, hung, snap, snap_age)
+    yield from (step, rate, age, slow, hung, snap, snap_age, ratio, trained, wall, bad, stops, lost)
 
 
 def make_registry(

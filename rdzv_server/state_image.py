@@ -11,7 +11,9 @@ loads. A field added since is read with its default when missing (``Member.node_
 ``straggler_threshold``, ``exclude_stragglers``, ``crash_loop_restarts``, the counters
 ``Job.best_step``, ``Job.stuck_restarts``, ``Job.fail_code``, ``Job.hang_round``; issue 20's
 ``commit_timeout``, ``commit_steps`` and ``Job.commit``, a commit point under way;
-``Job.hang_verdict``, a hang's failure waiting for every node's stacks; and the
+``Job.hang_verdict``, a hang's failure waiting for every node's stacks; issue 47's
+``Job.goodput``, the logged part of where the job's time went (an image without it is
+adopted: ``machine/goodput.py``); and the
 history's typed fields ``ranks``, ``step``, ``phase``, ``silent_s``, ``scores``,
 ``restarts``), so snapshots of every age load; such additions keep the version at 2. A
 job's training progress and latest hang report are volatile (``machine/progress.py``): not kept.
@@ -46,6 +48,7 @@ from protocol.errors import InvalidField, ProtocolError
 from protocol.failure_text import describe_failure
 from protocol.messages import MAX_ADDR_LEN, MAX_CODE_LEN, MAX_ID_LEN, MAX_PHASE_LEN, clip_text
 
+from .machine import goodput
 from .machine.history import Departure, EventKind, JobEvent
 from .machine.jobs import REASON_LEN, Commit, HangVerdict
 from .machine.state import (
@@ -172,6 +175,8 @@ def _dump_job(j: Job) -> dict[str, Any]:
         "world_size": j.world_size,
         "round_spans": [[nid, r.start, r.stop] for nid, r in j.round_spans.items()],
         "restore_step": j.restore_step,
+        # Where the job's time went (issue 47): absent before, then adopted (goodput.adopted).
+        "goodput": goodput.dump(j.goodput),
     }
 
 
@@ -406,6 +411,8 @@ def _load_job(d: dict[str, Any]) -> Job:
             v1 = v1 or _V1Facts(job)
             event = v1.recover(event)
         job.record(event)
+    g = d.get("goodput")
+    job.goodput = goodput.load(g) if g is not None else goodput.adopted(job)
     expect = d["resume_expect"]
     if expect is not None:
         r, n, world, addr, port = expect

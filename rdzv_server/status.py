@@ -19,6 +19,12 @@ slowest rank's straggler score), the job's ``stragglers`` and its latest ``hang`
 stacks every node sent, merged by ``protocol.hang_report``). All of it is volatile machine
 state (``machine/progress.py``): empty after a server restart until the agents' next Progress.
 
+Goodput (issue 47). A job shows where its wall time went (``goodput``: training, start-up,
+rendezvous, checkpoints, and per cause of a restart its count, cost and steps lost), the one
+line ``rdzv-server status`` and the agents print, and the chart's (time, step) series, from
+``machine/goodput.py``: logged figures survive a server restart, volatile ones (checkpoint
+time, the series) start again then (``volatile_since``); unknown ones are ``None``.
+
 Facts come from the history events' typed fields (``machine/history.py``: a round's number, a departed
 node's address, which failure an event reports), never from their sentences, which are for
 people. An event older than its field (restored from a version 1 snapshot) has the field
@@ -39,6 +45,7 @@ from protocol import Stacks
 from protocol.failure_text import describe_failure
 from protocol.hang_report import merge
 
+from .machine import goodput
 from .machine.history import EventKind, JobEvent
 from .machine.progress import HangState, NodeProgress, RankScore, stack_entries, straggler_scores
 from .machine.state import SOFTWARE, ConnPhase, Job, JobPhase, Member, Rendezvous
@@ -180,6 +187,7 @@ def job_summary(job: Job, clock: Clock, *, forgotten: bool) -> dict[str, Any]:
         "step": _step(job.progress.max_step),
         "hang_round": _step(job.hang_round),
         "snapshot": _snapshot_view(job, clock),
+        "goodput": goodput_summary(job, clock),
     }
 
 
@@ -268,6 +276,27 @@ def job_view(machine: Rendezvous, job: Job, clock: Clock, *, forgotten: bool) ->
         "hang": _hang_view(job, clock),
         "commit": _commit_view(job, clock),
         "snapshot": _snapshot_view(job, clock),
+        "goodput": goodput_view(job, clock),
+    }
+
+
+def goodput_summary(job: Job, clock: Clock) -> dict[str, Any]:
+    """A job's goodput in ``GET /v1/jobs``: the share, the wall time and the line (O(1))."""
+    f = goodput.figures(job, clock.mono_now)
+    return {"goodput": f["goodput"], "wall_s": f["wall_s"], "text": goodput.sentence(f)}
+
+
+def goodput_view(job: Job, clock: Clock) -> dict[str, Any]:
+    """Where the job's wall time went (``machine/goodput.py``), its line, and the chart's
+    (wall time, step) points."""
+    f = goodput.figures(job, clock.mono_now)
+    g = job.goodput
+    return {
+        **f,
+        "text": goodput.sentence(f),
+        "since": clock.wall(job.created_at if g.known_from is None else g.known_from),
+        "volatile_since": None if g.volatile_since is None else clock.wall(g.volatile_since),
+        "series": [[clock.wall(t), step] for t, step in goodput.series(job)],
     }
 
 

@@ -11,6 +11,7 @@ status API's JSON.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -100,9 +101,13 @@ def format_jobs(doc: dict[str, Any]) -> str:
                 j["round"],
                 f"{j['restart_count']}/{j['max_restarts']}",
                 _age(j["age"]),
+                _percent(j.get("goodput")),
             )
         )
-    out = head + "\n\n" + table(("JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE"), rows)
+    out = head + "\n\n" + table(("JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE", "GOODPUT"), rows)
+    lines = [f"{shown(j['id'])}: {shown(j['goodput']['text'])}" for j in doc["jobs"] if j.get("goodput")]
+    if lines:
+        out += "\n\n" + "\n".join(lines)
     if doc.get("truncated"):
         out += (
             f"\n({len(doc['jobs'])} of {doc['jobs_total']} jobs shown: the active ones first, newest first)"
@@ -124,6 +129,8 @@ def format_job(job: dict[str, Any]) -> str:
     ]
     if job["outcome"]:
         lines.append(f"  outcome: {shown(job['outcome'])}")
+    if job.get("goodput"):
+        lines.append(f"  {shown(job['goodput']['text'])}")
     rows = []
     for m in job["members"]:
         departed = m["role"] == "departed"
@@ -216,6 +223,15 @@ def format_job(job: dict[str, Any]) -> str:
             f"  {_clock(e['time'])}  {shown(e['kind']).ljust(width)}  {shown(e['text'])}" for e in recent
         ]
     return "\n".join(lines)
+
+
+def _percent(g: dict[str, Any] | None) -> str:
+    """A job's goodput as ``97.3 %`` (``-``: unknown)."""
+    if not g or g.get("goodput") is None:
+        return "-"
+    # As machine/goodput.py's percent (not imported: this module is the status command's, which
+    # loads nothing of the server).
+    return f"{math.floor(g['goodput'] * 1000 + 0.5) / 10:.1f} %"
 
 
 # --- training -------------------------------------------------------------------------------

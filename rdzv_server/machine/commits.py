@@ -332,6 +332,7 @@ class CommitRules(TrainingRules):
             return
         step = steps[0]
         said.note(job, said.committed(now, c.round, step, c.reason, now - c.started_at), out)
+        job.goodput.committing = True  # the stop that follows is at a commit point (goodput.py)
         self._carry_out(job, c, f"{c.reason}; committed at step {step}", now, out)
 
     def _carry_out(self, job: Job, c: Commit, reason: str, now: float, out: list[Effect]) -> None:

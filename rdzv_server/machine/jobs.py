@@ -21,6 +21,7 @@ from protocol import Failure, Join
 from protocol.messages import clip_text
 from protocol.records import record
 
+from .goodput import Ledger
 from .history import HISTORY_LEN, HISTORY_TEXT_LEN, JobEvent, node_range
 from .progress import HangState, JobProgress
 from .provenance import Provenance
@@ -366,6 +367,8 @@ class Job:
     replicate_step: int = -1  # the step every agent copies to its peer now (-1: none)
     # A hang's failure waiting for the other nodes' stacks (kept in snapshots); None: none.
     hang_verdict: HangVerdict | None = None
+    # Where the job's time went (issue 47; goodput.py): its logged part is kept in snapshots.
+    goodput: Ledger = field(default_factory=Ledger)
     # Volatile (not in snapshots): bumped by put_member and pop_member; and each member's
     # ranks in the round, as ``rank_spans`` last derived them from ``order`` and the members.
     members_version: int = 0

@@ -22,6 +22,7 @@ from collections import Counter
 
 from protocol import JobDone, JobFailed, Join, Restart, Resume, Resumed
 
+from . import goodput
 from . import history as said
 from .events import Effect, Send
 from .history import Departure
@@ -58,6 +59,8 @@ class Recovery(RoundRules):
         """
         self.draining = False
         self._next_sweep = None  # nothing to sweep until agents are back
+        for kept in [*self.jobs.values(), *self.finished_jobs]:
+            goodput.restarted(kept, now)  # its volatile figures start again
         for rebuilding in [j for j in self.jobs.values() if j.phase is JobPhase.RESUMING]:
             said.note(rebuilding, said.rebuilt_anew(now), out)
             del self.jobs[rebuilding.id]
@@ -137,10 +140,11 @@ class Recovery(RoundRules):
         self.unchanged = True
         if job.phase is JobPhase.FAILED:
             root = job.failures[-1] if job.failures else None
-            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root)))
+            summary = goodput.line(job, now)
+            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root, summary=summary)))
             return
         if job.phase is JobPhase.FINISHED:
-            out.append(Send(conn.id, JobDone()))
+            out.append(Send(conn.id, JobDone(summary=goodput.line(job, now))))
             return
         why = f"the server dropped node {j.node_id} from job {job.id!r} while it was away; join again"
         out.append(Send(conn.id, Restart(round=a.round, reason=why, restart_count=job.restart_count)))
@@ -191,14 +195,15 @@ class Recovery(RoundRules):
             said.note(job, said.resumed(now, member, job.round), out)
             out.append(Send(conn.id, Resumed(job_id=job.id, round=job.round, rebuilt=False)))
             if job.phase is JobPhase.FINISHED:
-                out.append(Send(conn.id, JobDone()))
+                out.append(Send(conn.id, JobDone(summary=goodput.line(job, now))))
             else:
                 self._maybe_finish(job, now, out)
             return
         if job.phase is JobPhase.FAILED:
             self._rebind(job, member, conn, now)
             root = job.failures[-1] if job.failures else None
-            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root)))
+            summary = goodput.line(job, now)
+            out.append(Send(conn.id, JobFailed(reason=job.outcome, failure=root, summary=summary)))
             return
         if member.state is MemberState.WAITING:
             # The round moved on (its Restart may never have reached the node): restart.
@@ -275,6 +280,7 @@ class Recovery(RoundRules):
         for m in job.members.values():
             out.append(Send(m.conn, Resumed(job_id=job.id, round=job.round, rebuilt=True)))
         said.note(job, said.round_rebuilt(now, job.round, len(job.order)), out)
+        goodput.formed(job, now)
         self._maybe_finish(job, now, out)
 
     def _abandon_resume(self, job: Job, why: str, now: float, out: list[Effect]) -> None:

@@ -77,6 +77,7 @@ from protocol import (
 from protocol.failure_text import describe_failure
 from protocol.messages import clip_text
 
+from . import goodput
 from . import history as said
 from .addresses import Seen, is_loopback, peer_host, plain, reachable_addrs
 from .events import Close, Effect, Log, Send
@@ -369,6 +370,7 @@ class RoundRules(RestoreRules):
             now, job.round, len(job.order), world_size, master, job.restart_count, by_node_rank is not None
         )
         said.note(job, event, out)
+        goodput.formed(job, now)
 
     def _reachable(self, job: Job, out: list[Effect]) -> None:
         """A member that reported a loopback address takes one the others can reach, when
@@ -444,6 +446,7 @@ class RoundRules(RestoreRules):
             restart_count=job.restart_count,
             report=report,
         )
+        goodput.stopped(job, now)
         self._hang_superseded(job)
         if job.commit is not None:
             drains = [job.members[nid] for nid in job.commit.drains if nid in job.members]
@@ -509,7 +512,8 @@ class RoundRules(RestoreRules):
             job.last_call_deadline = None
             job.outcome = f"all workers succeeded in round {job.round}"
             self.stats.jobs_finished += 1
-            done = JobDone()
+            done = JobDone(summary=goodput.line(job, now))
+            goodput.ended(job, now)
             for m in [*job.members.values(), *job.spares.values()]:
                 out.append(Send(m.conn, done))
             said.note(job, said.finished(now, job.round, job.outcome), out)
@@ -526,7 +530,10 @@ class RoundRules(RestoreRules):
     ) -> None:
         reason = clip_text(reason, REASON_LEN)
         # One object: encoded once for all. ``code``: why, for the agent's exit code.
-        failed = JobFailed(reason=reason, failure=failure, code=code, report=report)
+        failed = JobFailed(
+            reason=reason, failure=failure, code=code, report=report, summary=goodput.line(job, now)
+        )
+        goodput.ended(job, now)
         self._hang_superseded(job)
         job.phase = JobPhase.FAILED
         job.commit = None
@@ -801,6 +808,7 @@ class RoundRules(RestoreRules):
             job.phase = JobPhase.ABANDONED  # its status must not say it still runs or gathers
             job.outcome = job.outcome or "every node left"
             said.note(job, said.forgotten(now), out)
+        goodput.ended(job, now)
         del self.jobs[job.id]
         job.progress = JobProgress()  # a job that is over shows no training, but its hang:
         if job.hang is not None:

@@ -21,6 +21,7 @@ from protocol import CollectStacks, Failure, HangDetected, Progress, Stacks
 from protocol.failure_text import HUNG
 from protocol.messages import MAX_TEXT_LEN, clip_text
 
+from . import goodput
 from . import history as said
 from .events import Effect, Log, Send
 from .faults import from_volatile
@@ -29,6 +30,7 @@ from .history import HISTORY_TEXT_LEN, LOG_TEXT_LEN, EventKind, escape
 from .jobs import FAILURE_TEXT_LEN, REASON_LEN, HangVerdict, Job, JobPhase, Member, MemberState, rank_spans
 from .progress import (
     HANG_RANKS_KEPT,
+    MAX_STEP,
     STRAGGLER_CHECK_EVERY,
     HangState,
     flagged_by_node,
@@ -88,9 +90,31 @@ class TrainingRules:
         p = job.progress
         if p.round != job.round:
             p.start_round(job.round, self._rank_offsets(job))
+        reached = goodput.sample(job, p.nodes.get(member.node_id), msg, now)  # O(1)
         p.update(member.node_id, msg, member.nproc, now)
+        if reached is not None:  # the round's first step
+            self._first_step(job, msg, reached, now)
         if self.logged_facts is not None or now - p.checked_at >= STRAGGLER_CHECK_EVERY:
             self._check_stragglers(job, now, out)  # (due: the common case skips even the call)
+
+    @from_volatile("first_step")
+    def _first_step(self, job: Job, msg: Progress, reached: int, now: float) -> None:
+        """The running round's first step, for the job's goodput (``goodput.first_step``): the
+        step, the highest step of the round before and the step time come from Progress
+        (volatile), so the state log keeps them as a fact of this Progress; replay takes them
+        from there (a record without it, from an older server: no first step)."""
+        if self.logged_facts is not None:
+            logged = self.logged_facts.get("first_step", [])
+            mine = next((e for e in logged if e[0] == job.id), None)
+            if mine is None:
+                return
+            self.logged_facts["first_step"] = [e for e in logged if e is not mine]  # used once
+            first, reached, step_ms = int(mine[1]), int(mine[2]), float(mine[3])
+        else:
+            first = min(msg.min_step if msg.min_step >= 0 else msg.max_step, MAX_STEP)
+            step_ms = job.goodput.step_ms
+            self._add_fact("first_step", [job.id, first, reached, step_ms])
+        goodput.first_step(job, now, first, reached, step_ms)
 
     def _rank_offsets(self, job: Job) -> dict[str, int]:
         """Each node's first global rank in the running round (its order, as assigned)."""

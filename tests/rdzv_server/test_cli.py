@@ -112,7 +112,7 @@ async def test_status_lists_jobs_and_shows_one_in_detail(server) -> None:
     r = await run("status", "--endpoint", endpoint)
     assert r.rc == EXIT_OK, r.err
     header, row = [line for line in r.out.splitlines() if line.startswith(("JOB", "j "))]
-    assert header.split() == ["JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE"]
+    assert header.split() == ["JOB", "PHASE", "NODES", "ROUND", "RESTARTS", "AGE", "GOODPUT"]
     assert row.split()[:5] == ["j", "gathering", "2/2:3", "2", "1/3"]
 
     r = await run("status", "--endpoint", endpoint, "--job", "j")

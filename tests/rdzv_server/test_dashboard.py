@@ -6,7 +6,8 @@ HTTP calls (no Selenium). Install both with::
     apt-get install -y chromium chromium-driver
 
 Without them the test is skipped. Set ``DASHBOARD_SCREENSHOT=docs/dashboard.png`` to keep the
-screenshot it takes (otherwise it goes to the test's temporary directory).
+screenshot it takes (otherwise it goes to the test's temporary directory), and
+``GOODPUT_SCREENSHOT=docs/dashboard-goodput.png`` for the goodput test's picture of one job.
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ class Browser:
 
     async def screenshot(self) -> bytes:
         return base64.b64decode(await self._call("GET", "/screenshot"))
+
+    async def element_screenshot(self, css: str) -> bytes:
+        """A picture of the first element ``css`` selects, scrolled into view."""
+        found = await self._call("POST", "/element", {"using": "css selector", "value": css})
+        (element,) = found.values()
+        return base64.b64decode(await self._call("GET", f"/element/{element}/screenshot"))
 
 
 @pytest.fixture
@@ -518,3 +525,125 @@ async def test_one_jobs_odd_numbers_never_blank_the_dashboard_for_the_others(
         for a in agents:
             await a.kill()
         await svc.close()
+
+
+GOODPUT = """
+const card = document.querySelector('section.job[data-job-id="train"][data-forgotten="false"]');
+const g = card && card.querySelector('.goodput');
+if (!g) return null;
+const lines = Array.from(g.querySelectorAll('polyline.gp-steps'));
+return {
+  text: g.querySelector('.goodput-text').innerText,
+  goodput: g.dataset.goodput,
+  parts: Array.from(g.querySelectorAll('.gp-seg')).map((s) => [s.dataset.part, Number(s.dataset.seconds),
+    s.getBoundingClientRect().width]),
+  bar: g.querySelector('.gp-bar').getBoundingClientRect().width,
+  legend: g.querySelector('.gp-legend').innerText,
+  lines: lines.map((l) => l.getAttribute('points').trim().split(/\\s+/).length),
+  marks: Array.from(g.querySelectorAll('line.gp-mark')).map((m) => [m.dataset.kind, Number(m.dataset.count)]),
+  gaps: g.querySelectorAll('rect.gp-gap').length,
+};
+"""
+
+
+async def test_dashboard_shows_where_a_jobs_time_went_with_its_two_failures(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """Issue 47: a job that reports its steps fails twice (a worker crash, then a node's
+    worker again) and goes on: the page shows the server's goodput line, a bar of where the
+    time went, and the steps chart with both failures and the three rounds marked."""
+    from rdzv_server.machine import goodput
+
+    clock = FakeClock()
+    svc = RendezvousService(http=True, clock=clock)
+    port = await svc.start("127.0.0.1", 0)
+    watch = Watch(svc)
+    agents: list[FakeAgent] = []
+    kw: dict[str, Any] = dict(max_restarts=3, heartbeat_timeout=3600.0, last_call_timeout=60.0)
+    try:
+        a, b = [await FakeAgent.connect(port, n) for n in ("node-a", "node-b")]
+        agents = [a, b]
+        a.join("train", **kw)
+        await watch.until(lambda: "train" in svc.machine.jobs)
+        clock.now += 3.0  # rendezvous: 3 s
+        b.join("train", **kw)
+        for x in agents:
+            await x.expect(Assignment)
+        jobs = svc.machine.jobs
+        step = 0
+
+        async def train(rnd: int, seconds: float, first: int) -> None:
+            """Both nodes report steps (2 a second) for ``seconds``, from ``first``."""
+            nonlocal step
+            step = first
+            for _ in range(int(seconds / 5)):
+                for x in agents:
+                    x.send(Progress(round=rnd, min_step=step, max_step=step, step_p50_ms=500.0,
+                                    step_p90_ms=520.0, phase="compute"))  # fmt: skip
+                await watch.until(lambda at=step: reported(jobs["train"].progress.nodes, at))
+                clock.now += 5.0
+                step += 10
+
+        async def restart(rnd: int, failing: FakeAgent) -> None:
+            failing.fail(round=rnd, rank=2 if failing is b else 0, exitcode=1, message="RuntimeError: boom")
+            for x in agents:
+                await x.expect(Restart)
+            clock.now += 4.0  # the re-rendezvous
+            for x in agents:
+                x.rejoin()
+            for x in agents:
+                await x.expect(Assignment)
+            clock.now += 6.0  # the workers start again
+
+        clock.now += 8.0  # start-up: 8 s
+        await train(0, 100.0, 0)  # steps 0..190 in 100 s
+        await restart(0, b)
+        await train(1, 60.0, 151)  # resumed from a checkpoint of step 150: 40 steps lost
+        await restart(1, a)
+        await train(2, 80.0, 251)  # reached 261, resumed from 250: 11 steps lost
+        job = jobs["train"]
+        expected = goodput.line(job, clock.now)
+        # 240 s of rounds training less 51 steps of 0.5 s done again, over 271 s; each failure
+        # cost 10 s to the next step and its lost steps' time.
+        assert expected == (
+            "goodput 79.2 % over 4 min 31 s: 2 failures cost 46 s and 51 steps; start-up 8 s; rendezvous 3 s"
+        )
+
+        await browser.goto(f"http://127.0.0.1:{port}/")
+        shown = await browser.until(
+            f"const g = (() => {{{GOODPUT}}})(); return g && g.text === {expected!r} ? g : null;"
+        )
+        parts = dict((p[0], p[1]) for p in shown["parts"])
+        assert set(parts) == {"training", "startup", "rendezvous", "worker_crash"}
+        assert (parts["startup"], parts["rendezvous"], parts["worker_crash"]) == (8.0, 3.0, 45.5)
+        assert sum(p[2] for p in shown["parts"]) == pytest.approx(shown["bar"], abs=2)  # it fills the bar
+        assert float(shown["goodput"]) == job_goodput(svc)
+        assert "worker crash \u00d72 46s, 51 steps lost" in shown["legend"]
+        # One line per round, every point of the series drawn: 20, 12 and 16 summaries a round.
+        assert shown["lines"] == [20, 12, 16] and len(job.goodput.series_t) == 48
+        marks = [kind for kind, _ in shown["marks"]]
+        assert marks.count("failure") == 2 and marks.count("round") == 3, shown["marks"]
+        assert shown["gaps"] == 3  # the first rendezvous and the two re-rendezvous, shaded
+        png = await browser.element_screenshot('section.job[data-job-id="train"] .goodput')
+        assert png.startswith(b"\x89PNG")
+        (tmp_path / "dashboard-goodput.png").write_bytes(png)
+        keep = os.environ.get("GOODPUT_SCREENSHOT")
+        if keep:
+            Path(keep).write_bytes(png)
+    finally:
+        for x in agents:
+            await x.kill()
+        await svc.close()
+
+
+def reported(nodes: dict[str, Any], step: int) -> bool:
+    """Both nodes' latest summaries (of the round) say ``step``."""
+    return len(nodes) == 2 and all(n.max_step == step for n in nodes.values())
+
+
+def job_goodput(svc: RendezvousService) -> float:
+    from rdzv_server.machine import goodput
+
+    ratio = goodput.figures(svc.machine.jobs["train"], svc.clock())["goodput"]
+    assert ratio is not None
+    return ratio
