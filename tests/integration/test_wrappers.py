@@ -354,6 +354,10 @@ def test_torchs_elastic_launch_examples_alike(start: Any, tmp_path: Path) -> Non
     seen = {way: json.loads(out[way].read_text()) for way in WAYS}
     for what in seen.values():
         del what["signal"]["text"]  # names the launcher's pid
+        # Rank 0 exits 0 at once, but on a loaded machine it may still run when rank 1 fails:
+        # then both launchers stop it and count it too (torch's did in a CI run). The failed
+        # rank is in both; which others are is the machine's timing, not the launcher's.
+        assert 1 in what["child"].pop("ranks"), what
     assert seen["routed"] == seen["torchrun"]
     ours = seen["routed"]
     # From a thread, results as torch's, OMP_NUM_THREADS left alone, no handler touched
