@@ -82,6 +82,9 @@ GROUPS = {
     "integration/test_multihost.py": "netns",
     "integration/test_loopback_endpoint.py": "netns",
     "integration/test_slurm.py": "netns",
+    # One build and install of the wheel and sdist (its module fixture) for both tests, not one
+    # per xdist worker that happens to take one of them (27 s each).
+    "test_fresh_install.py": "fresh_install",
 }
 TIERS = ("unit", "proc", "e2e", "soak")
 
