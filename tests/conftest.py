@@ -99,6 +99,9 @@ def tier_of(rel: str) -> str:
     return "unit"
 
 
+# First: xdist's own hook (on each worker) reads the xdist_group marks into the node ids that
+# --dist loadgroup schedules by; run after it, a group mark here is silently ignored.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         rel = Path(item.fspath).resolve().relative_to(HERE).as_posix()
@@ -106,3 +109,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = GROUPS.get(rel)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup`` every grouped test's id must carry its group (``@name``), or
+    xdist spreads the group over workers at once: pytest 9.2 keeps node ids where xdist 3.8
+    cannot add it, and nothing said so (the netns and fresh-install tests ran side by side)."""
+    if not session.config.getoption("loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup would not group {len(lost)} tests (e.g. {lost[0]}): "
+            "check the pytest and pytest-xdist pins"
+        )

@@ -137,6 +137,10 @@ class Ledger:
     # The last round that trained, as it stopped: its highest step and median step time.
     round_best: int = field(default=-1, compare=False)
     step_ms: float = field(default=0.0, compare=False)
+    # The highest step a failure report of the running round carried (WorkersFailed.step: the
+    # agent reads its pages once more as the workers exit, so it is exact where the nodes'
+    # once-a-second summaries may be a step behind); -1: none. (round, step).
+    failed_step: tuple[int, int] = field(default=(-1, -1), compare=False)
     volatile_since: float | None = field(default=None, compare=False)  # None: the job's creation
     series_t: list[float] = field(default_factory=list, compare=False)
     series_s: list[int] = field(default_factory=list, compare=False)
@@ -275,12 +279,21 @@ def _last_trained(job: Job) -> None:
     nodes' summaries (volatile, O(nodes) once a stop), for the steps it lost and their time
     when the next round's first step comes."""
     g, p = job.goodput, job.progress
+    failed = g.failed_step[1] if g.failed_step[0] == job.round else -1
     if p.round != job.round or not p.nodes:
-        g.round_best, g.step_ms = -1, 0.0  # (e.g. none since the server restarted): unknown
+        # (e.g. none since the server restarted): unknown but for a failure report's step
+        g.round_best, g.step_ms = min(failed, MAX_STEP), 0.0
         return
-    g.round_best = min(p.fastest(), MAX_STEP)
+    g.round_best = min(max(p.fastest(), failed), MAX_STEP)
     times = sorted(n.step_p50_ms for n in p.nodes.values() if n.step_p50_ms > 0)
     g.step_ms = times[len(times) // 2] if times else 0.0
+
+
+def failure_reported(job: Job, step: int) -> None:
+    """A node of the running round reported its workers' failure at ``step`` (its highest)."""
+    g = job.goodput
+    best = g.failed_step[1] if g.failed_step[0] == job.round else -1
+    g.failed_step = (job.round, max(best, step))
 
 
 def _checkpoint(job: Job, before: NodeProgress, msg: Progress, now: float) -> None:

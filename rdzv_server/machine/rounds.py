@@ -564,6 +564,7 @@ class RoundRules(RestoreRules):
             # verdict waits for the nodes' stacks) counts once.
             self.unchanged = not rebuilding
             return
+        goodput.failure_reported(job, msg.step)
         if msg.restore_failed >= 0 and msg.restore_failed == job.restore_step:
             # It could not get its own ranks' snapshots of the round's restore step (issue
             # 42): the next round restores from an older step, not this one again.

@@ -159,6 +159,28 @@ def test_a_crash_and_a_hang_cost_what_the_script_says_and_the_agents_are_told() 
     replays_from_every_cut(h.machine.records, h.machine)
 
 
+def test_a_failure_reports_step_counts_when_the_summaries_were_a_step_behind() -> None:
+    """The nodes' once-a-second summaries said step 99 at most; the failing node's report says
+    its ranks reached 100 (read as they exited): the steps lost count from 100."""
+    h = Harness(machine=Recording())
+    a = h.join(**KW)
+    at(h, 2.0)
+    b = h.join(**KW)
+    at(h, 11.0)
+    h.send(a, progress(0, 0))
+    at(h, 61.0)
+    h.send(a, progress(0, 99))
+    h.send(b, progress(0, 99))
+    at(h, 61.5)
+    h.send(b, WorkersFailed(round=0, failure=failure(rank=2, node="node2"), step=100))
+    at(h, 63.0)
+    h.join(a, **KW), h.join(b, **KW)
+    at(h, 70.0)
+    h.send(b, progress(1, 91))
+    assert figures(h)["causes"]["worker_crash"]["steps_lost"] == 10
+    replays_from_every_cut(h.machine.records, h.machine)
+
+
 def test_a_failed_job_says_it_too() -> None:
     h = Harness()
     a = h.join(**{**KW, "max_restarts": 0})
