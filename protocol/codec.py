@@ -239,6 +239,7 @@ def _largest_join() -> Join:
         replica_port=65535,
         replica_key="f" * 128,
         replica_cert="f" * 64,
+        standby_port=65535,
         durable_world=_BIG_INT,
         durable_steps=(_BIG_INT,) * MAX_DURABLE_STEPS,
     )

@@ -108,6 +108,7 @@ MAX_STACK_LEN = 2048
 MAX_RESTORE_SOURCES = 64  # the agents one node's ranks restore from (issue 35)
 MAX_DURABLE_STEPS = 4  # the steps one Join offers from its snapshot directory (issue 35)
 MAX_HUNG_RANKS = 64  # the hung ranks one HangDetected names (a node has at most MAX_NPROC)
+MAX_STANDBYS = 4  # the standby rendezvous hosts a job's agent-hosted server names (issue 45)
 _MIN_INT64 = -(2**63)
 # Unix seconds; 2**53 is where floats stop holding every integer exactly.
 _MAX_TIMESTAMP = float(2**53)
@@ -306,6 +307,7 @@ def _digest_rule() -> dict[str, Any]:
 
 
 _DIGEST = _digest_rule()
+
 _MAX_MILLIS = MAX_TIMEOUT * 1000
 _MILLIS = _number(hi=_MAX_MILLIS)
 
@@ -446,6 +448,9 @@ class Join(_Schema):
     # replica channel then uses TLS too, pinned to it; issue 42); "": plain TCP. A new key (and
     # certificate) at every Join: a node that left cannot use the one it knew. Never shown.
     replica_cert: str = field(default="", metadata=_DIGEST)
+    # Issue 45: the port this agent would host the rendezvous on should the agent hosting it
+    # be lost (0: it cannot). Added within version 1: an older server ignores it.
+    standby_port: int = field(default=0, metadata=_integer(0, 65535))
     # Durable snapshots (issue 35, --snapshot-dir): the newest steps (newest first) whose
     # snapshots this agent finds complete for every rank of a job of durable_world ranks in its
     # snapshot directory (-1, (): none, or no directory). The server restores a round from the
@@ -974,6 +979,24 @@ class JobDone(_Schema):
 
 
 @record(frozen=True, kw_only=True, slots=True)
+class Standbys(_Schema):
+    """Issue 45: where a job's members go if the agent hosting the rendezvous is lost. The
+    standbys' endpoints in the order every agent tries them (so all go to the same one), their
+    node ids (a standby finds itself there), the node hosting now, and its ``term``: one more
+    at each take-over, so an agent never goes back to a host it has seen replaced."""
+
+    TYPE: ClassVar[str] = "standbys"
+    term: int = field(metadata=_COUNT)
+    host_node: str = field(metadata=_ID)
+    endpoints: tuple[str, ...] = field(default=(), metadata=_items(_ADDR["check"], "endpoints", MAX_STANDBYS))
+    nodes: tuple[str, ...] = field(default=(), metadata=_items(_ID["check"], "node ids", MAX_STANDBYS))
+
+    def _check_relations(self) -> None:
+        if len(self.endpoints) != len(self.nodes):
+            raise self._invalid("nodes", f"must name one node per endpoint ({len(self.endpoints)})")
+
+
+@record(frozen=True, kw_only=True, slots=True)
 class Error(_Schema):
     """The peer broke the protocol; ``code`` is a ProtocolError code."""
 
@@ -1016,6 +1039,7 @@ Message: TypeAlias = (
     | GoingAway
     | Left
     | KeepSnapshot
+    | Standbys
     | Error
 )
 
@@ -1055,6 +1079,7 @@ SERVER_MESSAGES: dict[str, type[Message]] = {
         CollectStacks,
         StopAt,
         KeepSnapshot,
+        Standbys,
     )
 }
 MESSAGE_TYPES: dict[str, type[Message]] = {**CLIENT_MESSAGES, **SERVER_MESSAGES}

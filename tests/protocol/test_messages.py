@@ -51,6 +51,7 @@ from protocol import (
     Resumed,
     SnapshotsHeld,
     Stacks,
+    Standbys,
     StopAt,
     UnexpectedMessage,
     UnknownMessageType,
@@ -110,6 +111,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "replica_port": 40123,
         "replica_key": "9e" * 32,
         "replica_cert": "5c" * 32,
+        "standby_port": 29500,
         "durable_world": 16,
         "durable_steps": (40, 20),
     },
@@ -198,6 +200,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     GoingAway: {"reason": "SIGTERM"},
     Left: {"job_continues": False, "reason": "this node was the last of the job"},
     Resumed: {"job_id": "job-7", "round": 1, "rebuilt": True},
+    Standbys: {"term": 3, "host_node": "node-a", "endpoints": ("10.0.0.2:29500",), "nodes": ("node-b",)},
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
 }
 
@@ -507,6 +510,11 @@ def test_join_node_rank_defaults_to_not_given_and_is_bounded():
     assert build(Join, node_rank=9, max_nodes=4).node_rank == 9
 
 
+def test_standbys_name_one_node_per_endpoint():
+    assert_invalid(Standbys, "nodes", ("node-b", "node-c"), blamed="nodes")
+    assert_invalid(Standbys, "endpoints", ("10.0.0.2:1",) * 5)
+
+
 def test_registries():
     assert set(CLIENT_MESSAGES) == {
         "hello",
@@ -539,6 +547,7 @@ def test_registries():
         "collect_stacks",
         "stop_at",
         "keep_snapshot",
+        "standbys",
     }
     assert not set(CLIENT_MESSAGES) & set(SERVER_MESSAGES)
     assert MESSAGE_TYPES == {**CLIENT_MESSAGES, **SERVER_MESSAGES}
