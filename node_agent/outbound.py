@@ -24,12 +24,14 @@ def join_message(
     replica_cert: str = "",
     durable_world: int = -1,
     durable_steps: tuple[int, ...] = (),
+    standby_port: int = 0,
 ) -> Join:
     """This node's Join for the next round, with a master port free right now, or
     ``store_port``: the port this node's agent hosts the workers' store on (store/host.py);
     ``replica_port``/``replica_key``/``replica_cert``: where it takes snapshot replicas, the
     key a peer proves and the certificate it pins (snapshots/node.py);
-    ``durable_world``/``durable_steps``: what its --snapshot-dir offers (snapshots/durable.py)."""
+    ``durable_world``/``durable_steps``: what its --snapshot-dir offers (snapshots/durable.py);
+    ``standby_port``: where it would host the rendezvous were its host lost (rdzv/takeover.py)."""
     return Join(
         job_id=cfg.rdzv_id,
         node_id=node_id,
@@ -59,6 +61,7 @@ def join_message(
         replica_cert=replica_cert,
         durable_world=durable_world,
         durable_steps=durable_steps,
+        standby_port=standby_port,
     )
 
 

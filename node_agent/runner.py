@@ -404,6 +404,8 @@ class Agent:
         fields: dict[str, Any] = {}
         for part in self.parts:
             fields.update(part.join_fields())  # the store's port, where replicas go
+        if self.backend is not None:
+            fields["standby_port"] = self.backend.standby_port
         return join_message(
             self.config, node_id=self.node_id, addr=self.addr, proof=self._proof(),
             node_secret="" if shared else self.node_secret, **fields,

@@ -983,11 +983,14 @@ class Standbys(_Schema):
     """Issue 45: where a job's members go if the agent hosting the rendezvous is lost. The
     standbys' endpoints in the order every agent tries them (so all go to the same one), their
     node ids (a standby finds itself there), the node hosting now, and its ``term``: one more
-    at each take-over, so an agent never goes back to a host it has seen replaced."""
+    at each take-over, so an agent never goes back to a host it has seen replaced.
+    ``host_in_round``: the hosting node holds a place in this job's round (a standby that takes
+    over then knows the rebuilt round cannot wait for it)."""
 
     TYPE: ClassVar[str] = "standbys"
     term: int = field(metadata=_COUNT)
     host_node: str = field(metadata=_ID)
+    host_in_round: bool = field(default=False, metadata=_flag())
     endpoints: tuple[str, ...] = field(default=(), metadata=_items(_ADDR["check"], "endpoints", MAX_STANDBYS))
     nodes: tuple[str, ...] = field(default=(), metadata=_items(_ID["check"], "node ids", MAX_STANDBYS))
 

@@ -148,13 +148,19 @@ class RendezvousService:
         http_access: Access | None = None,
         state_log: StateLog | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        host_node: str | None = None,
+        standby_term: int = 0,
+        replaced_host: tuple[str, str] | None = None,
     ) -> None:
         """``max_connections``/``max_per_address``: None fits them under the open-files limit
         (``admission.py``), which ``start`` first raises to the hard limit when
         ``raise_fd_limit`` (default: with ``http``, i.e. a standalone server; an agent's
         embedded server keeps its limit, which its workers inherit). ``listeners``: sockets
         sharing the port (SO_REUSEPORT), for an accept queue a join storm of thousands fits
-        in; embedded servers keep 1."""
+        in; embedded servers keep 1. ``host_node``/``standby_term``: the node of the agent
+        hosting us and the take-overs so far (``machine/standbys.py``); each round then names
+        its job's standbys. ``replaced_host``: (job, node) of the host we replaced, which held a
+        place in that job's round."""
         # The port, the caps on its connections and what each may send (admission.py).
         self.gate = Gate(
             max_connections=max_connections,
@@ -173,7 +179,14 @@ class RendezvousService:
         self._watchdog: asyncio.TimerHandle | None = None
         self._watch_due = 0.0
         self.stall_total = 0.0  # seconds the server stood still: credited to every agent
-        self.machine = Rendezvous(tokens, hello_timeout=hello_timeout, auth_timeout=auth_timeout)
+        self.machine = Rendezvous(
+            tokens,
+            hello_timeout=hello_timeout,
+            auth_timeout=auth_timeout,
+            host_node=host_node,
+            standby_term=standby_term,
+            replaced_host=replaced_host,
+        )
         self.tokens = tokens
         self.clock = clock
         self.http_enabled = http

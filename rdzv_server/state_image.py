@@ -137,6 +137,7 @@ def _dump_member(m: Member) -> dict[str, Any]:
         "replica_cert": m.replica_cert,
         "durable_world": m.durable_world,
         "durable_steps": list(m.durable_steps),
+        "standby_port": m.standby_port,
     }
 
 
@@ -348,6 +349,7 @@ def _load_member(d: dict[str, Any]) -> Member:
         replica_cert=str(d.get("replica_cert", "")),
         durable_world=_int(d.get("durable_world", -1)),  # absent before --snapshot-dir
         durable_steps=tuple(_int(x) for x in d.get("durable_steps", ())),
+        standby_port=_int(d.get("standby_port", 0)),  # absent before standbys (issue 45)
     )
 
 

@@ -86,6 +86,7 @@ from protocol import (
     Message,
     Restart,
     Resumed,
+    Standbys,
     StopAt,
     Waiting,
     Welcome,
@@ -211,6 +212,8 @@ class AgentMachine:
 
     def _on_server_now(self, msg: Message, now: float) -> list[Effect]:
         # First what may come in any phase, then what a leaving node no longer acts on.
+        if isinstance(msg, Standbys):
+            return []  # where to reconnect is the link's to know (rdzv/takeover.py), which keeps it
         if isinstance(msg, Left):
             return self._on_left(msg)
         if isinstance(msg, JobFailed):

@@ -161,6 +161,9 @@ class RendezvousBackend(Protocol):
     # Whether the backend's server picks restore steps and relays replica keys (issue 35): our
     # rendezvous server does; the static backend has no server, etcd's is not covered yet.
     snapshots: bool
+    # The port this agent would host the rendezvous on, were the agent hosting it lost (issue
+    # 45, ``takeover.py``; 0: it would not). Our Join says it.
+    standby_port: int
 
     @property
     def shares_joins(self) -> bool:

@@ -216,6 +216,7 @@ class EtcdBackend:
     # The Join is stored in etcd for every agent of the job to read, and nothing there can be
     # resumed by a secret (any agent may write any entry).
     snapshots = False
+    standby_port = 0  # never hosts as a standby (issue 45: server.py's links only)
     shares_joins = True
 
     def __init__(

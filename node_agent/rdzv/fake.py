@@ -191,6 +191,7 @@ class FakeBackend:
     """Links to a :class:`FakeRendezvous` (a :class:`~node_agent.rdzv.RendezvousBackend`)."""
 
     snapshots = False
+    standby_port = 0  # never hosts as a standby (issue 45: server.py's links only)
     shares_joins = False
 
     def __init__(self, hub: FakeRendezvous, *, local_ip: str, reconnects: bool) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from . import RendezvousError
 
 if TYPE_CHECKING:
+    from protocol import Standbys
     from protocol.auth import TokenTable
     from rdzv_server.service import RendezvousService
 
@@ -80,7 +81,7 @@ async def host_if_ours(
     endpoint's machine (not with TLS: it could only host plain TCP)."""
     host, port = config.rdzv_host, config.rdzv_port
     if config.hosts_rendezvous:
-        service = _service(config)
+        service = _service(config, node_id)
         private = config.standalone or port == 0  # nobody else can find it: keep it local
         try:
             bound = await service.start(host if private else None, port)
@@ -100,7 +101,7 @@ async def _host_if_nobody_does(
     host, port = config.rdzv_host, config.rdzv_port
     if await _something_listens(host, port):
         return None
-    service = _service(config)
+    service = _service(config, node_id)
     try:
         # Every interface, as torchrun's store, even for a loopback endpoint: peers on other
         # machines must reach it (node 0 of SkyPilot's recipe names localhost, the others it).
@@ -111,11 +112,31 @@ async def _host_if_nobody_does(
     return HostedServer(service, port, config, node_id, log)
 
 
-def _service(config: AgentConfig) -> RendezvousService:
+async def host_as_standby(
+    config: AgentConfig, *, node_id: str, port: int, standbys: Standbys, log: Callable[..., None]
+) -> HostedServer:
+    """The rendezvous this agent hosts as the standby whose turn came (``takeover.py``), on
+    every interface at its reserved port. Raises OSError when it cannot listen there."""
+    lost = (config.rdzv_id, standbys.host_node) if standbys.host_in_round else None
+    service = _service(config, node_id, term=standbys.term + 1, replaced=lost)
+    await service.start(None, port)
+    return HostedServer(service, port, config, node_id, log)
+
+
+def _service(
+    config: AgentConfig, node_id: str, *, term: int = 0, replaced: tuple[str, str] | None = None
+) -> RendezvousService:
     from rdzv_server.service import RendezvousService
 
-    # The agent stays free of aiohttp; with a token, what we host asks for it too.
-    return RendezvousService(http=False, tokens=hosted_tokens(config.token))
+    # The agent stays free of aiohttp; with a token, what we host asks for it too. It names
+    # each job's standbys, should this agent be lost (``takeover.py``).
+    return RendezvousService(
+        http=False,
+        tokens=hosted_tokens(config.token),
+        host_node=node_id,
+        standby_term=term,
+        replaced_host=replaced,
+    )
 
 
 def hosted_tokens(token: str | None) -> TokenTable | None:

@@ -39,6 +39,7 @@ from protocol import (
     Hello,
     Message,
     ProtocolError,
+    Standbys,
     Welcome,
     encode,
 )
@@ -46,6 +47,7 @@ from protocol.tls import verify_failure
 
 from ..agent_log import shown
 from . import NotARendezvousServer, RendezvousError, RendezvousRefused, RendezvousUnreachable
+from .takeover import TRY_EACH, Target, newer, release, reserve_port, walk
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
@@ -77,6 +79,9 @@ class Connection:
         self.challenge = ""  # the server's nonce for token proofs, from its welcome
         self._decoder: FrameDecoder | None = None
         self._pending: list[Message] = []
+        # Where the job goes if the agent hosting the rendezvous is lost: the link's own
+        # business (``takeover.py``), never the agent machine's.
+        self.on_standbys: Callable[[Standbys], None] | None = None
 
     @property
     def local_ip(self) -> str:
@@ -90,12 +95,17 @@ class Connection:
     async def receive(self) -> Message:
         """The next message; raises ConnectionError when the server is gone."""
         assert self._decoder is not None
-        while not self._pending:
-            data = await self.reader.read(READ_CHUNK)
-            if not data:
-                raise ConnectionError("the server closed the connection")
-            self._pending.extend(self._decoder.feed(data))
-        return self._pending.pop(0)
+        while True:
+            while not self._pending:
+                data = await self.reader.read(READ_CHUNK)
+                if not data:
+                    raise ConnectionError("the server closed the connection")
+                self._pending.extend(self._decoder.feed(data))
+            msg = self._pending.pop(0)
+            if not isinstance(msg, Standbys):
+                return msg
+            if self.on_standbys is not None:
+                self.on_standbys(msg)
 
     async def close(self) -> None:
         self.writer.close()
@@ -121,6 +131,8 @@ class ServerBackend:
         clock: Callable[[], float],
         tls: ssl.SSLContext | None = None,
         hosted: HostedServer | None = None,
+        node_id: str = "",
+        reserved: socket.socket | None = None,
     ) -> None:
         self.config = config
         self.endpoint = (config.rdzv_host, port)
@@ -128,6 +140,12 @@ class ServerBackend:
         self.clock = clock
         self.tls = tls  # to a rdzv-server; what we host is plain TCP
         self.hosted = hosted
+        self.node_id = node_id
+        # Issue 45: the port held to host on should the host be lost (our Join offers it), and
+        # the standbys the rendezvous last named (None: it named none; a rdzv-server never does).
+        self._reserved = reserved
+        self.standby_port = reserved.getsockname()[1] if reserved is not None else 0
+        self.standbys: Standbys | None = None
 
     @classmethod
     async def open(
@@ -147,10 +165,85 @@ class ServerBackend:
         # With TLS we wait for a rdzv-server: we could only host plain TCP.
         hosted = await host_if_ours(config, node_id=node_id, log=log, may_guess=tls is None)
         port = config.rdzv_port if hosted is None else hosted.port
-        return cls(config, port=port, log=log, clock=clock, tls=tls, hosted=hosted)
+        reserved = None
+        # A standby hosts plain TCP, as any agent: not where the job uses TLS (a rdzv-server's).
+        if hosted is None and tls is None and config.rdzv_conf.is_host is not False and not config.standalone:
+            reserved = reserve_port(config.rdzv_port)
+        return cls(
+            config,
+            port=port,
+            log=log,
+            clock=clock,
+            tls=tls,
+            hosted=hosted,
+            node_id=node_id,
+            reserved=reserved,
+        )
 
     async def connect(self, deadline: float) -> Connection:
-        host, port = self.endpoint
+        """The first link, or one after a lost link: to where the rendezvous was, or, once it
+        named standbys, to the first of them alive (hosting it ourselves at our turn)."""
+        conn = await (
+            self._connect_to(*self.endpoint, deadline) if self.standbys is None else self._walk(deadline)
+        )
+        conn.on_standbys = self._heard
+        return conn
+
+    def _heard(self, msg: Standbys) -> None:
+        if newer(self.standbys, msg):
+            self.standbys = msg
+
+    async def _walk(self, deadline: float) -> Connection:
+        assert self.standbys is not None
+        problem = ""
+        while True:
+            for t in walk(self.standbys, self.endpoint, self.node_id):
+                if t.mine:
+                    if self._reserved is None:
+                        continue  # we could not host before: the next walk tries the others
+                    return await self._take_over(t, deadline)
+                try:
+                    conn = await self._connect_to(t.host, t.port, min(deadline, self.clock() + TRY_EACH))
+                except (RendezvousUnreachable, NotARendezvousServer) as exc:
+                    problem = str(exc)
+                    continue
+                if (t.host, t.port) != self.endpoint:
+                    self.log(
+                        f"the rendezvous moved: node {t.node} hosts it now, at {t.host}:{t.port}", "warning"
+                    )
+                    self.endpoint = (t.host, t.port)
+                return conn
+            if self.clock() >= deadline:
+                raise RendezvousUnreachable(
+                    f"neither the rendezvous host nor its standbys answered: {problem}"
+                )
+
+    async def _take_over(self, t: Target, deadline: float) -> Connection:
+        assert self.standbys is not None
+        from .hosting import host_as_standby
+
+        term = self.standbys.term + 1
+        release(self._reserved)
+        self._reserved = None
+        self.standby_port = 0  # we host now: not a standby any more
+        try:
+            self.hosted = await host_as_standby(
+                self.config, node_id=self.node_id, port=t.port, standbys=self.standbys, log=self.log
+            )
+        except OSError as exc:
+            self.log(
+                f"cannot host the rendezvous on port {t.port} as its standby: {exc.strerror or exc}", "error"
+            )
+            return await self._walk(deadline)
+        self.log(
+            f"the rendezvous host (node {self.standbys.host_node}) is gone: this node hosts the rendezvous "
+            f"now, on port {t.port} of every interface (take-over {term})",
+            "warning",
+        )
+        self.endpoint = (t.host, t.port)
+        return await self._connect_to(t.host, t.port, deadline)
+
+    async def _connect_to(self, host: str, port: int, deadline: float) -> Connection:
         return await connect(
             host,
             port,
@@ -165,6 +258,8 @@ class ServerBackend:
         )
 
     async def close(self, *, linger: bool) -> None:
+        release(self._reserved)
+        self._reserved = None
         if self.hosted is not None:
             await self.hosted.close(linger=linger)
 

@@ -93,6 +93,7 @@ class StaticBackend:
 
     reconnects = False
     snapshots = False
+    standby_port = 0  # never hosts as a standby (issue 45: server.py's links only)
     shares_joins = False
 
     def __init__(

@@ -123,6 +123,7 @@ class Member:
     # complete for a job of that many ranks (-1, (): none).
     durable_world: int = -1
     durable_steps: tuple[int, ...] = ()
+    standby_port: int = 0  # Join.standby_port (issue 45): where it would host; 0: nowhere
 
     def take_join(self, msg: Join) -> None:
         """What a re-join (or a spare's) may change: where the agent is and what it offers."""
@@ -131,6 +132,7 @@ class Member:
         self.replica_port, self.replica_key = msg.replica_port, msg.replica_key
         self.replica_cert = msg.replica_cert
         self.durable_world, self.durable_steps = msg.durable_world, msg.durable_steps
+        self.standby_port = msg.standby_port
 
 
 @record(frozen=True, slots=True)

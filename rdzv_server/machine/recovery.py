@@ -46,6 +46,7 @@ class Recovery(RoundRules):
 
     resume_deadline: float | None
     draining: bool
+    replaced_host: tuple[str, str] | None
 
     def _recover(self, now: float, out: list[Effect]) -> None:
         """The state was replayed from the log of a previous process whose sockets are gone.
@@ -274,6 +275,10 @@ class Recovery(RoundRules):
             return
         job.resume_slots[a.group_rank] = member.node_id
         if len(job.resume_slots) < a.group_world_size:
+            lost = self._replaced_host_of(job)
+            if lost is not None and len(job.resume_slots) == a.group_world_size - 1:
+                # Everyone is back but the node that hosted the rendezvous: it cannot come back.
+                self._abandon_resume(job, f"node {lost}, which hosted the rendezvous, is lost", now, out)
             return
         job.end_rebuild([job.resume_slots[i] for i in range(a.group_world_size)])
         job.rounds_completed += 1
@@ -282,6 +287,13 @@ class Recovery(RoundRules):
         said.note(job, said.round_rebuilt(now, job.round, len(job.order)), out)
         goodput.formed(job, now)
         self._maybe_finish(job, now, out)
+
+    def _replaced_host_of(self, job: Job) -> str | None:
+        """The node whose lost rendezvous we host now, if it held a place in ``job``'s round."""
+        replaced = self.replaced_host
+        if replaced is None or replaced[0] != job.id or replaced[1] in job.members:
+            return None
+        return replaced[1]
 
     def _abandon_resume(self, job: Job, why: str, now: float, out: list[Effect]) -> None:
         """The round cannot be rebuilt: a new round begins with whoever came back."""

@@ -106,6 +106,7 @@ from .progress import (
     JobProgress,
 )
 from .restore_rules import RestoreRules
+from .standbys import standbys_of
 
 # The (world, step)s a job remembers as unrestorable (WorkersFailed.restore_failed): a member
 # can name only the round's own restore step, once a round.
@@ -125,6 +126,8 @@ class RoundRules(RestoreRules):
     jobs: dict[str, Job]
     stats: Stats
     finished_jobs: deque[Job]
+    host_node: str | None
+    standby_term: int
     max_jobs: int
     expire_silent: bool
     unchanged: bool
@@ -249,6 +252,7 @@ class RoundRules(RestoreRules):
             replica_cert=join.replica_cert,
             durable_world=join.durable_world,
             durable_steps=join.durable_steps,
+            standby_port=join.standby_port,
         )
         if join.node_rank >= 0 and not job.elastic:
             job.rank_holders[join.node_rank] = join.node_id
@@ -366,6 +370,11 @@ class RoundRules(RestoreRules):
             else:
                 msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank])
             out.append(Send(m.conn, msg))
+        if self.host_node is not None:
+            standbys = standbys_of(job, self.host_node, self.standby_term)
+            for m in [*job.members.values(), *job.spares.values()]:
+                if m.standby_port > 0:  # it offered one, so it reads the list: an older agent never
+                    out.append(Send(m.conn, standbys))
         event = said.round_complete(
             now, job.round, len(job.order), world_size, master, job.restart_count, by_node_rank is not None
         )

@@ -232,8 +232,18 @@ class Rendezvous(Recovery):
         max_jobs: int = MAX_JOBS,
         hello_timeout: float = HELLO_TIMEOUT,
         auth_timeout: float = AUTH_TIMEOUT,
+        host_node: str | None = None,
+        standby_term: int = 0,
+        replaced_host: tuple[str, str] | None = None,
     ) -> None:
         self.tokens = tokens  # None: no authentication (the server says so at start)
+        # An agent hosts us (issue 45, ``standbys.py``): its node, and the take-overs so far.
+        # Each round then names its job's standbys; a rdzv-server (None) names none.
+        self.host_node = host_node
+        self.standby_term = standby_term
+        # (job, node): the host we replaced held a place in that job's round, so its rebuilt
+        # round waits for every node but that one (``recovery.py``).
+        self.replaced_host = replaced_host
         self.hello_timeout = hello_timeout
         self.auth_timeout = auth_timeout
         self.max_jobs = max_jobs  # jobs held at once (ended ones still held count too)

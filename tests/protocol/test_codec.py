@@ -181,7 +181,11 @@ SAMPLES = [
     SnapshotsHeld(world_size=16, ranks=(0, 1, 0, 9), steps=(40, 40, 41, 40)),
     KeepSnapshot(step=40, replicate=41),
     Standbys(
-        term=2, host_node="node0", endpoints=("10.0.0.2:29500", "10.0.0.3:29500"), nodes=("node1", "node2")
+        term=2,
+        host_node="node0",
+        host_in_round=True,
+        endpoints=("10.0.0.2:29500", "10.0.0.3:29500"),
+        nodes=("node1", "node2"),
     ),
     Left(job_continues=True),
     Left(job_continues=False, reason="this node was the last of the job"),

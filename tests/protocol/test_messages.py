@@ -200,7 +200,13 @@ VALID: dict[type, dict[str, typing.Any]] = {
     GoingAway: {"reason": "SIGTERM"},
     Left: {"job_continues": False, "reason": "this node was the last of the job"},
     Resumed: {"job_id": "job-7", "round": 1, "rebuilt": True},
-    Standbys: {"term": 3, "host_node": "node-a", "endpoints": ("10.0.0.2:29500",), "nodes": ("node-b",)},
+    Standbys: {
+        "term": 3,
+        "host_node": "node-a",
+        "host_in_round": True,
+        "endpoints": ("10.0.0.2:29500",),
+        "nodes": ("node-b",),
+    },
     Error: {"code": "invalid_field", "message": "join.nproc: bad", "field": "join.nproc", "fatal": False},
 }
 

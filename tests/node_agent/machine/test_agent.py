@@ -154,7 +154,16 @@ def test_a_non_fatal_server_error_is_logged_not_fatal() -> None:
 
 
 def server_messages() -> list[object]:
-    from protocol import SERVER_MESSAGES, CollectStacks, GoingAway, KeepSnapshot, Resumed, StopAt, Welcome
+    from protocol import (
+        SERVER_MESSAGES,
+        CollectStacks,
+        GoingAway,
+        KeepSnapshot,
+        Resumed,
+        Standbys,
+        StopAt,
+        Welcome,
+    )
 
     msgs = [
         Welcome(version=1, software="s"),
@@ -179,6 +188,7 @@ def server_messages() -> list[object]:
         StopAt(round=0, step=50, state="cancel"),
         StopAt(round=7, step=50, state="arm"),
         KeepSnapshot(step=50),
+        Standbys(term=1, host_node="h", endpoints=("10.0.0.2:29500",), nodes=("n2",)),
     ]
     assert {type(m) for m in msgs} == set(SERVER_MESSAGES.values())  # none forgotten
     return msgs

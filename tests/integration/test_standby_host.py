@@ -1,0 +1,49 @@
+"""No node is special (issue 45): a job whose agents host the rendezvous goes on when the agent
+hosting it is lost. Real agents on loopback, the first hosting as torchrun's c10d does, real gloo
+training; the host's whole node (agent and workers) is SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .procs import WORKERS, Proc, agent_cmd, free_port
+
+TOTAL = 60
+
+
+def _worlds(folder: Path) -> list[int]:
+    lines = (folder / "progress.txt").read_text().splitlines()
+    return [int(line.split("world=")[1].split()[0]) for line in lines if line.startswith("start")]
+
+
+def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Path) -> None:
+    port = free_port()
+    args = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "standby", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=1")
+    args += (str(WORKERS / "elastic_train.py"),)
+    env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
+    host = Proc(agent_cmd(*args), env=env)
+    other = None
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        other = Proc(agent_cmd(*args), env=env)
+        other.wait_for_line(r"step [5-9] world=2", stream="out", timeout=90)
+        host.kill()  # the whole node: the agent, the rendezvous it hosts, its workers
+        assert other.wait(timeout=120) == 0, other.stderr
+    finally:
+        host.kill()
+        if other is not None:
+            other.kill()
+    # The survivor said who was lost and that it hosts the rendezvous now, then finished alone.
+    assert "the rendezvous host (node " in other.stderr
+    assert "this node hosts the rendezvous now" in other.stderr
+    done = json.loads((tmp_path / "done-0.json").read_text())
+    assert done == {"rank": 0, "world": 1, "step": TOTAL}
+    worlds = _worlds(tmp_path)
+    assert worlds[:2] == [2, 2] and worlds[-1] == 1
+    # it resumed from the checkpoint, not from step 0
+    starts = [
+        line for line in (tmp_path / "progress.txt").read_text().splitlines() if line.startswith("start")
+    ]
+    assert int(starts[-1].rsplit("step=", 1)[1]) > 0

@@ -1,0 +1,117 @@
+"""Standby rendezvous hosts (issue 45): a server an agent hosts names, with every round, where
+each job's members go if that agent is lost."""
+
+from __future__ import annotations
+
+from protocol import Assignment, Join, Restart, Resume, Standbys
+from rdzv_server.machine.state import Rendezvous
+
+from .harness import Harness
+
+
+def _hosted(node: str = "host", term: int = 0) -> Harness:
+    return Harness(machine=Rendezvous(host_node=node, standby_term=term))
+
+
+def test_every_member_learns_the_same_standbys_in_rank_order_never_the_host() -> None:
+    h = _hosted(term=2)
+    conns = [h.join(node=n, min_nodes=3, max_nodes=3, standby_port=29500) for n in ("host", "nb", "nc")]
+    said = [h.last(c, Standbys) for c in conns]
+    assert said[0] == said[1] == said[2]
+    order = {h.last(c, Assignment).group_rank: n for c, n in zip(conns, ("host", "nb", "nc"), strict=True)}  # type: ignore[union-attr]
+    expected = [order[r] for r in sorted(order) if order[r] != "host"]
+    s = said[0]
+    assert isinstance(s, Standbys)
+    assert (s.term, s.host_node) == (2, "host")
+    assert list(s.nodes) == expected
+    addrs = {n: f"10.0.0.{c}:29500" for c, n in zip(conns, ("host", "nb", "nc"), strict=True)}
+    assert list(s.endpoints) == [addrs[n] for n in expected]
+
+
+def test_at_most_two_standbys_and_only_nodes_that_offered_a_port() -> None:
+    h = _hosted()
+    ports = {"host": 29500, "nb": 0, "nc": 29501, "nd": 29502, "ne": 29503}
+    conns = [h.join(node=n, min_nodes=5, max_nodes=5, standby_port=p) for n, p in ports.items()]
+    s = h.last(conns[0], Standbys)
+    assert isinstance(s, Standbys)
+    assert len(s.nodes) == 2 and "nb" not in s.nodes and "host" not in s.nodes
+    assert h.last(conns[1], Standbys) is None  # it offered no port: an older agent, never told
+
+
+def test_a_rdzv_server_names_no_standbys() -> None:
+    h = Harness()
+    conns = [h.join(node=n, standby_port=29500) for n in ("na", "nb")]
+    assert all(h.last(c, Assignment) is not None and h.last(c, Standbys) is None for c in conns)
+
+
+def test_each_new_round_names_them_again_without_the_lost_node() -> None:
+    h = _hosted()
+    a = h.join(node="host", min_nodes=1, max_nodes=3, standby_port=29500, max_restarts=3)
+    b = h.join(node="nb", min_nodes=1, max_nodes=3, standby_port=29500, max_restarts=3)
+    h.advance(6.0)  # the last call
+    s = h.last(b, Standbys)
+    assert isinstance(s, Standbys) and s.nodes == ("nb",)
+    c = h.join(node="nc", min_nodes=1, max_nodes=3, standby_port=29500, max_restarts=3)
+    h.drop(b)
+    h.take(a)
+    for conn in (a, c):
+        h.join(
+            conn,
+            node="host" if conn == a else "nc",
+            min_nodes=1,
+            max_nodes=3,
+            standby_port=29500,
+            max_restarts=3,
+        )
+    h.advance(6.0)
+    s = h.last(c, Standbys)
+    assert isinstance(s, Standbys) and s.nodes == ("nc",)
+
+
+def test_a_standby_that_took_over_does_not_wait_for_the_lost_host() -> None:
+    """The round's nodes resume into the standby's new server; the old host cannot come back,
+    so once the others are back the round goes on without it, not at the resume window."""
+    old = _hosted()
+    conns = {
+        n: old.join(node=n, min_nodes=1, max_nodes=3, standby_port=29500, max_restarts=3)
+        for n in ("host", "nb", "nc")
+    }
+    old.advance(6.0)
+    held = {n: old.last(c, Assignment) for n, c in conns.items()}
+    said = old.last(conns["nb"], Standbys)
+    assert isinstance(said, Standbys) and said.host_in_round and said.nodes[0] in ("nb", "nc")
+    standby = said.nodes[0]
+    new = Harness(machine=Rendezvous(host_node=standby, standby_term=1, replaced_host=("job", "host")))
+    first = {}
+    for node in ("nb", "nc"):
+        c = new.connect()
+        a = held[node]
+        assert isinstance(a, Assignment)
+        join = Join(
+            job_id="job", node_id=node, addr=f"10.0.0.{conns[node]}", nproc=2, min_nodes=1, max_nodes=3,
+            entrypoint="train.py", master_port=20000 + c, max_restarts=3, last_call_timeout=5.0,
+            heartbeat_interval=1.0, heartbeat_timeout=5.0, standby_port=29500,
+        )  # fmt: skip
+        new.send(c, Resume(join=join, assignment=a))
+        first[node] = new.take(c)
+    # The first back waits for the others; the second completes what can come back: restarted.
+    assert not any(isinstance(m, Restart) for m in first["nb"])
+    assert any(isinstance(m, Restart) for m in first["nc"])
+    assert any("node host, which hosted the rendezvous, is lost" in line for line in new.logs)
+    assert new.now == 0.0  # no window waited out
+
+
+def test_the_lost_host_is_waited_for_only_where_it_held_a_place() -> None:
+    h = Harness(machine=Rendezvous(host_node="nb", standby_term=1, replaced_host=("other-job", "host")))
+    c = h.connect()
+    a = Assignment(
+        job_id="job", round=0, group_rank=0, group_world_size=2, rank_offset=0, world_size=4,
+        master_addr="10.0.0.1", master_port=20001, restart_count=0, max_restarts=3,
+    )  # fmt: skip
+    join = Join(
+        job_id="job", node_id="nb", addr="10.0.0.2", nproc=2, min_nodes=1, max_nodes=3,
+        entrypoint="train.py", master_port=20002, max_restarts=3, last_call_timeout=5.0,
+        heartbeat_interval=1.0, heartbeat_timeout=5.0,
+    )  # fmt: skip
+    h.send(c, Resume(join=join, assignment=a))
+    assert not any(isinstance(m, Restart) for m in h.take(c))  # another job's host: the window
