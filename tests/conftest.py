@@ -42,6 +42,7 @@ PROC = {
     "node_agent/rdzv/test_etcd_log.py",
     "node_agent/rdzv/test_rdzv.py",
     "node_agent/rdzv/test_static_ranks.py",
+    "node_agent/rdzv/test_takeover.py",
     "node_agent/snapshots/test_channel.py",
     "node_agent/snapshots/test_replica_tls.py",
     "node_agent/snapshots/test_restore_fetch.py",

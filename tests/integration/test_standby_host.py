@@ -47,3 +47,31 @@ def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Pat
         line for line in (tmp_path / "progress.txt").read_text().splitlines() if line.startswith("start")
     ]
     assert int(starts[-1].rsplit("step=", 1)[1]) > 0
+
+
+def test_with_three_nodes_the_first_standby_hosts_and_the_other_finds_it(tmp_path: Path) -> None:
+    port = free_port()
+    args = ("--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "standby3", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2")
+    args += (str(WORKERS / "elastic_train.py"),)
+    env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
+    host = Proc(agent_cmd(*args), env=env)
+    others: list[Proc] = []
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        others = [Proc(agent_cmd(*args), env=env) for _ in range(2)]
+        others[0].wait_for_line(r"step [5-9] world=3", stream="out", timeout=90)
+        host.kill()
+        for p in others:
+            assert p.wait(timeout=120) == 0, p.stderr
+    finally:
+        for p in (host, *others):
+            p.kill()
+    took = [p for p in others if "this node hosts the rendezvous now" in p.stderr]
+    assert len(took) == 1
+    (follower,) = [p for p in others if p is not took[0]]
+    assert "the rendezvous moved: node " in follower.stderr
+    done = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("done-*.json"))]
+    assert sorted(d["rank"] for d in done) == [0, 1]
+    assert all(d["world"] == 2 and d["step"] == TOTAL for d in done)
+    assert _worlds(tmp_path)[-1] == 2
