@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import socket
 
-import pytest
-
 from node_agent.rdzv.takeover import Target, newer, reserve_port, split_endpoint, walk
 from protocol import Standbys
-
 
 LIST = Standbys(term=1, host_node="h", endpoints=("10.0.0.2:29500", "[fd00::3]:4000"), nodes=("b", "c"))
 
