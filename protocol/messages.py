@@ -866,7 +866,8 @@ class JobFailed(_Schema):
     reason: str = field(metadata=_TEXT)
     failure: Failure | None = field(default=None, metadata=_failure(optional=True))
     # Why, as a stable code: "" (a failure past the restart budget, an invalid job ...) or
-    # "crash_loop" (restarts in a row made no step progress: the agent's distinct exit code).
+    # "crash_loop" (restarts in a row made no step progress: the agent's distinct exit code) or
+    # "host_lost" (the node hosting the rendezvous was lost and nothing took its place).
     # Added within version 1: an older agent ignores it.
     code: str = field(default="", metadata=_text(MAX_CODE_LEN, plain=True))
     # As Restart.report: the job's hang report when a hang ended it ("": none, or an older server).

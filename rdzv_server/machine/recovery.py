@@ -279,6 +279,10 @@ class Recovery(RoundRules):
             if lost is not None and len(job.resume_slots) == a.group_world_size - 1:
                 # Everyone is back but the node that hosted the rendezvous: it cannot come back.
                 self._abandon_resume(job, f"node {lost}, which hosted the rendezvous, is lost", now, out)
+                if len(job.members) < job.settings.min_nodes and job.last_call_deadline is None:
+                    # Too few without it: a spare on its way here (its walk takes seconds) may
+                    # take its place; past the window the job fails, naming it (``_job_tick``).
+                    job.last_call_deadline = now + RESUME_WINDOW
             return
         job.end_rebuild([job.resume_slots[i] for i in range(a.group_world_size)])
         job.rounds_completed += 1

@@ -202,6 +202,7 @@ class RoundRules(RestoreRules):
             job.spares[member.node_id] = member
             said.note(job, said.waits_as_spare(now, member), out)
             out.append(Send(conn.id, self._waiting(job, "spare: the job is full", spare=True)))
+            self._tell_standbys(job, [member], out)
             return
         put_member(job, member)
         said.note_join(job, member, now, out)
@@ -211,6 +212,7 @@ class RoundRules(RestoreRules):
             if job.last_call_deadline is None:
                 job.last_call_deadline = now + job.settings.last_call_timeout
             out.append(Send(conn.id, self._waiting(job, "joining a running job")))
+            self._tell_standbys(job, [member], out)
             self._maybe_regather(job, now, out)
             return
         if len(job.members) == job.settings.min_nodes and job.last_call_deadline is None and not job.order:
@@ -370,16 +372,22 @@ class RoundRules(RestoreRules):
             else:
                 msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank])
             out.append(Send(m.conn, msg))
-        if self.host_node is not None:
-            standbys = standbys_of(job, self.host_node, self.standby_term)
-            for m in [*job.members.values(), *job.spares.values()]:
-                if m.standby_port > 0:  # it offered one, so it reads the list: an older agent never
-                    out.append(Send(m.conn, standbys))
+        self._tell_standbys(job, [*job.members.values(), *job.spares.values()], out)
         event = said.round_complete(
             now, job.round, len(job.order), world_size, master, job.restart_count, by_node_rank is not None
         )
         said.note(job, event, out)
         goodput.formed(job, now)
+
+    def _tell_standbys(self, job: Job, whom: list[Member], out: list[Effect]) -> None:
+        """Where ``whom`` go if the agent hosting us is lost (``standbys.py``): said with every
+        round, and to a spare or newcomer that waits meanwhile. Not by a rdzv-server."""
+        if self.host_node is None or not job.order:
+            return
+        standbys = standbys_of(job, self.host_node, self.standby_term)
+        for m in whom:
+            if m.standby_port > 0:  # it offered one, so it reads the list: an older agent never
+                out.append(Send(m.conn, standbys))
 
     def _reachable(self, job: Job, out: list[Effect]) -> None:
         """A member that reported a loopback address takes one the others can reach, when

@@ -677,6 +677,19 @@ class Rendezvous(Recovery):
             else:
                 job.last_call_deadline = None
                 self._maybe_complete(job, now, out)
+                self._without_the_lost_host(job, now, out)
+
+    def _without_the_lost_host(self, job: Job, now: float, out: list[Effect]) -> None:
+        """A standby took over from a host that held a place in ``job``'s round, and no node
+        took that place in time: the job cannot go on (a fixed size without a spare)."""
+        lost = self._replaced_host_of(job)
+        if lost is None or job.phase is not JobPhase.GATHERING or len(job.members) >= job.settings.min_nodes:
+            return
+        reason = (
+            f"node {lost}, which hosted the rendezvous, is lost, and no node took its place within "
+            f"{RESUME_WINDOW:g} s: the job needs {job.settings.min_nodes} nodes, {len(job.members)} remain"
+        )
+        self._fail(job, reason, None, now, out, code="host_lost")
 
     def _drop_unit(
         self, conn_id: int, how: Departure, reason: str, now: float, out: list[Effect], *, close: bool

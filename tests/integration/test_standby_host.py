@@ -75,3 +75,55 @@ def test_with_three_nodes_the_first_standby_hosts_and_the_other_finds_it(tmp_pat
     assert sorted(d["rank"] for d in done) == [0, 1]
     assert all(d["world"] == 2 and d["step"] == TOTAL for d in done)
     assert _worlds(tmp_path)[-1] == 2
+
+
+def test_a_spare_takes_the_lost_hosts_place_in_a_fixed_size_job(tmp_path: Path) -> None:
+    port = free_port()
+    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "standby-spare", "--max-restarts", "3")
+    args += (str(WORKERS / "elastic_train.py"),)
+    env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
+    host = Proc(agent_cmd(*args), env=env)
+    member = spare = None
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        member = Proc(agent_cmd(*args), env=env)
+        member.wait_for_line(r"step [5-9] world=2", stream="out", timeout=90)
+        spare = Proc(agent_cmd(*args), env=env)
+        spare.wait_for_line("spare", timeout=30)
+        host.kill()
+        for p in (member, spare):
+            assert p.wait(timeout=120) == 0, p.stderr
+    finally:
+        for p in (host, member, spare):
+            if p is not None:
+                p.kill()
+    assert "this node hosts the rendezvous now" in member.stderr
+    assert "the rendezvous moved: node " in spare.stderr
+    done = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("done-*.json"))]
+    assert sorted(d["rank"] for d in done) == [0, 1]
+    assert all(d["world"] == 2 and d["step"] == TOTAL for d in done)
+
+
+def test_a_fixed_size_job_without_a_spare_ends_naming_the_lost_host(tmp_path: Path) -> None:
+    port = free_port()
+    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "standby-fixed", "--max-restarts", "3", str(WORKERS / "sleeper.py"))
+    env = {"DUMP_DIR": str(tmp_path)}
+    host = Proc(agent_cmd(*args), env=env)
+    other = None
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        other = Proc(agent_cmd(*args), env=env)
+        other.wait_for_line("started 1 2 ", stream="out", timeout=60)
+        host.kill()
+        assert other.wait(timeout=60) == 1, other.stderr
+    finally:
+        host.kill()
+        if other is not None:
+            other.kill()
+    # Its last line says why, naming the lost host (and nothing was left running: the session
+    # of each agent is killed above, and the survivor exited on its own).
+    last = other.stderr.strip().splitlines()[-1]
+    assert "ERROR: job failed" in last and "which hosted the rendezvous, is lost" in last, other.stderr
+    assert "no node took its place" in last and "needs 2 nodes, 1 remain" in last

@@ -3,8 +3,8 @@ each job's members go if that agent is lost."""
 
 from __future__ import annotations
 
-from protocol import Assignment, Join, Restart, Resume, Standbys
-from rdzv_server.machine.state import Rendezvous
+from protocol import Assignment, Heartbeat, JobFailed, Join, Restart, Resume, Standbys
+from rdzv_server.machine.state import RESUME_WINDOW, Rendezvous
 
 from .harness import Harness
 
@@ -115,3 +115,63 @@ def test_the_lost_host_is_waited_for_only_where_it_held_a_place() -> None:
     )  # fmt: skip
     h.send(c, Resume(join=join, assignment=a))
     assert not any(isinstance(m, Restart) for m in h.take(c))  # another job's host: the window
+
+
+def test_a_spare_that_waits_is_told_the_standbys_at_once() -> None:
+    h = _hosted()
+    for n in ("host", "nb"):
+        h.join(node=n, standby_port=29500)
+    spare = h.join(node="nc", standby_port=29500)
+    s = h.last(spare, Standbys)
+    assert isinstance(s, Standbys) and s.nodes == ("nb",) and s.host_in_round
+
+
+def _resume_after_take_over(node: str, conn_addr: int, round_of: int = 2) -> tuple[Harness, int]:
+    """A fixed-size job of ``round_of`` nodes whose host ("host") was lost: ``node`` took over
+    and resumes its place (group rank 1) into its own new server."""
+    h = Harness(machine=Rendezvous(host_node=node, standby_term=1, replaced_host=("job", "host")))
+    c = h.connect()
+    a = Assignment(
+        job_id="job", round=0, group_rank=1, group_world_size=round_of, rank_offset=2,
+        world_size=2 * round_of, master_addr="10.0.0.1", master_port=20001, restart_count=0,
+        max_restarts=3,
+    )  # fmt: skip
+    join = Join(
+        job_id="job", node_id=node, addr=f"10.0.0.{conn_addr}", nproc=2, min_nodes=round_of,
+        max_nodes=round_of, entrypoint="train.py", master_port=20002, max_restarts=3,
+        last_call_timeout=5.0, heartbeat_interval=1.0, heartbeat_timeout=5.0,
+    )  # fmt: skip
+    h.send(c, Resume(join=join, assignment=a))
+    return h, c
+
+
+def _beat(h: Harness, conn: int, seconds: float) -> None:
+    for _ in range(int(seconds)):
+        h.advance(1.0)
+        h.send(conn, Heartbeat())
+
+
+def test_a_fixed_size_job_without_a_spare_fails_naming_the_lost_host() -> None:
+    h, c = _resume_after_take_over("nb", 2)
+    assert h.last(c, Restart) is not None  # the rebuild gave up on the host at once
+    _beat(h, c, RESUME_WINDOW - 1)
+    assert h.last(c, JobFailed) is None  # a spare may still be on its way
+    _beat(h, c, 2)
+    failed = h.last(c, JobFailed)
+    assert isinstance(failed, JobFailed) and failed.code == "host_lost"
+    assert "node host, which hosted the rendezvous, is lost" in failed.reason
+    assert "needs 2 nodes, 1 remain" in failed.reason
+
+
+def test_a_spare_arriving_within_the_window_takes_the_lost_hosts_place() -> None:
+    h, c = _resume_after_take_over("nb", 2)
+    _beat(h, c, 4)  # the spare's walk: the old host first, then this standby
+    d = h.join(node="nd", min_nodes=2, max_nodes=2, max_restarts=3)
+    h.send(c, Join(
+        job_id="job", node_id="nb", addr="10.0.0.2", nproc=2, min_nodes=2, max_nodes=2,
+        entrypoint="train.py", master_port=20002, max_restarts=3, last_call_timeout=5.0,
+        heartbeat_interval=1.0, heartbeat_timeout=5.0,
+    ))  # fmt: skip
+    _beat(h, c, RESUME_WINDOW)
+    assert h.last(c, Assignment) is not None and h.last(d, Assignment) is not None
+    assert h.last(c, JobFailed) is None
