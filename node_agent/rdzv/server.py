@@ -202,6 +202,11 @@ class ServerBackend:
                     if self._reserved is None:
                         continue  # we could not host before: the next walk tries the others
                     return await self._take_over(t, deadline)
+                if t.node == self.standbys.host_node and await _refused(t.host, t.port):
+                    # Nothing listens where the host served: its agent is gone (a hosted
+                    # server lives as long as its agent). No point in retrying it for long.
+                    problem = f"nothing listens at {t.host}:{t.port} any more"
+                    continue
                 try:
                     conn = await self._connect_to(t.host, t.port, min(deadline, self.clock() + TRY_EACH))
                 except (RendezvousUnreachable, NotARendezvousServer) as exc:
@@ -354,6 +359,21 @@ async def connect(
         waiting=lambda problem: log(f"{problem}; retrying"),
         give_up=give_up,
     )
+
+
+async def _refused(host: str, port: int) -> bool:
+    """Whether ``host:port`` refuses a connection now (a machine that answers, with nothing
+    listening there); False for anything else (an answer, a timeout, no route)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
 
 
 class _Busy(Exception):
