@@ -106,6 +106,7 @@ if TYPE_CHECKING:
 
     from .http_app import Access
     from .journal import LogHealth, StateLog
+    from .machine.standbys import TakeOver
 
 logger = logging.getLogger("rdzv_server")
 
@@ -150,7 +151,7 @@ class RendezvousService:
         on_fatal: Callable[[str], None] | None = None,
         host_node: str | None = None,
         standby_term: int = 0,
-        replaced_host: tuple[str, str] | None = None,
+        taken_over: TakeOver | None = None,
     ) -> None:
         """``max_connections``/``max_per_address``: None fits them under the open-files limit
         (``admission.py``), which ``start`` first raises to the hard limit when
@@ -159,8 +160,8 @@ class RendezvousService:
         sharing the port (SO_REUSEPORT), for an accept queue a join storm of thousands fits
         in; embedded servers keep 1. ``host_node``/``standby_term``: the node of the agent
         hosting us and the take-overs so far (``machine/standbys.py``); each round then names
-        its job's standbys. ``replaced_host``: (job, node) of the host we replaced, which held a
-        place in that job's round."""
+        its job's standbys. ``taken_over``: we host as the standby that took over, and what it
+        knows was lost."""
         # The port, the caps on its connections and what each may send (admission.py).
         self.gate = Gate(
             max_connections=max_connections,
@@ -185,7 +186,7 @@ class RendezvousService:
             auth_timeout=auth_timeout,
             host_node=host_node,
             standby_term=standby_term,
-            replaced_host=replaced_host,
+            taken_over=taken_over,
         )
         self.tokens = tokens
         self.clock = clock

@@ -32,6 +32,7 @@ from . import RendezvousError
 if TYPE_CHECKING:
     from protocol import Standbys
     from protocol.auth import TokenTable
+    from rdzv_server.machine.standbys import TakeOver
     from rdzv_server.service import RendezvousService
 
     from ..config import AgentConfig
@@ -113,18 +114,28 @@ async def _host_if_nobody_does(
 
 
 async def host_as_standby(
-    config: AgentConfig, *, node_id: str, port: int, standbys: Standbys, log: Callable[..., None]
+    config: AgentConfig,
+    *,
+    node_id: str,
+    port: int,
+    standbys: Standbys,
+    passed: tuple[str, ...],
+    log: Callable[..., None],
 ) -> HostedServer:
     """The rendezvous this agent hosts as the standby whose turn came (``takeover.py``), on
-    every interface at its reserved port. Raises OSError when it cannot listen there."""
-    lost = (config.rdzv_id, standbys.host_node) if standbys.host_in_round else None
-    service = _service(config, node_id, term=standbys.term + 1, replaced=lost)
+    every interface at its reserved port; ``passed``: the standbys before it that did not
+    answer. Raises OSError when it cannot listen there."""
+    from rdzv_server.machine.standbys import TakeOver
+
+    host = standbys.host_node if standbys.host_in_round else ""
+    lost = TakeOver(job=config.rdzv_id, host=host, passed=passed)
+    service = _service(config, node_id, term=standbys.term + 1, taken_over=lost)
     await service.start(None, port)
     return HostedServer(service, port, config, node_id, log)
 
 
 def _service(
-    config: AgentConfig, node_id: str, *, term: int = 0, replaced: tuple[str, str] | None = None
+    config: AgentConfig, node_id: str, *, term: int = 0, taken_over: TakeOver | None = None
 ) -> RendezvousService:
     from rdzv_server.service import RendezvousService
 
@@ -135,7 +146,7 @@ def _service(
         tokens=hosted_tokens(config.token),
         host_node=node_id,
         standby_term=term,
-        replaced_host=replaced,
+        taken_over=taken_over,
     )
 
 

@@ -190,18 +190,29 @@ class ServerBackend:
         return conn
 
     def _heard(self, msg: Standbys) -> None:
-        if newer(self.standbys, msg):
-            self.standbys = msg
+        if not newer(self.standbys, msg):
+            return
+        old, self.standbys = self.standbys, msg
+        if old is None or (old.host_node, old.nodes, old.endpoints) != (
+            msg.host_node,
+            msg.nodes,
+            msg.endpoints,
+        ):
+            named = ", ".join(f"node {n} at {e}" for n, e in zip(msg.nodes, msg.endpoints, strict=True))
+            self.log(
+                f"should the rendezvous host (node {msg.host_node}) be lost, it moves to: {named or 'none'}"
+            )
 
     async def _walk(self, deadline: float) -> Connection:
         assert self.standbys is not None
         problem = ""
         while True:
+            passed: list[str] = []  # the standbys before our turn that did not answer
             for t in walk(self.standbys, self.endpoint, self.node_id):
                 if t.mine:
                     if self._reserved is None:
                         continue  # we could not host before: the next walk tries the others
-                    return await self._take_over(t, deadline)
+                    return await self._take_over(t, deadline, tuple(passed))
                 if t.node == self.standbys.host_node and await _refused(t.host, t.port):
                     # Nothing listens where the host served: its agent is gone (a hosted
                     # server lives as long as its agent). No point in retrying it for long.
@@ -211,6 +222,8 @@ class ServerBackend:
                     conn = await self._connect_to(t.host, t.port, min(deadline, self.clock() + TRY_EACH))
                 except (RendezvousUnreachable, NotARendezvousServer) as exc:
                     problem = str(exc)
+                    if t.node != self.standbys.host_node:
+                        passed.append(t.node)
                     continue
                 if (t.host, t.port) != self.endpoint:
                     self.log(
@@ -223,7 +236,7 @@ class ServerBackend:
                     f"neither the rendezvous host nor its standbys answered: {problem}"
                 )
 
-    async def _take_over(self, t: Target, deadline: float) -> Connection:
+    async def _take_over(self, t: Target, deadline: float, passed: tuple[str, ...]) -> Connection:
         assert self.standbys is not None
         from .hosting import host_as_standby
 
@@ -233,7 +246,12 @@ class ServerBackend:
         self.standby_port = 0  # we host now: not a standby any more
         try:
             self.hosted = await host_as_standby(
-                self.config, node_id=self.node_id, port=t.port, standbys=self.standbys, log=self.log
+                self.config,
+                node_id=self.node_id,
+                port=t.port,
+                standbys=self.standbys,
+                passed=passed,
+                log=self.log,
             )
         except OSError as exc:
             self.log(

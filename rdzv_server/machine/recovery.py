@@ -39,6 +39,7 @@ from .jobs import (
     set_state,
 )
 from .rounds import RoundRules
+from .standbys import TakeOver
 
 
 class Recovery(RoundRules):
@@ -46,7 +47,7 @@ class Recovery(RoundRules):
 
     resume_deadline: float | None
     draining: bool
-    replaced_host: tuple[str, str] | None
+    taken_over: TakeOver | None
 
     def _recover(self, now: float, out: list[Effect]) -> None:
         """The state was replayed from the log of a previous process whose sockets are gone.
@@ -275,10 +276,11 @@ class Recovery(RoundRules):
             return
         job.resume_slots[a.group_rank] = member.node_id
         if len(job.resume_slots) < a.group_world_size:
-            lost = self._replaced_host_of(job)
-            if lost is not None and len(job.resume_slots) == a.group_world_size - 1:
-                # Everyone is back but the node that hosted the rendezvous: it cannot come back.
-                self._abandon_resume(job, f"node {lost}, which hosted the rendezvous, is lost", now, out)
+            lost = self.taken_over.lost(job) if self.taken_over is not None else ()
+            if lost and len(job.resume_slots) == a.group_world_size - len(lost):
+                # Everyone is back but the nodes lost with the rendezvous: they cannot come back.
+                assert self.taken_over is not None
+                self._abandon_resume(job, self.taken_over.describe(lost), now, out)
                 if len(job.members) < job.settings.min_nodes and job.last_call_deadline is None:
                     # Too few without it: a spare on its way here (its walk takes seconds) may
                     # take its place; past the window the job fails, naming it (``_job_tick``).
@@ -291,13 +293,6 @@ class Recovery(RoundRules):
         said.note(job, said.round_rebuilt(now, job.round, len(job.order)), out)
         goodput.formed(job, now)
         self._maybe_finish(job, now, out)
-
-    def _replaced_host_of(self, job: Job) -> str | None:
-        """The node whose lost rendezvous we host now, if it held a place in ``job``'s round."""
-        replaced = self.replaced_host
-        if replaced is None or replaced[0] != job.id or replaced[1] in job.members:
-            return None
-        return replaced[1]
 
     def _abandon_resume(self, job: Job, why: str, now: float, out: list[Effect]) -> None:
         """The round cannot be rebuilt: a new round begins with whoever came back."""

@@ -17,10 +17,35 @@ longer than its workers' failure or the resume window, then goes on with whoever
 from __future__ import annotations
 
 from protocol import MAX_ADDR_LEN, Standbys
+from protocol.records import record
 
 from .jobs import Job, Member
 
 STANDBYS = 2  # enough for one more loss while a take-over is under way; at most MAX_STANDBYS
+
+
+@record(frozen=True, slots=True)
+class TakeOver:
+    """What a standby that took over knows of the loss: its job, the lost host's node when it
+    held a place in the job's round ("" otherwise), and the standbys before it that did not
+    answer. The round rebuilt from the agents' Resume waits for none of them."""
+
+    job: str
+    host: str = ""
+    passed: tuple[str, ...] = ()
+
+    def lost(self, job: Job) -> tuple[str, ...]:
+        """The nodes of ``job``'s round it knows are lost (none that came back after all)."""
+        if job.id != self.job:
+            return ()
+        return tuple(n for n in (self.host, *self.passed) if n and n not in job.members)
+
+    def describe(self, lost: tuple[str, ...]) -> str:
+        parts = [f"node {self.host}, which hosted the rendezvous, is lost"] if self.host in lost else []
+        others = [n for n in lost if n != self.host]
+        if others:
+            parts.append(f"its standby {', '.join(others)} did not answer")
+        return "; ".join(parts)
 
 
 def endpoint(m: Member) -> str:

@@ -154,6 +154,7 @@ from .jobs import (
     entrypoint_key,
 )
 from .recovery import Recovery
+from .standbys import TakeOver
 
 SOFTWARE = "rdzv-server/0.1"
 HELLO_TIMEOUT = 10.0  # a connection that has not said hello by then is closed
@@ -234,16 +235,16 @@ class Rendezvous(Recovery):
         auth_timeout: float = AUTH_TIMEOUT,
         host_node: str | None = None,
         standby_term: int = 0,
-        replaced_host: tuple[str, str] | None = None,
+        taken_over: TakeOver | None = None,
     ) -> None:
         self.tokens = tokens  # None: no authentication (the server says so at start)
         # An agent hosts us (issue 45, ``standbys.py``): its node, and the take-overs so far.
         # Each round then names its job's standbys; a rdzv-server (None) names none.
         self.host_node = host_node
         self.standby_term = standby_term
-        # (job, node): the host we replaced held a place in that job's round, so its rebuilt
-        # round waits for every node but that one (``recovery.py``).
-        self.replaced_host = replaced_host
+        # We host as the standby that took over (``standbys.py``): the rebuilt round of its job
+        # waits for every node but those it knows are lost (``recovery.py``).
+        self.taken_over = taken_over
         self.hello_timeout = hello_timeout
         self.auth_timeout = auth_timeout
         self.max_jobs = max_jobs  # jobs held at once (ended ones still held count too)
@@ -682,12 +683,13 @@ class Rendezvous(Recovery):
     def _without_the_lost_host(self, job: Job, now: float, out: list[Effect]) -> None:
         """A standby took over from a host that held a place in ``job``'s round, and no node
         took that place in time: the job cannot go on (a fixed size without a spare)."""
-        lost = self._replaced_host_of(job)
-        if lost is None or job.phase is not JobPhase.GATHERING or len(job.members) >= job.settings.min_nodes:
+        lost = self.taken_over.lost(job) if self.taken_over is not None else ()
+        if not lost or job.phase is not JobPhase.GATHERING or len(job.members) >= job.settings.min_nodes:
             return
+        assert self.taken_over is not None
         reason = (
-            f"node {lost}, which hosted the rendezvous, is lost, and no node took its place within "
-            f"{RESUME_WINDOW:g} s: the job needs {job.settings.min_nodes} nodes, {len(job.members)} remain"
+            f"{self.taken_over.describe(lost)}, and no node took its place within {RESUME_WINDOW:g} s: "
+            f"the job needs {job.settings.min_nodes} nodes, {len(job.members)} remain"
         )
         self._fail(job, reason, None, now, out, code="host_lost")
 

@@ -127,3 +127,37 @@ def test_a_fixed_size_job_without_a_spare_ends_naming_the_lost_host(tmp_path: Pa
     last = other.stderr.strip().splitlines()[-1]
     assert "ERROR: job failed" in last and "which hosted the rendezvous, is lost" in last, other.stderr
     assert "no node took its place" in last and "needs 2 nodes, 1 remain" in last
+
+
+def test_the_host_and_its_first_standby_lost_together_the_second_standby_hosts(tmp_path: Path) -> None:
+    """Four nodes, two standbys: the host and the first standby die at once; the second
+    standby's turn comes (the first does not answer), and the fourth node finds it there."""
+    port = free_port()
+    release = tmp_path / "release"
+    args = ("--nnodes", "2:4", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "standby2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2")
+    args += (str(WORKERS / "sleeper.py"),)
+    env = {"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
+    host = Proc(agent_cmd(*args), env=env)
+    nodes: list[Proc] = []
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        nodes = [Proc(agent_cmd(*args), env=env) for _ in range(3)]
+        said = nodes[0].wait_for_line(r"it moves to: node (\S+) at \S+, node (\S+) at ", timeout=60)
+        by_pid = {p.p.pid: p for p in nodes}
+        first, second = (by_pid[int(said.group(k).split(":")[1])] for k in (1, 2))
+        (fourth,) = [p for p in nodes if p is not first and p is not second]
+        host.kill()
+        first.kill()
+        second.wait_for_line("this node hosts the rendezvous now", timeout=60)
+        fourth.wait_for_line("the rendezvous moved: node ", timeout=60)
+        for p in (second, fourth):
+            p.wait_for_line(r"round \d+: group rank \d of 2", timeout=60)
+        release.touch()
+        for p in (second, fourth):
+            assert p.wait(timeout=60) == 0, p.stderr
+    finally:
+        release.touch()
+        for p in (host, *nodes):
+            p.kill()
+    assert "which hosted the rendezvous" in second.stderr or "did not come back" in second.stderr

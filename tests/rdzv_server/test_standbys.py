@@ -4,6 +4,7 @@ each job's members go if that agent is lost."""
 from __future__ import annotations
 
 from protocol import Assignment, Heartbeat, JobFailed, Join, Restart, Resume, Standbys
+from rdzv_server.machine.standbys import TakeOver
 from rdzv_server.machine.state import RESUME_WINDOW, Rendezvous
 
 from .harness import Harness
@@ -81,7 +82,7 @@ def test_a_standby_that_took_over_does_not_wait_for_the_lost_host() -> None:
     said = old.last(conns["nb"], Standbys)
     assert isinstance(said, Standbys) and said.host_in_round and said.nodes[0] in ("nb", "nc")
     standby = said.nodes[0]
-    new = Harness(machine=Rendezvous(host_node=standby, standby_term=1, replaced_host=("job", "host")))
+    new = Harness(machine=Rendezvous(host_node=standby, standby_term=1, taken_over=TakeOver("job", "host")))
     first = {}
     for node in ("nb", "nc"):
         c = new.connect()
@@ -102,7 +103,7 @@ def test_a_standby_that_took_over_does_not_wait_for_the_lost_host() -> None:
 
 
 def test_the_lost_host_is_waited_for_only_where_it_held_a_place() -> None:
-    h = Harness(machine=Rendezvous(host_node="nb", standby_term=1, replaced_host=("other-job", "host")))
+    h = Harness(machine=Rendezvous(host_node="nb", standby_term=1, taken_over=TakeOver("other-job", "host")))
     c = h.connect()
     a = Assignment(
         job_id="job", round=0, group_rank=0, group_world_size=2, rank_offset=0, world_size=4,
@@ -129,7 +130,7 @@ def test_a_spare_that_waits_is_told_the_standbys_at_once() -> None:
 def _resume_after_take_over(node: str, conn_addr: int, round_of: int = 2) -> tuple[Harness, int]:
     """A fixed-size job of ``round_of`` nodes whose host ("host") was lost: ``node`` took over
     and resumes its place (group rank 1) into its own new server."""
-    h = Harness(machine=Rendezvous(host_node=node, standby_term=1, replaced_host=("job", "host")))
+    h = Harness(machine=Rendezvous(host_node=node, standby_term=1, taken_over=TakeOver("job", "host")))
     c = h.connect()
     a = Assignment(
         job_id="job", round=0, group_rank=1, group_world_size=round_of, rank_offset=2,
@@ -175,3 +176,26 @@ def test_a_spare_arriving_within_the_window_takes_the_lost_hosts_place() -> None
     _beat(h, c, RESUME_WINDOW)
     assert h.last(c, Assignment) is not None and h.last(d, Assignment) is not None
     assert h.last(c, JobFailed) is None
+
+
+def test_nor_for_the_standbys_before_it_that_did_not_answer() -> None:
+    h = Harness(
+        machine=Rendezvous(host_node="nd", standby_term=1, taken_over=TakeOver("job", "host", ("nb",)))
+    )
+    conns = []
+    for rank, node in ((2, "nc"), (3, "nd")):
+        c = h.connect()
+        a = Assignment(
+            job_id="job", round=0, group_rank=rank, group_world_size=4, rank_offset=2 * rank,
+            world_size=8, master_addr="10.0.0.1", master_port=20001, restart_count=0, max_restarts=3,
+        )  # fmt: skip
+        join = Join(
+            job_id="job", node_id=node, addr=f"10.0.0.{rank + 1}", nproc=2, min_nodes=2, max_nodes=4,
+            entrypoint="train.py", master_port=20002, max_restarts=3, last_call_timeout=5.0,
+            heartbeat_interval=1.0, heartbeat_timeout=5.0,
+        )  # fmt: skip
+        h.send(c, Resume(join=join, assignment=a))
+        conns.append(c)
+    assert h.last(conns[1], Restart) is not None and h.now == 0.0
+    line = "node host, which hosted the rendezvous, is lost; its standby nb did not answer"
+    assert any(line in text for text in h.logs), h.logs
