@@ -209,9 +209,23 @@ class Gate:
 
     # -- the listening sockets -------------------------------------------------------------
 
-    async def listen(self, host: str | None, port: int, accept: Callable[[], asyncio.Protocol]) -> int:
+    async def listen(
+        self,
+        host: str | None,
+        port: int,
+        accept: Callable[[], asyncio.Protocol],
+        sock: socket.socket | None = None,
+    ) -> int:
         """Listen on host:port (port 0 picks a free one) with ``listeners`` sockets, each
-        accepted connection ``accept()``'s; returns the bound port."""
+        accepted connection ``accept()``'s; returns the bound port. ``sock``: a socket already
+        bound (and maybe listening: what waits in its queue is served) to serve on instead."""
+        if sock is not None:
+            try:
+                self._servers.append(await self._adopt(sock, accept))
+            except BaseException:
+                self.close()
+                raise
+            return self.port
         shared = self.listeners > 1
         if shared:
             check_port_free(host, port)  # SO_REUSEPORT alone would let us share a taken port
@@ -244,6 +258,15 @@ class Gate:
             server.close()
             raise OSError(errno.EADDRINUSE, f"port {port} is already in use")
         return server
+
+    async def _adopt(self, sock: socket.socket, accept: Callable[[], asyncio.Protocol]) -> asyncio.Server:
+        return await asyncio.get_running_loop().create_server(
+            accept,
+            sock=sock,
+            backlog=65535,
+            ssl=self.tls,
+            ssl_handshake_timeout=self.hello_timeout if self.tls is not None else None,
+        )
 
     @property
     def port(self) -> int:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -245,8 +246,9 @@ class RendezvousService:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def start(self, host: str | None, port: int) -> int:
-        """Listen on host:port (port 0 picks a free one); returns the bound port."""
+    async def start(self, host: str | None, port: int, *, sock: socket.socket | None = None) -> int:
+        """Listen on host:port (port 0 picks a free one), or serve on ``sock`` (bound already);
+        returns the bound port."""
         self.gate.raise_limit()
         if self.http_enabled:
             from .http_app import make_http_runner
@@ -254,7 +256,7 @@ class RendezvousService:
             runner = await make_http_runner(self)
             self._http_runner = runner
             self.http_factory = runner.server
-        bound = await self.gate.listen(host, port, self._make_connection)
+        bound = await self.gate.listen(host, port, self._make_connection, sock=sock)
         self._watch_due = _monotonic() + WATCHDOG_INTERVAL
         self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
         return bound

@@ -117,20 +117,21 @@ async def host_as_standby(
     config: AgentConfig,
     *,
     node_id: str,
-    port: int,
+    sock: socket.socket,
     standbys: Standbys,
     passed: tuple[str, ...],
     log: Callable[..., None],
 ) -> HostedServer:
     """The rendezvous this agent hosts as the standby whose turn came (``takeover.py``), on
-    every interface at its reserved port; ``passed``: the standbys before it that did not
-    answer. Raises OSError when it cannot listen there."""
+    its reserved socket (every interface), which never stops listening meanwhile: a peer that
+    finds it refused knows the agent is gone. ``passed``: the standbys before it found gone.
+    Raises OSError when it cannot serve there."""
     from rdzv_server.machine.standbys import TakeOver
 
     host = standbys.host_node if standbys.host_in_round else ""
     lost = TakeOver(job=config.rdzv_id, host=host, passed=passed)
     service = _service(config, node_id, term=standbys.term + 1, taken_over=lost)
-    await service.start(None, port)
+    port = await service.start(None, 0, sock=sock)
     return HostedServer(service, port, config, node_id, log)
 
 

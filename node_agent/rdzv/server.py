@@ -218,11 +218,19 @@ class ServerBackend:
                     # server lives as long as its agent). No point in retrying it for long.
                     problem = f"nothing listens at {t.host}:{t.port} any more"
                     continue
+                standby = t.node != self.standbys.host_node
+                if standby and await _refused(t.host, t.port):
+                    problem = f"standby node {t.node} is gone too (nothing listens at {t.host}:{t.port})"
+                    passed.append(t.node)
+                    continue
+                # The host may be back in a moment; a standby that is alive (it listens on its
+                # reserved port) hosts at its turn: wait for it, never host beside it.
+                until = deadline if standby else min(deadline, self.clock() + TRY_EACH)
                 try:
-                    conn = await self._connect_to(t.host, t.port, min(deadline, self.clock() + TRY_EACH))
+                    conn = await self._connect_to(t.host, t.port, until)
                 except (RendezvousUnreachable, NotARendezvousServer) as exc:
                     problem = str(exc)
-                    if t.node != self.standbys.host_node:
+                    if standby:
                         passed.append(t.node)
                     continue
                 if (t.host, t.port) != self.endpoint:
@@ -241,19 +249,20 @@ class ServerBackend:
         from .hosting import host_as_standby
 
         term = self.standbys.term + 1
-        release(self._reserved)
-        self._reserved = None
+        assert self._reserved is not None
+        sock, self._reserved = self._reserved, None  # the service's now (or closed below)
         self.standby_port = 0  # we host now: not a standby any more
         try:
             self.hosted = await host_as_standby(
                 self.config,
                 node_id=self.node_id,
-                port=t.port,
+                sock=sock,
                 standbys=self.standbys,
                 passed=passed,
                 log=self.log,
             )
         except OSError as exc:
+            release(sock)
             self.log(
                 f"cannot host the rendezvous on port {t.port} as its standby: {exc.strerror or exc}", "error"
             )

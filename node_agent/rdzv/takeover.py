@@ -9,9 +9,13 @@ the job's agents resume into it (``rdzv_server/machine/recovery.py`` rebuilds th
 what they hold, without the lost node).
 
 Why this is safe without a quorum: every agent walks the list in one order and hosts only at
-its own turn, after the ones before it did not answer; so where the network lets the agents
-reach each other they meet at the first standby alive. ``term`` (one more at each take-over)
-keeps a late list from an older host from sending an agent back. What it cannot settle is a
+its own turn, after the ones before it were found dead; so where the network lets the agents
+reach each other they meet at the first standby alive. Dead, not slow: a standby listens on its
+reserved port from the start (the kernel accepts; it answers once it hosts), so a connection
+that is refused means its agent is gone, and one that is accepted means it is alive and will
+host at its turn: the others wait for it however loaded its machine is, rather than host too.
+``term`` (one more at each take-over) keeps a late list from an older host from sending an
+agent back. What it cannot settle is a
 partition: two halves that cannot reach each other may each end at a host of their own (a job
 of two nodes has no majority to decide). Each half then runs only if it meets ``--nnodes``'s
 minimum on its own; torchrun's c10d rendezvous, hosted on node 0, has no way back at all.
@@ -25,7 +29,7 @@ import socket
 from protocol import Standbys
 from protocol.records import record
 
-TRY_EACH = 3.0  # seconds to reach one endpoint before the next: its agent may be restarting
+TRY_EACH = 3.0  # seconds to reach the host before the standbys (a blip, not its loss)
 
 
 @record(frozen=True, slots=True)
@@ -64,14 +68,16 @@ def walk(standbys: Standbys, first: tuple[str, int], node_id: str) -> list[Targe
 
 
 def reserve_port(preferred: int) -> socket.socket | None:
-    """A port this agent could host the rendezvous on, held (bound, not listening) so nothing
-    else takes it: the endpoint's own port where it is free on this machine (an agent on
-    another machine than the host then hosts at the port everyone was given), else any."""
+    """A port this agent could host the rendezvous on, held so nothing else takes it: the
+    endpoint's own port where it is free on this machine (an agent on another machine than the
+    host then hosts at the port everyone was given), else any. Listening, never accepting: a
+    peer's connection is accepted by the kernel (this agent is alive) until it hosts there."""
     for port in (preferred, 0):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             # No SO_REUSEADDR: two agents of one machine must not both hold the same port.
             sock.bind(("", port))
+            sock.listen(16)
         except OSError:
             sock.close()
             continue

@@ -60,10 +60,10 @@ def test_with_three_nodes_the_first_standby_hosts_and_the_other_finds_it(tmp_pat
     try:
         host.wait_for_line("this agent hosts it", timeout=30)
         others = [Proc(agent_cmd(*args), env=env) for _ in range(2)]
-        others[0].wait_for_line(r"step [5-9] world=3", stream="out", timeout=90)
+        others[0].wait_for_line(r"step [5-9] world=3", stream="out", timeout=60)
         host.kill()
         for p in others:
-            assert p.wait(timeout=120) == 0, p.stderr
+            assert p.wait(timeout=50) == 0, p.stderr
     finally:
         for p in (host, *others):
             p.kill()

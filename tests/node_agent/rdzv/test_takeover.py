@@ -45,6 +45,9 @@ def test_the_reserved_port_is_the_endpoints_where_free_else_another_and_held() -
         assert got is not None
         port = got.getsockname()[1]
         assert port != busy
+        # listening: a peer can tell this agent is alive (the kernel accepts; nobody answers)
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
         # held: a second reservation of that port gets another one
         again = reserve_port(port)
         assert again is not None and again.getsockname()[1] != port
