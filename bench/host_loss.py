@@ -145,7 +145,7 @@ def report(results: dict[str, list[dict[str, float]]], failed: list[str], repeat
         "# The node hosting the rendezvous SIGKILLed (issue 45)",
         "",
         f"`python -m bench.host_loss --repeat {repeat}`: see `bench/host_loss.py` for the commands. "
-        "Medians of the trials, interleaved in one run on this machine.",
+        "Medians of the trials, interleaved in one run on this machine (CPU only).",
         "",
         "| setup | what the survivor does | time from the SIGKILL |",
         "|---|---|---|",
