@@ -19,9 +19,7 @@ Trials are interleaved (one of each per repeat). Run: ``python -m bench.host_los
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -29,28 +27,13 @@ import time
 from pathlib import Path
 
 from .launch_cases import _by_rank, _of, c10d, exe, worker
-from .procs import BIN, Launched, Trial, TrialFailed, free_port
-from .ready_cases import _ready, descendants
+from .procs import BIN, Trial, TrialFailed, free_port
+from .ready_cases import _ready, kill_node
 
 SCRIPT = "ready_gloo.py"
 SETTLE = 0.5
 EXIT_BOUND = 120.0
 SETUPS = ("torchrun", "ours-hosted", "ours-server")
-
-
-def _kill_node(trial: Trial, victim: Launched) -> float:
-    """SIGKILL the launcher and everything under it (torchrun's workers: found by parent)."""
-    doomed = set(descendants(victim.pid))
-    doomed |= {e["pid"] for e in _of(trial.events(), "start") if e["ppid"] == victim.pid}
-    trial.marker.write_text("node killed\n")  # a replacement exits 0 once ready
-    t_kill = time.time()
-    trial.kill(victim, signal.SIGKILL)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return t_kill
 
 
 def host_kill(trial: Trial, setup: str) -> dict[str, float]:
@@ -76,7 +59,7 @@ def host_kill(trial: Trial, setup: str) -> dict[str, float]:
     _ready(trial, agents, 2, "both ranks ready with WORLD_SIZE=2", ws=2)
     time.sleep(SETTLE)
     victim, survivor = agents
-    t_kill = _kill_node(trial, victim)
+    t_kill = kill_node(trial, victim)
     if setup == "torchrun":
         if not trial.wait_exit([survivor], EXIT_BOUND):
             raise TrialFailed(f"torchrun's survivor did not exit\n{trial.describe()}")

@@ -67,6 +67,23 @@ def idle_warm(agent_pid: int, workers: Collection[int] = ()) -> list[int]:
     return found
 
 
+def kill_node(trial: Trial, victim: Launched) -> float:
+    """The node is gone: its launcher, workers, warm interpreters and store process SIGKILLed
+    at one instant (torchrun's workers run in sessions of their own: found by their parent in
+    the events); the marker tells a replacement to exit 0 once ready. Returns the kill's time."""
+    doomed = set(descendants(victim.pid))
+    doomed |= {e["pid"] for e in _of(trial.events(), "start") if e["ppid"] == victim.pid}
+    trial.marker.write_text("node killed\n")
+    t_kill = time.time()
+    trial.kill(victim, signal.SIGKILL)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return t_kill
+
+
 def _worker_pids(evs: Events) -> set[int]:
     return {e["pid"] for e in _of(evs, "start")}
 
@@ -194,18 +211,7 @@ def node_kill(trial: Trial, launcher: str, preload: bool = False) -> dict[str, f
     _ready(trial, agents, 2, "both ranks ready with WORLD_SIZE=2", ws=2)
     quiet(trial, agents, preload, 1)
     survivor, victim = agents
-    # The node is gone: its agent, workers, warm interpreters and store process at one instant.
-    # torchrun's workers run in sessions of their own: found by their parent in the events.
-    doomed = set(descendants(victim.pid))
-    doomed |= {e["pid"] for e in _of(trial.events(), "start") if e["ppid"] == victim.pid}
-    trial.marker.write_text("node killed\n")  # the survivor's replacement exits 0 once ready
-    t_kill = time.time()
-    trial.kill(victim, signal.SIGKILL)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    t_kill = kill_node(trial, victim)
     what = "node 1's WORLD_SIZE=1 replacement ready"
     ready = _ready(trial, [survivor], 1, what, after=t_kill, ws=1)
     start = _by_rank(_of(trial.events(), "start", after=t_kill, ws=1))

@@ -100,7 +100,9 @@ async def _host_if_nobody_does(
     config: AgentConfig, *, node_id: str, log: Callable[..., None]
 ) -> HostedServer | None:
     host, port = config.rdzv_host, config.rdzv_port
-    if await _something_listens(host, port):
+    from .takeover import probe
+
+    if await probe(host, port, 2.0) == "listens":
         return None
     service = _service(config, node_id)
     try:
@@ -189,14 +191,3 @@ def is_this_machine(host: str) -> bool:
                 continue
             return True
     return False
-
-
-async def _something_listens(host: str, port: int) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=2.0)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True

@@ -47,7 +47,7 @@ from protocol.tls import verify_failure
 
 from ..agent_log import shown
 from . import NotARendezvousServer, RendezvousError, RendezvousRefused, RendezvousUnreachable
-from .takeover import TRY_EACH, Target, newer, release, reserve_port, walk
+from .takeover import TRY_EACH, Target, newer, probe, release, reserve_port, walk
 
 if TYPE_CHECKING:
     from ..config import AgentConfig
@@ -213,13 +213,13 @@ class ServerBackend:
                     if self._reserved is None:
                         continue  # we could not host before: the next walk tries the others
                     return await self._take_over(t, deadline, tuple(passed))
-                if t.node == self.standbys.host_node and await _refused(t.host, t.port):
+                if t.node == self.standbys.host_node and await probe(t.host, t.port, 1.0) == "refused":
                     # Nothing listens where the host served: its agent is gone (a hosted
                     # server lives as long as its agent). No point in retrying it for long.
                     problem = f"nothing listens at {t.host}:{t.port} any more"
                     continue
                 standby = t.node != self.standbys.host_node
-                if standby and await _refused(t.host, t.port):
+                if standby and await probe(t.host, t.port, 1.0) == "refused":
                     problem = f"standby node {t.node} is gone too (nothing listens at {t.host}:{t.port})"
                     passed.append(t.node)
                     continue
@@ -386,21 +386,6 @@ async def connect(
         waiting=lambda problem: log(f"{problem}; retrying"),
         give_up=give_up,
     )
-
-
-async def _refused(host: str, port: int) -> bool:
-    """Whether ``host:port`` refuses a connection now (a machine that answers, with nothing
-    listening there); False for anything else (an answer, a timeout, no route)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
 
 
 class _Busy(Exception):

@@ -23,8 +23,10 @@ minimum on its own; torchrun's c10d rendezvous, hosted on node 0, has no way bac
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+from typing import Literal
 
 from protocol import Standbys
 from protocol.records import record
@@ -83,6 +85,21 @@ def reserve_port(preferred: int) -> socket.socket | None:
             continue
         return sock
     return None
+
+
+async def probe(host: str, port: int, timeout: float) -> Literal["listens", "refused", "unknown"]:
+    """One TCP connect to ``host:port``, closed at once: accepted, refused (a machine that
+    answers with nothing listening there), or neither (a timeout, no route)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, asyncio.TimeoutError):
+        return "unknown"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return "listens"
 
 
 def release(sock: socket.socket | None) -> None:
