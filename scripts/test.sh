@@ -43,7 +43,7 @@ if [ "$#" -gt 0 ]; then
   run "$@"
   exit 0
 fi
-run -m unit -n 2 --durations=15
+run -m unit --durations=15
 run -m "proc or e2e" -n "${TEST_WORKERS:-4}" --dist loadgroup --durations=25
 # The soak campaigns stress a live server or a whole job on purpose: alone, not beside others.
 run -m soak --durations=5
