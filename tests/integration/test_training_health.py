@@ -20,8 +20,9 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,16 @@ def server() -> Iterator[int]:
         srv.kill()
 
 
-def run_job(tmp_path: Path, port: int, job: str, env: dict[str, str], *flags: str) -> list[Proc]:
-    """Two nodes of two ranks each, to the end (bounded); their Procs, exited."""
+def run_job(
+    tmp_path: Path,
+    port: int,
+    job: str,
+    env: dict[str, str],
+    *flags: str,
+    meanwhile: Callable[[list[Proc]], None] | None = None,
+) -> list[Proc]:
+    """Two nodes of two ranks each, to the end (bounded); their Procs, exited. ``meanwhile``
+    runs while they do (its failure stops them)."""
     agents = [
         Proc(
             agent_cmd(
@@ -55,6 +64,8 @@ def run_job(tmp_path: Path, port: int, job: str, env: dict[str, str], *flags: st
         for i in range(2)
     ]  # fmt: skip
     try:
+        if meanwhile is not None:
+            meanwhile(agents)
         for a in agents:
             a.wait(timeout=180)
     finally:
@@ -63,11 +74,31 @@ def run_job(tmp_path: Path, port: int, job: str, env: dict[str, str], *flags: st
     return agents
 
 
+def hang_of_round(port: int, job: str, rnd: int, agents: list[Proc]) -> dict[str, Any]:
+    """The server's view of round ``rnd``'s hang once every node's stacks are in: read while
+    the job runs, since a later round's hang replaces it (on a starved machine the last round's
+    teardown, a barrier after the last step, can outlast a 4 s budget)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status, body = get(port, f"/v1/jobs/{job}")
+        hang = body.get("hang") if status == 200 else None
+        if hang and hang["round"] == rnd and hang["nodes_reported"] == 2 and hang["report"]:
+            return hang
+        if (hang and hang["round"] > rnd) or all(a.p.poll() is not None for a in agents):
+            break
+        time.sleep(0.2)  # the server's API is the only way to see it; polled, bounded
+    raise AssertionError(f"no report of round {rnd}'s hang with both nodes' stacks: {hang}")
+
+
 def test_a_hung_rank_is_found_with_every_ranks_stacks_and_the_job_restarts(
     tmp_path: Path, server: int
 ) -> None:
     env = {"HANG_MODE": "sleep", "HANG_RANK": "3", "HANG_STEP": "20", "STEPS": "40"}
-    agents = run_job(tmp_path, server, "hang", env, "--max-restarts", "1", "--hang-timeout", "4")
+    seen: list[dict[str, Any]] = []
+    agents = run_job(
+        tmp_path, server, "hang", env, "--max-restarts", "1", "--hang-timeout", "4",
+        meanwhile=lambda agents: seen.append(hang_of_round(server, "hang", 0, agents)),
+    )  # fmt: skip
     assert [a.p.returncode for a in agents] == [0, 0], "\n".join(a.stderr for a in agents)
     both = "\n".join(a.stderr for a in agents)
     # Every rank waited: each node saw its own ranks hang, at step 19 (the last one reported).
@@ -86,8 +117,9 @@ def test_a_hung_rank_is_found_with_every_ranks_stacks_and_the_job_restarts(
     # The job's report at the server merges all four ranks: 3 is the odd one out.
     status, job = get(server, "/v1/jobs/hang")
     assert status == 200, job
-    assert job["hang"]["ranks"] and job["hang"]["nodes_reported"] == 2, job["hang"]
-    hang = job["hang"]["report"]
+    (found,) = seen
+    assert found["ranks"] and found["nodes_reported"] == 2, found
+    hang = found["report"]
     assert hang["suspects"] == [3], hang
     groups = {tuple(g["ranks"]): g for g in hang["groups"]}
     assert set(groups) == {(0, 1, 2), (3,)}, hang
