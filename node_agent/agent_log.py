@@ -51,7 +51,11 @@ class AgentLog:
         if self.before_line is not None:
             self.before_line()
         try:
-            print(line, file=self.stream, flush=True)
+            # One write of the whole line, newline included: print() writes the text and the
+            # newline apart, and with PYTHONUNBUFFERED (a write-through stderr) a worker's line
+            # sharing the console can land between them ("...{0: 7752}rank 0 running").
+            self.stream.write(line + "\n")
+            self.stream.flush()
         except (OSError, ValueError):  # a closed or broken stderr must not take the agent down
             pass
 

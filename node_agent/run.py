@@ -339,7 +339,7 @@ def main(args: Sequence[str] | None = None) -> None:
 
 def _warn(text: str, level: str) -> None:
     if level != "debug":
-        print(f"[node-agent] {text}", file=sys.stderr)
+        sys.stderr.write(f"[node-agent] {text}\n")  # one write: whole beside the workers' lines
 
 
 # --- install(): torch.distributed.run's functions, replaced in this process ---------------------

@@ -16,6 +16,31 @@ def lines(level: str | None, fmt: str = "text") -> tuple[AgentLog, io.StringIO]:
     return AgentLog(out, fmt, level=level), out
 
 
+class Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.calls.append(s)
+        return super().write(s)
+
+
+def test_each_line_is_one_write_newline_included() -> None:
+    """A console shared with the workers (PYTHONUNBUFFERED: every write goes out as it is) must
+    get each agent line whole, so no worker line lands inside it."""
+    out = Writes()
+    log = AgentLog(out, "text", level=None)
+    log("started 1 worker(s)")
+    log("first\nsecond", "error")
+    assert out.calls == [
+        "[node-agent] started 1 worker(s)\n",
+        "[node-agent] ERROR: first\n[node-agent] ERROR: second\n",
+    ]
+
+
 def test_every_line_of_a_report_carries_the_prefix() -> None:
     log, out = lines(None)
     log("first\nsecond", "error")
