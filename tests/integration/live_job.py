@@ -54,10 +54,13 @@ async def http(
     body: bytes | None = None,
     host: str = "127.0.0.1",
     tls: ssl.SSLContext | None = None,
+    source: str | None = None,
 ) -> tuple[int, Any]:
     """One HTTP/1.1 request on its own connection (HTTPS with ``tls``): (status, decoded JSON
-    or the raw body)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls)
+    or the raw body). ``source``: the loopback address to connect from (another machine's
+    probe, say)."""
+    local = (source, 0) if source is not None else None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls, local_addr=local)
     try:
         extra = dict(headers or {})
         if token:
