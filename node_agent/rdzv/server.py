@@ -213,15 +213,13 @@ class ServerBackend:
                     if self._reserved is None:
                         continue  # we could not host before: the next walk tries the others
                     return await self._take_over(t, deadline, tuple(passed))
-                if t.node == self.standbys.host_node and await probe(t.host, t.port, 1.0) == "refused":
-                    # Nothing listens where the host served: its agent is gone (a hosted
-                    # server lives as long as its agent). No point in retrying it for long.
-                    problem = f"nothing listens at {t.host}:{t.port} any more"
-                    continue
                 standby = t.node != self.standbys.host_node
-                if standby and await probe(t.host, t.port, 1.0) == "refused":
-                    problem = f"standby node {t.node} is gone too (nothing listens at {t.host}:{t.port})"
-                    passed.append(t.node)
+                if await probe(t.host, t.port, 1.0) == "refused":
+                    # Nothing listens there: its agent is gone (a hosted server, and a standby's
+                    # reserved port, live as long as their agent). No point in retrying it.
+                    problem = f"nothing listens at {t.host}:{t.port} any more (node {t.node})"
+                    if standby:
+                        passed.append(t.node)
                     continue
                 # The host may be back in a moment; a standby that is alive (it listens on its
                 # reserved port) hosts at its turn: wait for it, never host beside it.
@@ -243,6 +241,8 @@ class ServerBackend:
                 raise RendezvousUnreachable(
                     f"neither the rendezvous host nor its standbys answered: {problem}"
                 )
+            # Every place refused at once (nobody hosts yet): walk again shortly, not in a spin.
+            await asyncio.sleep(min(0.2, max(0.0, deadline - self.clock())))
 
     async def _take_over(self, t: Target, deadline: float, passed: tuple[str, ...]) -> Connection:
         assert self.standbys is not None
