@@ -61,6 +61,14 @@ class Attempt:
         os.makedirs(folder, 0o700, exist_ok=True)
         return os.path.join(folder, "progress.page")
 
+    def place_dir(self, local_rank: int) -> str:
+        """The rank's place folder (``worker.run``: restarts in place, ``worker/place.py``), in
+        the private directory beside the attempts: the same for every attempt, as a survivor
+        keeps the one it was started with."""
+        folder = os.path.join(os.path.dirname(self.private), "place", str(local_rank))
+        os.makedirs(folder, 0o700, exist_ok=True)
+        return folder
+
     def numa_binding_path(self) -> str:
         """--numa-binding: each local rank's CPUs, GPU and NUMA node (gpu/binding.py)."""
         return os.path.join(self.dir, "numa_binding.txt")

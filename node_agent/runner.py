@@ -383,7 +383,7 @@ class Agent:
             elif isinstance(eff, st.StartWorkers):
                 await self._start_workers(eff.assignment)
             elif isinstance(eff, st.StopWorkers):
-                self._stop_workers(eff.signum, eff.grace)
+                self._stop_workers(eff.signum, eff.grace, park=eff.park)
             elif isinstance(eff, st.ForwardSignal):
                 self.group.send_signal(eff.signum)
             elif isinstance(eff, st.Log):
@@ -472,7 +472,7 @@ class Agent:
         self._after_exit(result, stopped=False)
         self.events.put_nowait(st.WorkersExited(first, failures))
 
-    def _stop_workers(self, signum: int, grace: float) -> None:
+    def _stop_workers(self, signum: int, grace: float, *, park: bool = False) -> None:
         if self._start_task is not None:
             self._start_task.cancel()  # a start still waiting for the GPUs: it never happens
             self._start_task = None
@@ -486,7 +486,7 @@ class Agent:
             if waits:
                 await asyncio.wait(waits)
             # The watchdog stays for the next attempt's workers; the run's last stop ends it.
-            result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True)
+            result = await self.group.stop(grace=grace, sig=signum, keep_watchdog=True, park=park)
             if result.exits and self.config.gpu_release_timeout > 0:
                 self._gpu_node()  # made now if not yet: the next start waits for their GPU memory
             self._after_exit(result, stopped=True)

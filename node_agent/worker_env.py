@@ -53,6 +53,7 @@ from .supervisor.spec import WorkerSpec
 __all__ = ["NodeAssignment", "omp_threads_notice", "training_health_env", "worker_argv", "worker_env"]
 
 PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
+PLACE_VAR = "NODE_AGENT_PLACE_DIR"  # worker/place.py's
 # torch's flight recorder: where a dump is written (the rank is appended), and the stem of the
 # FIFO whose write asks for a dump while training goes on (``<stem><rank>.pipe``). Old and new
 # spellings: torch reads one or the other depending on the release.
@@ -239,15 +240,18 @@ def worker_argv(config: AgentConfig, local_rank: int) -> list[str]:
 
 
 def training_health_env(
-    base_env: Mapping[str, str], *, page: str, fr_dump: str, fr_pipe: str
+    base_env: Mapping[str, str], *, page: str, fr_dump: str, fr_pipe: str, place: str = ""
 ) -> dict[str, str]:
     """The variables a worker gets for watching its training (added to ``worker_env``'s).
 
     ``page``: this rank's progress page; ``fr_dump``/``fr_pipe``: the stems of torch's
     flight-recorder dump files and dump pipes in the attempt's log directory, set only where
-    the user set neither spelling (theirs wins).
+    the user set neither spelling (theirs wins); ``place``: the rank's place folder, where
+    ``worker.run`` learns its next place (restarts in place).
     """
     env = {PAGE_VAR: page}
+    if place:
+        env[PLACE_VAR] = place
     for names, value in ((FR_DUMP_VARS, fr_dump), (FR_PIPE_VARS, fr_pipe)):
         if not any(name in base_env for name in names):
             env.update(dict.fromkeys(names, value))
@@ -303,6 +307,7 @@ class AttemptPaths(Protocol):
     def filtered_stdout_path(self) -> str: ...
     def filtered_stderr_path(self) -> str: ...
     def page_path(self, local_rank: int) -> str: ...
+    def place_dir(self, local_rank: int) -> str: ...
     def flight_recorder_stem(self, kind: str) -> str: ...
 
 
@@ -336,7 +341,13 @@ def worker_specs(
             config=cfg, node=node, local_rank=local_rank, error_file=error_file, base_env=environ
         )
         env.update(
-            training_health_env(environ, page=paths.page_path(local_rank), fr_dump=fr_dump, fr_pipe=fr_pipe)
+            training_health_env(
+                environ,
+                page=paths.page_path(local_rank),
+                fr_dump=fr_dump,
+                fr_pipe=fr_pipe,
+                place=paths.place_dir(local_rank),
+            )
         )
         specs.append(
             WorkerSpec(

@@ -385,7 +385,7 @@ class AgentMachine:
         if self.phase in (Phase.RUNNING, Phase.STARTING):
             self.phase = Phase.STOPPING
             self._after_stop = AfterStop.REJOIN
-            return [note, StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout)]
+            return [note, StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout, park=True)]
         if self.phase is Phase.STOPPING:
             if self._after_stop is AfterStop.VERDICT:
                 self._after_stop = AfterStop.REJOIN
@@ -481,7 +481,10 @@ class AgentMachine:
         return [
             *note,
             *self.link.reported(report),
-            StopWorkers(signal.SIGTERM, self.settings.shutdown_timeout),
+            # The survivors wait for the verdict parked: a restart gives them their next place.
+            StopWorkers(
+                signal.SIGTERM, self.settings.shutdown_timeout, park=self.leaving.pending_commit is None
+            ),
             # A drain waited for a commit point: no commit now; leave once the workers are down.
             *self._drain_if_asked(now),
         ]

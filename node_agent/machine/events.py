@@ -317,10 +317,13 @@ class StartWorkers:
 @record(frozen=True, slots=True)
 class StopWorkers:
     """Send ``signum`` (0: none, the workers have the signal already from its sender), wait up to
-    ``grace`` for them to exit, then SIGKILL what is left."""
+    ``grace`` for them to exit, then SIGKILL what is left. ``park``: the job goes on in a next
+    round; workers that run under ``worker.run`` leave their attempt and wait for their next
+    place instead (``supervisor/parking.py``), and the next ``StartWorkers`` gives it them."""
 
     signum: int
     grace: float
+    park: bool = False
 
 
 @record(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class FakeWorkerGroup:
         sig: int = signal.SIGTERM,
         reap_timeout: float = 10.0,
         keep_watchdog: bool = False,
+        park: bool = False,  # fake workers never run under worker.run: nothing to park
     ) -> GroupResult:
         self.stops.append((grace, sig))
         for spec in self._specs:

@@ -56,6 +56,7 @@ from node_agent.supervisor.signal_witness import SignalWitness
 from node_agent.supervisor.warm import WarmInterpreter, WarmPool, hand_off
 
 from .output import SharedFile, StreamSink, plan_stdio
+from .parking import Parking
 from .process import (
     OUTPUT_SETTLE,
     Watchdog,
@@ -107,6 +108,10 @@ class WorkerGroup:
         self._started = False  # start() was called at least once
         self._stop_lock = asyncio.Lock()
         self._stopped: GroupResult | None = None
+        # Survivors of the last attempt that run under worker.run, parked by stop(park=True)
+        # for the next start to give their next place (parking.py), by local rank.
+        self._parked: dict[int, Worker] = {}
+        self._parking = Parking()
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class WorkerGroup:
         self._workers = []
         self._stopped = None
         loop = asyncio.get_running_loop()
+        in_place = await self._place_parked(specs)
         try:
             preexec = None
             if self._guard_orphans:
@@ -140,6 +146,8 @@ class WorkerGroup:
                     self._watchdog = Watchdog.start(self._log, self._remove_on_death, self._witness)
                 preexec = procutil.pdeathsig_preexec()
             for spec in specs:
+                if spec.local_rank in in_place:
+                    continue
                 worker = await self._warm_worker(spec, loop, preexec)
                 if worker is None:
                     worker = Worker(spec, loop)
@@ -159,8 +167,11 @@ class WorkerGroup:
         except asyncio.CancelledError:
             self._kill_now()
             raise
-        warm = [w.spec.local_rank for w in self._workers if w.warm]
+        self._workers.sort(key=lambda w: w.spec.local_rank)
+        warm = [w.spec.local_rank for w in self._workers if w.warm and w.spec.local_rank not in in_place]
         how = f" ({len(warm)} warm: local ranks {warm})" if warm else ""
+        if in_place:
+            how += f" ({len(in_place)} in place: local ranks {sorted(in_place)})"
         self._log(f"started {len(self._workers)} worker(s){how}, local_rank->pid {self.pids}")
 
     async def wait(self) -> GroupResult:
@@ -187,12 +198,23 @@ class WorkerGroup:
         sig: int = signal.SIGTERM,
         reap_timeout: float = REAP_TIMEOUT,
         keep_watchdog: bool = False,
+        park: bool = False,
     ) -> GroupResult:
         """Stop every worker and everything in their process groups (policy: module header).
         Idempotent; the second call returns the first call's result (and, without
-        ``keep_watchdog``, releases a watchdog the first one kept)."""
+        ``keep_watchdog``, releases a watchdog the first one kept).
+
+        ``park``: the job restarts; workers running under ``worker.run`` leave their attempt
+        and wait, alive, for the next ``start`` to give them their place (parking.py); the
+        rest stop as above. A stop without ``park`` stops parked workers too."""
         async with self._stop_lock:
+            if self._parked and not park:
+                self._workers = [*self._workers, *self._parked.values()]
+                self._parked = {}
+                self._stopped = None
             if self._stopped is None:
+                if park:
+                    await self._park()
                 try:
                     self._stopped = await self._stop(grace, sig, reap_timeout)
                 except asyncio.CancelledError:
@@ -462,9 +484,44 @@ class WorkerGroup:
             self._log(f"process(es) {survivors} survived SIGKILL for {timeout:g}s (uninterruptible sleep?)")
         self._forget_gone_groups()
 
+    async def _park(self) -> None:
+        """Park the survivors that can be (they leave ``_workers``: the stop leaves them be)."""
+        live = [w for w in self._workers if not w.exited.done()]
+        if not live:
+            return
+        parked = await self._parking.park(live)
+        if parked:
+            self._parked = {w.spec.local_rank: w for w in parked}
+            self._workers = [w for w in self._workers if w not in parked]
+            ranks = sorted(self._parked)
+            self._log(
+                f"{len(parked)} worker(s) left their attempt and wait for the next round: local ranks {ranks}"
+            )
+
+    async def _place_parked(self, specs: Sequence[WorkerSpec]) -> set[int]:
+        """Give parked survivors their place in this start; the local ranks placed. One that
+        died meanwhile, or has no place now, is stopped (its rank starts afresh)."""
+        parked, self._parked = self._parked, {}
+        placed: set[int] = set()
+        wanted = {s.local_rank: s for s in specs}
+        for lr, w in parked.items():
+            spec = wanted.get(lr)
+            if spec is not None and not w.exited.done() and self._parking.place(w, spec.env):
+                w.spec = spec
+                self._workers.append(w)
+                placed.add(lr)
+        leftover = [w for lr, w in parked.items() if lr not in placed]
+        if leftover:
+            workers, self._workers = self._workers, leftover
+            try:
+                await self._stop(0.0, signal.SIGKILL, REAP_TIMEOUT)
+            finally:
+                self._workers = workers
+        return placed
+
     def _kill_now(self) -> None:
         """Cancellation path: SIGKILL every group at once, without waiting for anything."""
-        for w in self._workers:
+        for w in [*self._workers, *self._parked.values()]:
             if w.pid and not w.group_gone:
                 procutil.killpg(w.pid, signal.SIGKILL)
         if self._watchdog is not None:

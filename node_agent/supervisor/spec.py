@@ -122,7 +122,13 @@ class WorkerGroupLike(Protocol):
     async def wait(self) -> GroupResult: ...
 
     async def stop(
-        self, *, grace: float, sig: int = ..., reap_timeout: float = ..., keep_watchdog: bool = ...
+        self,
+        *,
+        grace: float,
+        sig: int = ...,
+        reap_timeout: float = ...,
+        keep_watchdog: bool = ...,
+        park: bool = ...,
     ) -> GroupResult: ...
 
     def fresh_line(self) -> None: ...

@@ -41,6 +41,7 @@ from ..worker_env import (
     FR_DUMP_VARS,
     FR_PIPE_VARS,
     PAGE_VAR,
+    PLACE_VAR,
     SNAPSHOT_VARS,
     NodeAssignment,
     worker_argv,
@@ -101,6 +102,7 @@ ROUND_VARS: frozenset[str] = frozenset(
         "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_ERROR_FILE",
         PAGE_VAR,
+        PLACE_VAR,  # the same for every round, but made with the round's first attempt
         *FR_DUMP_VARS,
         *FR_PIPE_VARS,
         *SNAPSHOT_VARS,  # the rank's folder and the round's restore step

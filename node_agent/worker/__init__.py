@@ -85,9 +85,11 @@ from . import layout as _layout
 
 TYPE_CHECKING = False  # typing's would import typing; type checkers know the name
 if TYPE_CHECKING:
+    from .inplace import Interrupted, run
     from .snapshots import Restored, SnapshotCorrupt, SnapshotMissing, SnapshotTooLarge, restore, snapshot
 
 __all__ = [
+    "Interrupted",
     "Restored",
     "SnapshotCorrupt",
     "SnapshotMissing",
@@ -96,13 +98,16 @@ __all__ = [
     "phase",
     "progress",
     "restore",
+    "run",
     "should_stop",
     "snapshot",
 ]
-# Snapshots (.snapshots) are imported at their first use: a script that takes none pays nothing.
+# Snapshots (.snapshots) and restarts in place (.inplace) are imported at their first use: a
+# script that takes none pays nothing.
 _SNAPSHOT_NAMES = frozenset(
     {"Restored", "SnapshotCorrupt", "SnapshotMissing", "SnapshotTooLarge", "restore", "snapshot"}
 )
+_INPLACE_NAMES = frozenset({"Interrupted", "run"})
 
 PAGE_VAR = "NODE_AGENT_PROGRESS_PAGE"
 # A real-time signal nobody else uses: it asks for the stacks of all threads. Its default
@@ -500,7 +505,25 @@ def _reset() -> None:
         p._slot = 0
 
 
+def _rebind() -> None:
+    """A process restarting in place (:mod:`.inplace`) takes the next round's page: the last
+    one let go, everything it counted forgotten, the stack signal still ignored while no
+    handler holds it (a request between the two is harmless), then the new page attached."""
+    global _ignoring
+    keep = _ignoring
+    _ignoring = False  # _reset must not put the default (killing) disposition back
+    _reset()
+    _ignoring = keep
+    _attach()
+
+
 def __getattr__(name: str) -> object:
+    if name in _INPLACE_NAMES:
+        from . import inplace
+
+        for n in _INPLACE_NAMES:
+            globals()[n] = getattr(inplace, n)
+        return globals()[name]
     if name in _SNAPSHOT_NAMES:
         from . import snapshots
 

@@ -32,11 +32,13 @@ LAUNCHERS = {
 # rank's progress page (in the agent's private folder, never in --log-dir) and its environment
 # variable, torch's flight-recorder dump variables (dumps into the attempt's log folder, only
 # after a hang), and the rank's snapshot folder and size limit (with our rendezvous server;
-# NODE_AGENT_RESTORE_STEP too, when a restart restores a snapshot).
+# NODE_AGENT_RESTORE_STEP too, when a restart restores a snapshot), and the rank's place folder
+# (README "Restarts in place").
 ADDED_KEYS = {
     "NODE_AGENT_PROGRESS_PAGE",
     "NODE_AGENT_SNAPSHOT_DIR",
     "NODE_AGENT_SNAPSHOT_LIMIT",
+    "NODE_AGENT_PLACE_DIR",  # where worker.run learns its next place (restarts in place)
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "TORCH_FR_DUMP_TEMP_FILE",
     "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",

@@ -28,6 +28,7 @@ PER_RUN = {
     "TORCHELASTIC_ERROR_FILE",
     "NODE_AGENT_PROGRESS_PAGE",
     "NODE_AGENT_SNAPSHOT_DIR",  # in the run's private folder
+    "NODE_AGENT_PLACE_DIR",  # in the run's private folder too
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
     "TORCH_FR_DUMP_TEMP_FILE",
     "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",

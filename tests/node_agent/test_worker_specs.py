@@ -29,6 +29,9 @@ class Paths:
     def filtered_stdout_path(self) -> str:
         return "/nowhere/filtered_stdout.log"
 
+    def place_dir(self, local_rank: int) -> str:
+        return f"/nowhere/place/{local_rank}"
+
     def page_path(self, local_rank: int) -> str:
         return f"/nowhere/{local_rank}/progress.page"
 

@@ -66,6 +66,9 @@ class Paths:
     def filtered_stderr_path(self) -> str:
         return str(self.root / "filtered_stderr.log")
 
+    def place_dir(self, local_rank: int) -> str:
+        return str(self.root / f"place_{local_rank}")
+
     def page_path(self, local_rank: int) -> str:
         return str(self.root / f"page_{local_rank}")
 

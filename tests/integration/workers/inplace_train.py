@@ -1,0 +1,85 @@
+"""Deterministic gloo training under ``worker.run`` (issue 44: restarts in place), with faults.
+
+The training of ``snapshot_train.py`` (SGD with momentum, dropout, data from torch's generator,
+a snapshot of model, optimizer and generator every SNAP_EVERY steps), inside ``train()``, which
+``worker.run`` calls again in the same process when the job restarts.
+
+Environment:
+- DUMP_DIR: each attempt appends {"pid", "restart", "start", "rank", "world"} to
+  starts-<rank>.jsonl; the last step's parameters go to final-<rank>.pt;
+- STEPS, SNAP_EVERY, STEP_S;
+- FAULT: "exit" (os._exit(1) after FAULT_STEP's snapshot), "kill" (SIGKILL itself there),
+  "raise" (a RuntimeError of its own there), "hang" (sleep there, in Python, until stopped),
+  "" (none); FAULT_RANK: which rank. Once per job (a marker file in DUMP_DIR).
+"""
+
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from node_agent import worker
+from node_agent.worker import snapshot_torch
+
+steps = int(os.environ.get("STEPS", "30"))
+every = int(os.environ.get("SNAP_EVERY", "1"))
+step_s = float(os.environ.get("STEP_S", "0.02"))
+fault = os.environ.get("FAULT", "")
+fault_step = int(os.environ.get("FAULT_STEP", "-1"))
+fault_rank = int(os.environ.get("FAULT_RANK", "0"))
+dump = os.environ["DUMP_DIR"]
+
+
+def marker() -> str:
+    return os.path.join(dump, f"fault-{fault}-{fault_rank}-{fault_step}")
+
+
+def train() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loaded = snapshot_torch.load(model=model, optimizer=opt)
+    start = loaded.step + 1 if loaded is not None else 0
+    with open(os.path.join(dump, f"starts-{rank}.jsonl"), "a") as f:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        world = dist.get_world_size()
+        f.write(
+            json.dumps({"pid": os.getpid(), "restart": restart, "start": start, "rank": rank, "world": world})
+            + "\n"
+        )
+    for step in range(start, steps):
+        x = torch.randn(8, 16)
+        y = x.sum(dim=1, keepdim=True) / 4
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        time.sleep(step_s)
+        worker.progress(step)
+        if step % every == 0:
+            snapshot_torch.save(step, model=model, optimizer=opt)
+        if rank == fault_rank and step == fault_step and fault and not os.path.exists(marker()):
+            open(marker(), "w").close()
+            if fault == "exit":
+                os._exit(1)
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "raise":
+                raise RuntimeError(f"rank {rank} fails at step {step}")
+            if fault == "hang":
+                while True:
+                    time.sleep(1)
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(dump, f"final-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker.run(train)
