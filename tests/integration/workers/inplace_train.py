@@ -10,7 +10,9 @@ Environment:
 - STEPS, SNAP_EVERY, STEP_S;
 - FAULT: "exit" (os._exit(1) after FAULT_STEP's snapshot), "kill" (SIGKILL itself there),
   "raise" (a RuntimeError of its own there), "hang" (sleep there, in Python, until stopped),
-  "" (none); FAULT_RANK: which rank. Once per job (a marker file in DUMP_DIR).
+  "" (none); FAULT_RANK: which rank. Once per job (a marker file in DUMP_DIR);
+- WAIT_FILE: before each step past WAIT_STEP, wait until this file exists (a test's gate);
+- NODE_TAG: written with each start, to tell the nodes apart.
 """
 
 import json
@@ -31,6 +33,7 @@ fault = os.environ.get("FAULT", "")
 fault_step = int(os.environ.get("FAULT_STEP", "-1"))
 fault_rank = int(os.environ.get("FAULT_RANK", "0"))
 dump = os.environ["DUMP_DIR"]
+wait_file, wait_step = os.environ.get("WAIT_FILE", ""), int(os.environ.get("WAIT_STEP", "-1"))
 
 
 def marker() -> str:
@@ -48,11 +51,14 @@ def train() -> None:
     with open(os.path.join(dump, f"starts-{rank}.jsonl"), "a") as f:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         world = dist.get_world_size()
-        f.write(
-            json.dumps({"pid": os.getpid(), "restart": restart, "start": start, "rank": rank, "world": world})
-            + "\n"
-        )
+        tag = os.environ.get("NODE_TAG", "")
+        at = {"pid": os.getpid(), "restart": restart, "start": start, "rank": rank, "world": world}
+        at["node"] = tag
+        f.write(json.dumps(at) + "\n")
     for step in range(start, steps):
+        if wait_file and step > wait_step:
+            while not os.path.exists(wait_file):
+                time.sleep(0.01)
         x = torch.randn(8, 16)
         y = x.sum(dim=1, keepdim=True) / 4
         loss = torch.nn.functional.mse_loss(model(x), y)
