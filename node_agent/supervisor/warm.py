@@ -10,9 +10,14 @@ worker like any other.  The warm-up's own output (an import's warnings) goes to 
 and is given to the worker's destinations before the worker writes anything
 (:meth:`WarmInterpreter.prelude`), as a cold worker would have written it there.
 
-When an interpreter becomes a worker, its replacement starts warming ``REFILL_DELAY`` later (so
-that its import does not compete with the new worker's first seconds), or at once when a worker
-of that rank ends, whichever comes first: the next restart is warm too.  The first warm-up
+When an interpreter becomes a worker, its replacement starts warming at once, at the
+scheduler's idle priority (``SCHED_IDLE``, for every thread of it: it runs only on a core the
+workers leave free, so its import does not compete with the new worker's first seconds) and
+back at the normal priority (``SCHED_OTHER``, allowed to an unprivileged process) when it is
+handed to a worker; one that cannot go back says so and the worker starts cold. So the next
+failure finds a warm interpreter ready (issue 44 item 4: with a 2 s delay, a failure 3 s into
+training under load found the replacement still importing torch). The first warm-up starts
+with the agent, at the normal priority (nothing runs yet to compete with).  The first warm-up
 starts with the agent, so in a multi-node job it overlaps the rendezvous.
 
 Whatever goes wrong (an import error, an interpreter that dies or takes longer than
@@ -72,7 +77,7 @@ __all__ = [
 # imports the same modules, is not limited).
 PRELOAD_TIMEOUT = 600.0
 # After a warm interpreter became a worker: when its replacement starts warming.
-REFILL_DELAY = 2.0
+REFILL_DELAY = 0.0  # at once: the replacement warms at idle priority
 # A handoff is a few local messages; a live interpreter answers in milliseconds.
 HANDOFF_TIMEOUT = 30.0
 # What the agent reads back from a warm interpreter (a message, the prelude of each stream).
@@ -202,6 +207,27 @@ class WarmInterpreter:
         self._on_exit: Callable[[int], None] | None = None
         self._gone: asyncio.Future[None] | None = None  # resolved when it has been reaped
         self.handed_off = False
+        # A refill warms at SCHED_IDLE until a worker needs it (promote()): then normal.
+        self.promoted = asyncio.Event()
+
+    def promote(self) -> bool:
+        """Every thread of it back to the normal policy (from the idle one it warms at); False
+        if one could not be (the worker then starts cold)."""
+        self.promoted.set()
+        if not self.pid:
+            return True
+        try:
+            tids = os.listdir(f"/proc/{self.pid}/task")
+        except OSError:
+            return True  # gone: take() finds it dead
+        for tid in tids:
+            try:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            except ProcessLookupError:
+                continue  # a thread that ended meanwhile
+            except OSError:
+                return False
+        return True
 
     @property
     def alive(self) -> bool:
@@ -220,6 +246,7 @@ class WarmInterpreter:
         preload: Sequence[str],
         cwd: str | None,
         cpus: frozenset[int] | None = None,
+        idle: bool = False,
     ) -> None:
         """Start it as a cold worker would start (session, PDEATHSIG, env, the descriptors,
         ``cpus``: its --numa-binding); OSError if it cannot."""
@@ -235,6 +262,7 @@ class WarmInterpreter:
                 "preload": list(preload),
                 "argv": list(self.argv),
                 "ignored": list(procutil.STEP_SIGNALS),  # until it becomes the worker
+                "idle": idle,  # warm at SCHED_IDLE, back to SCHED_OTHER at the handoff
             }
             import json  # --preload only, as in _frame
 
@@ -415,6 +443,8 @@ class WarmPool:
         self.disabled: str | None = None  # why warm-ups are off (said once)
         self._closed = False
         self._cpus: dict[int, frozenset[int]] = {}  # local rank -> its --numa-binding
+        self._warming: dict[int, WarmInterpreter] = {}  # the interpreter each slot warms
+        self._warmed: set[int] = set()  # ranks whose first warm-up started (refills go idle)
 
     # --- what the supervisor calls -----------------------------------------------------------
 
@@ -452,9 +482,16 @@ class WarmPool:
             slot = self._slots.get(local_rank)
             if slot is None:
                 return None
+        warming = self._warming.get(local_rank)
+        if warming is not None and not warming.promote():
+            self._turn_off(f"local rank {local_rank}'s warm interpreter could not leave the idle priority")
+            await asyncio.shield(slot)
+            self.discard(warming)
+            return None
         interp = await asyncio.shield(slot)
         if self._slots.get(local_rank) is slot:
             del self._slots[local_rank]
+            self._warming.pop(local_rank, None)
         if interp is None:
             return None
         if not interp.alive:
@@ -486,7 +523,7 @@ class WarmPool:
         return made
 
     def taken(self, local_rank: int) -> None:
-        """A warm interpreter of this rank became its worker: warm the next one a bit later."""
+        """A warm interpreter of this rank became its worker: warm the next one (at once, idle)."""
         if self._closed or self.disabled is not None or local_rank in self._timers:
             return
         loop = asyncio.get_running_loop()
@@ -552,14 +589,24 @@ class WarmPool:
         cfg = self._cfg
         argv = worker_argv(cfg, local_rank)
         interp = WarmInterpreter(local_rank, argv, warm_env(cfg, self._environ, local_rank))
+        idle = local_rank in self._warmed  # a refill: idle until a worker needs it
+        self._warmed.add(local_rank)
+        self._warming[local_rank] = interp
         try:
-            await interp.spawn(_python_flags(argv), self.preload, None, self._cpus.get(local_rank))
+            await interp.spawn(_python_flags(argv), self.preload, None, self._cpus.get(local_rank), idle)
         except OSError as e:
             self._turn_off(f"cannot start {argv[0]} ({e.strerror or e})")
             return None
+        ready = asyncio.ensure_future(interp.ready())
         try:
+            if idle:  # its import may take long on a busy node: timed once a worker needs it
+                promoted = asyncio.ensure_future(interp.promoted.wait())
+                try:
+                    await asyncio.wait((ready, promoted), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    promoted.cancel()
             async with asyncio.timeout(self._timeout):
-                await interp.ready()
+                await ready
         except TimeoutError:
             self.discard(interp)
             self._turn_off(f"importing {','.join(self.preload)} took over {self._timeout:g}s")
@@ -570,6 +617,7 @@ class WarmPool:
             self._turn_off(f"preloading {','.join(self.preload)} failed{status}: {e}")
             return None
         except BaseException:
+            ready.cancel()
             self.discard(interp)
             raise
         return interp

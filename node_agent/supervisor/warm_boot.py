@@ -323,6 +323,13 @@ def _ignore_signals(ignored: "list[int]") -> None:
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    if config.get("idle"):
+        # A refill warms on cores the workers leave free; the agent puts every thread of it
+        # back to SCHED_OTHER before a worker takes it (warm.py).
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
     _ignore_signals(config.get("ignored", []))
     sock = socket.socket(fileno=int(config["fd"]))
     kind, target, _args = split_main(config["argv"])

@@ -130,11 +130,17 @@ def test_agent_sigkilled_leaves_no_warm_worker_or_interpreter_behind(tmp_path: P
             assert time.monotonic() < deadline, agent.stderr
             time.sleep(0.05)
         worker, grandchild = (int(x) for x in pids_file.read_text().split())
-        # The replacement interpreter warms REFILL_DELAY after the handoff: wait for it too.
+        # The replacement interpreter warms at once after the handoff: wait for it too.
         while len(_warm_interpreters(mark)) < 2:  # the worker itself is one (its cmdline stays)
             assert time.monotonic() < deadline, "no replacement warm interpreter appeared"
             time.sleep(0.05)
         idle = [p for p in _warm_interpreters(mark) if p != worker]
+        # The replacement warms at the idle policy (its first statement sets it), the worker
+        # runs at the normal one.
+        while [os.sched_getscheduler(p) for p in idle] != [os.SCHED_IDLE] * len(idle):
+            assert time.monotonic() < deadline, "the replacement interpreter is not at SCHED_IDLE"
+            time.sleep(0.05)
+        assert os.sched_getscheduler(worker) == os.SCHED_OTHER
         os.kill(agent.p.pid, signal.SIGKILL)
         agent.p.wait(timeout=10)
         gone_by = time.monotonic() + 10
@@ -153,3 +159,7 @@ def test_gloo_training_finishes_on_warm_restarts(tmp_path: Path) -> None:
     assert len(started) == 2 and all("(2 warm" in line for line in started), started
     for rank in (0, 1):
         assert f"step 20 rank {rank} restart 1" in p.stdout
+        # The restart's workers were refills, warmed at SCHED_IDLE (issue 44 item 4) and put
+        # back to the normal policy, every thread, before they took over.
+        for restart in (0, 1):
+            assert f"policy rank {rank} restart {restart}: OTHER\n" in p.stdout, p.stdout

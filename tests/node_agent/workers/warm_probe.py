@@ -13,7 +13,8 @@ that file is open (a warm worker has stdio, the file and the listing: 0-4). Then
 - record: an exception under torch's ``@record`` (the error file)
 - hold: start a grandchild in the worker's process group, write "<pid> <grandchild pid>\\n" to
   ``$DUMP_DIR/hold-<RANK>.pids``, sleep
-- train: gloo, 20 all_reduce steps printing "step S rank R restart C"; rank 1 of restart 0 dies
+- train: gloo, its threads' scheduling policies ("policy rank R restart C: OTHER"), then 20
+  all_reduce steps printing "step S rank R restart C"; rank 1 of restart 0 dies
   at step 10
 """
 
@@ -81,12 +82,25 @@ def state() -> dict[str, Any]:
     }
 
 
+def policies() -> str:
+    """The scheduling policies of this process's threads (a refill warms at SCHED_IDLE)."""
+    names = {os.SCHED_OTHER: "OTHER", os.SCHED_IDLE: "IDLE", os.SCHED_BATCH: "BATCH"}
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            found.add(names.get(os.sched_getscheduler(int(tid)), "?"))
+        except ProcessLookupError:
+            pass
+    return ",".join(sorted(found))
+
+
 def train(rank: str, restart: str) -> None:
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    print(f"policy rank {rank} restart {restart}: {policies()}", flush=True)
     for step in range(1, 21):
         t = torch.ones(1)
         dist.all_reduce(t)
