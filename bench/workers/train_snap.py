@@ -2,7 +2,7 @@
 in-memory snapshot at fixed intervals, and a hold at one step so the bench kills at that step.
 
     train_snap.py --ckpt-dir DIR --log-dir DIR [--steps 90] [--every 50] [--snap-every 0]
-                  [--step-seconds 0.05] [--hold-at N --hold-file PATH]
+                  [--step-seconds 0.05] [--hold-at N --hold-file PATH] [--in-place]
 
 As ``tests/integration/workers/train_commit.py``: ``nn.Linear`` and Adam, seeded; the batch of
 step ``n`` comes from a generator seeded with ``n`` and is the same on every rank, and the
@@ -15,7 +15,9 @@ step 0. Each step: a sleep of ``--step-seconds`` ("compute"), the step, the all_
 step line, ``worker.progress(step)``, a DCP checkpoint when ``step % every == 0``, a snapshot
 (``snapshot_torch.save(step, model=, optimizer=)``) when ``step % snap_every == 0``. After step
 ``--hold-at`` (its checkpoint and snapshot written) every rank waits until ``--hold-file``
-exists (at most 60 s): the bench kills there, then creates the file.
+exists (at most 60 s): the bench kills there, then creates the file. ``--in-place``: the
+training runs under ``worker.run`` (a survivor restarts in its process; outside node-agent the
+same as without).
 
 The log lines are train_commit.py's (``train_commit_log.attempts`` reads them), each ending with
 ``t=<time.time()>``: ``start pid= world= rank= restart= from=N`` (N: the step restored),
@@ -57,6 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-seconds", type=float, default=0.05)
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", default="")
+    p.add_argument("--in-place", action="store_true", help="train under worker.run")
     return p.parse_args()
 
 
@@ -69,6 +72,13 @@ def hold(path: str) -> None:
 def main() -> None:
     args = parse()
     torch.set_num_threads(1)
+    if args.in_place:
+        worker.run(train, args)
+    else:
+        train(args)
+
+
+def train(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

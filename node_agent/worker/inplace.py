@@ -114,8 +114,9 @@ class _Attempts:
                 self._park()
         finally:
             self._state("done")
-            if main:  # a late park signal must never kill a process on its way out
-                signal.signal(_place.PARK_SIGNAL, signal.SIG_IGN if handler is None else handler)
+            if main:  # a late park signal must never kill a process on its way out (default: kills)
+                keep = handler not in (None, signal.SIG_DFL)
+                signal.signal(_place.PARK_SIGNAL, handler if keep else signal.SIG_IGN)
 
     def _park(self) -> None:
         """Out of the attempt: the process group torn down, parked until the next place."""

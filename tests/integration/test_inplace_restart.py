@@ -178,3 +178,16 @@ def test_a_node_lost_in_an_elastic_job_leaves_the_survivor_training_alone_in_pla
     # Snapshots restore at their own world size only (docs/snapshots.md): alone, it starts over.
     assert (starts[-1]["world"], starts[-1]["start"]) == (1, 0), starts
     assert (tmp_path / "final-0.pt").exists()
+
+
+def test_a_survivor_that_cannot_leave_its_attempt_is_stopped_and_replaced(tmp_path: Path) -> None:
+    argv = agent_cmd(
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(WORKERS / "inplace_stuck.py")
+    )  # fmt: skip
+    p = Proc(argv, env={"DUMP_DIR": str(tmp_path)})
+    assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
+    assert "stopping 1 worker(s) with SIGTERM" in p.stderr and "in place" not in p.stderr, p.stderr
+    rows = [line.split() for line in (tmp_path / "attempts").read_text().splitlines()]
+    pids = {(rank, restart): pid for rank, pid, restart in rows}
+    assert set(pids) == {("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")}, rows
+    assert pids[("0", "0")] != pids[("0", "1")] and pids[("1", "0")] != pids[("1", "1")], rows

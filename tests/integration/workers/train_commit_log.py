@@ -21,7 +21,7 @@ _LINE = re.compile(r"^(\w+) pid=(\d+)((?: \w+=\S*)*)$")
 
 @dataclass
 class Attempt:
-    """One worker process: what its log says it did."""
+    """One worker process's attempt (one, unless it restarted in place): what its log says it did."""
 
     node: str
     pid: int
@@ -60,7 +60,8 @@ def attempts(log_dir: Path) -> list[Attempt]:
             kind, pid = m[1], int(m[2])
             f = dict(kv.split("=", 1) for kv in m[3].split())
             a = by_pid.get(pid)
-            if a is None:
+            if a is None or (kind == "start" and a.start_from >= 0):
+                # A second start line of one process: it restarted in place (worker.run)
                 a = by_pid[pid] = Attempt(node, pid)
                 out.append(a)
             if kind == "start":

@@ -429,3 +429,25 @@ def test_every_server_message_has_an_outcome_in_every_phase(msg: object) -> None
             m.phase in (st.Phase.EXITED, st.Phase.RUNNING, st.Phase.STARTING, st.Phase.STOPPING)
             or m.next_deadline() is not None
         ), (name, msg, m.phase)
+
+
+def _stop(eff: list[st.Effect]) -> st.StopWorkers:
+    (stop,) = [e for e in eff if isinstance(e, st.StopWorkers)]
+    return stop
+
+
+def test_the_stops_of_a_restart_park_the_survivors_and_the_stops_of_an_exit_do_not() -> None:
+    """Issue 44: where the job goes on in a next round (a restart, our own failure awaiting the
+    verdict), workers under worker.run are parked; where this node leaves or exits, stopped."""
+    restart = Restart(round=0, reason="node joined", restart_count=0)
+    assert _stop(running().handle(st.ServerSent(restart), 3.0)).park
+    assert _stop(running().handle(st.WorkersExited(failure(), (failure(),)), 3.0)).park
+    # The verdict is the job's failure: the parked survivors are stopped on the way out.
+    m = running()
+    m.handle(st.WorkersExited(failure(), (failure(),)), 3.0)
+    m.handle(st.WorkersStopped(), 3.1)
+    (ex,) = m.handle(st.ServerSent(JobFailed(reason="no restarts left", failure=failure())), 3.2)
+    assert isinstance(ex, st.Exit) and ex.code == st.EXIT_FAILED
+    for leave in (Drain(reason="scale down"), JobFailed(reason="no restarts left", failure=failure())):
+        assert not _stop(running().handle(st.ServerSent(leave), 3.0)).park
+    assert not _stop(running().handle(st.SignalReceived(signal.SIGINT), 3.0)).park

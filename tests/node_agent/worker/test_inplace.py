@@ -1,0 +1,172 @@
+"""``worker.run`` (issue 44: restarts in place), in this process: the agent's side is played by
+a thread that writes the orders into a place folder and sends the park signal, as
+``supervisor/parking.py`` does.
+
+- Outside node-agent ``run(train)`` is ``train()``.
+- A park interrupts the attempt (``Interrupted``, which ``except Exception`` does not catch);
+  the process waits parked, takes the next place's environment (and drops what the agent no
+  longer sets) and calls ``train()`` again; its return value is ``run``'s.
+- A rank's own exception propagates at once; one of the kind a peer's death causes waits for a
+  park, and with one it is collateral: the attempt runs again.
+- ``SystemExit`` propagates; a park signal after ``run`` returned is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from node_agent import worker
+from node_agent.worker import inplace, place
+
+BOUND = 10.0
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv(place.PLACE_VAR, str(tmp_path))
+    monkeypatch.delenv("NODE_AGENT_PROGRESS_PAGE", raising=False)
+    monkeypatch.delenv("INPLACE_TEST", raising=False)
+    before = signal.getsignal(place.PARK_SIGNAL)
+    yield tmp_path
+    signal.signal(place.PARK_SIGNAL, before)
+    os.environ.pop("INPLACE_TEST", None)
+
+
+def _state(folder: Path) -> dict[str, object]:
+    return place.read(str(folder), place.STATE) or {}
+
+
+def _wait_state(folder: Path, state: str, serial: int = -1) -> None:
+    deadline = time.monotonic() + BOUND
+    while True:
+        s = _state(folder)
+        if s.get("state") == state and place.serial_of(s) >= serial:
+            return
+        assert time.monotonic() < deadline, (state, s)
+        time.sleep(0.002)
+
+
+def _agent(folder: Path, serial: int, env: dict[str, str], unset: list[str] = ()) -> threading.Thread:  # type: ignore[assignment]
+    """Park the running attempt (order ``serial``), then give the next place (``serial + 1``)."""
+
+    def play() -> None:
+        _wait_state(folder, place.RUNNING)
+        place.write(str(folder), place.ORDER, {"serial": serial, "do": place.PARK})
+        os.kill(os.getpid(), place.PARK_SIGNAL)
+        _wait_state(folder, place.PARKED, serial)
+        order = {"serial": serial + 1, "do": place.RUN, "env": env, "unset": list(unset)}
+        place.write(str(folder), place.ORDER, order)
+
+    t = threading.Thread(target=play, daemon=True)
+    t.start()
+    return t
+
+
+def test_outside_node_agent_run_is_a_plain_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(place.PLACE_VAR, raising=False)
+    assert worker.run(lambda a, b=0: a + b, 2, b=3) == 5
+
+
+def test_a_park_interrupts_the_attempt_and_the_next_place_runs_it_again(folder: Path) -> None:
+    os.environ["INPLACE_TEST"] = "first"
+    os.environ["GONE_NEXT_ROUND"] = "1"
+    calls: list[str] = []
+    swallowed: list[BaseException] = []
+
+    def train() -> str:
+        calls.append(os.environ["INPLACE_TEST"])
+        if len(calls) == 1:
+            deadline = time.monotonic() + BOUND
+            while time.monotonic() < deadline:
+                try:
+                    time.sleep(0.01)
+                except Exception as exc:  # a script's broad handler must not swallow the park
+                    swallowed.append(exc)
+            raise AssertionError("never parked")
+        return f"done in {os.environ['INPLACE_TEST']}"
+
+    agent = _agent(folder, 1, {"INPLACE_TEST": "second"}, unset=["GONE_NEXT_ROUND"])
+    assert worker.run(train) == "done in second"
+    agent.join(BOUND)
+    assert calls == ["first", "second"] and not swallowed
+    assert "GONE_NEXT_ROUND" not in os.environ
+    assert _state(folder)["state"] == "done"
+    # A late park signal, after run returned, is ignored (it would kill by default).
+    os.kill(os.getpid(), place.PARK_SIGNAL)
+
+
+def test_a_rank_s_own_exception_propagates_at_once(folder: Path) -> None:
+    def train() -> None:
+        raise ValueError("a bug of this rank")
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="a bug of this rank"):
+        worker.run(train)
+    assert time.monotonic() - t0 < inplace.COLLATERAL_S / 2
+    assert _state(folder)["state"] == "done"
+
+
+def test_an_error_a_peer_s_death_causes_is_collateral_once_the_park_comes(folder: Path) -> None:
+    calls: list[int] = []
+
+    def train() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            _wait_state(folder, place.RUNNING)
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+        return len(calls)
+
+    def agent() -> None:
+        _wait_state(folder, place.FAILED)  # the attempt failed and waits for the verdict
+        place.write(str(folder), place.ORDER, {"serial": 1, "do": place.PARK})
+        _wait_state(folder, place.PARKED, 1)
+        place.write(str(folder), place.ORDER, {"serial": 2, "do": place.RUN, "env": {}})
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    assert worker.run(train) == 2
+    t.join(BOUND)
+
+
+@pytest.mark.parametrize(
+    ("exc", "collateral"),
+    [
+        (RuntimeError("Connection closed by peer [127.0.0.1]:4242"), True),
+        (RuntimeError("NCCL communicator was aborted"), True),
+        (ConnectionResetError("reset by peer"), True),
+        (RuntimeError("CUDA out of memory"), False),
+        (ValueError("connection"), False),  # not a kind collectives raise
+        (KeyError("gloo"), False),
+    ],
+)
+def test_which_errors_may_be_a_peer_s(exc: Exception, collateral: bool) -> None:
+    assert inplace._collateral(exc) is collateral
+
+
+def test_system_exit_propagates_without_waiting(folder: Path) -> None:
+    def train() -> None:
+        raise SystemExit(7)
+
+    with pytest.raises(SystemExit) as e:
+        worker.run(train)
+    assert e.value.code == 7
+
+
+def test_orders_of_an_earlier_process_of_the_rank_are_not_acted_on(folder: Path) -> None:
+    # The last process of this local rank was parked by order 5 and died: its order stays.
+    place.write(str(folder), place.ORDER, {"serial": 5, "do": place.PARK})
+    seen: list[Callable[[], None]] = []
+
+    def train() -> str:
+        seen.append(lambda: None)
+        return "ran through"
+
+    assert worker.run(train) == "ran through"
+    assert len(seen) == 1
