@@ -6,6 +6,9 @@ every attempt's pid: a survivor's must not change, only the lost rank's process 
 
 - One node, two ranks: a rank exits 1, raises its own exception, or hangs (in Python, while
   the other waits in a gloo all_reduce); the job resumes from the snapshot in place.
+- Failures in a row: rank 1 exits twice; rank 0 runs all three attempts in one process.
+- A survivor that cannot leave its attempt (the park signal blocked, asleep) is stopped after
+  the park's bound and replaced, as without ``worker.run``.
 - Two nodes with a spare: a node is SIGKILLed; the survivor keeps its process, the spare runs
   the lost rank.
 - Two nodes of a 1:2 job: a node is SIGKILLed; the survivor goes on alone, in place, at the
@@ -191,3 +194,15 @@ def test_a_survivor_that_cannot_leave_its_attempt_is_stopped_and_replaced(tmp_pa
     pids = {(rank, restart): pid for rank, pid, restart in rows}
     assert set(pids) == {("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")}, rows
     assert pids[("0", "0")] != pids[("0", "1")] and pids[("1", "0")] != pids[("1", "1")], rows
+
+
+def test_failures_in_a_row_keep_the_survivor_in_one_process(tmp_path: Path, uninterrupted: dict) -> None:
+    argv = agent_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "2", SCRIPT)
+    p = Proc(argv, env=_env(tmp_path, FAULT="exit", FAULT_STEP="12,20", FAULT_RANK="1"))
+    assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
+    assert p.stderr.count("(1 in place: local ranks [0])") == 2, p.stderr
+    survivor, lost = _starts(tmp_path, 0), _starts(tmp_path, 1)
+    assert [s["start"] for s in survivor] == [s["start"] for s in lost] == [0, 13, 21], (survivor, lost)
+    assert len({s["pid"] for s in survivor}) == 1 and len({s["pid"] for s in lost}) == 3
+    for rank in (0, 1):
+        assert _same(_final(tmp_path, rank), uninterrupted[rank]), rank

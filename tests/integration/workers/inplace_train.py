@@ -10,7 +10,8 @@ Environment:
 - STEPS, SNAP_EVERY, STEP_S;
 - FAULT: "exit" (os._exit(1) after FAULT_STEP's snapshot), "kill" (SIGKILL itself there),
   "raise" (a RuntimeError of its own there), "hang" (sleep there, in Python, until stopped),
-  "" (none); FAULT_RANK: which rank. Once per job (a marker file in DUMP_DIR);
+  "" (none); FAULT_RANK: which rank; FAULT_STEP may list steps ("12,20"). Once per step and
+  job (a marker file in DUMP_DIR);
 - WAIT_FILE: before each step past WAIT_STEP, wait until this file exists (a test's gate);
 - NODE_TAG: written with each start, to tell the nodes apart.
 """
@@ -30,14 +31,14 @@ steps = int(os.environ.get("STEPS", "30"))
 every = int(os.environ.get("SNAP_EVERY", "1"))
 step_s = float(os.environ.get("STEP_S", "0.02"))
 fault = os.environ.get("FAULT", "")
-fault_step = int(os.environ.get("FAULT_STEP", "-1"))
+fault_steps = {int(x) for x in os.environ.get("FAULT_STEP", "-1").split(",")}
 fault_rank = int(os.environ.get("FAULT_RANK", "0"))
 dump = os.environ["DUMP_DIR"]
 wait_file, wait_step = os.environ.get("WAIT_FILE", ""), int(os.environ.get("WAIT_STEP", "-1"))
 
 
-def marker() -> str:
-    return os.path.join(dump, f"fault-{fault}-{fault_rank}-{fault_step}")
+def marker(step: int) -> str:
+    return os.path.join(dump, f"fault-{fault}-{fault_rank}-{step}")
 
 
 def train() -> None:
@@ -72,8 +73,8 @@ def train() -> None:
         worker.progress(step)
         if step % every == 0:
             snapshot_torch.save(step, model=model, optimizer=opt)
-        if rank == fault_rank and step == fault_step and fault and not os.path.exists(marker()):
-            open(marker(), "w").close()
+        if rank == fault_rank and step in fault_steps and fault and not os.path.exists(marker(step)):
+            open(marker(step), "w").close()
             if fault == "exit":
                 os._exit(1)
             if fault == "kill":
