@@ -24,7 +24,6 @@ and type-checked (a torn or foreign file reads as none), as everything a process
 
 from __future__ import annotations
 
-import json
 import os
 
 try:
@@ -43,6 +42,8 @@ RUNNING, PARKED, FAILED = "running", "parked", "failed"
 
 def write(folder: str, name: str, obj: dict[str, object]) -> None:
     """Replace ``folder/name`` with ``obj`` as JSON, whole."""
+    import json  # here: the agent imports this module, and a launch has no other use for json
+
     tmp = os.path.join(folder, f".{name}.{os.getpid()}")
     data = json.dumps(obj, separators=(",", ":")).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -62,6 +63,8 @@ def read(folder: str, name: str) -> dict[str, object] | None:
         return None
     if len(data) > MAX_FILE:
         return None
+    import json
+
     try:
         obj = json.loads(data)
     except ValueError:
