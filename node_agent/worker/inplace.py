@@ -41,6 +41,7 @@ that must stay whole belongs in a snapshot, which is what the next attempt resto
 
 from __future__ import annotations
 
+import _thread
 import os
 import sys
 import threading
@@ -82,6 +83,7 @@ class _Attempts:
         self.parking = False
         self._watcher: threading.Thread | None = None
         self._sockets: dict[int, str] = {}  # the process's sockets as the attempt began
+        self._main = False  # run() was called from the main thread: our handler is installed
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -90,16 +92,19 @@ class _Attempts:
 
         handler = signal.getsignal(_place.PARK_SIGNAL)
         main = threading.current_thread() is threading.main_thread()
+        self._main = main
         if main:
             signal.signal(_place.PARK_SIGNAL, self._on_park_signal)
         try:
             while True:
                 self._sockets = _sockets()
-                self._state(_place.RUNNING)
-                self._start_watching()
                 try:
-                    self.in_attempt = True
                     try:
+                        # In the attempt before the agent can know it (the state says so): a
+                        # park signal from then on interrupts it, here or in fn.
+                        self.in_attempt = True
+                        self._state(_place.RUNNING)
+                        self._start_watching()
                         return fn(*args, **kwargs)
                     finally:
                         self.in_attempt = False
@@ -195,9 +200,12 @@ class _Attempts:
             if seen_at is None:
                 seen_at = now
             elif now - seen_at >= ABORT_AFTER_S:
-                # The blocked collective raises; the loop finds the park order.
+                # The blocked collective raises; the loop finds the park order. The signal is
+                # simulated once more (a handler that ran as the attempt began found no order).
                 _abort_torch()
                 _shut_down_sockets(self._sockets)
+                if self._main:
+                    _thread.interrupt_main(_place.PARK_SIGNAL)  # type: ignore[arg-type]  # an int is taken
                 seen_at = now + 10 * ABORT_AFTER_S  # once in a while after that, not in a spin
 
 

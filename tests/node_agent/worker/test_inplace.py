@@ -82,7 +82,7 @@ def test_a_park_interrupts_the_attempt_and_the_next_place_runs_it_again(folder: 
 
     def train() -> str:
         calls.append(os.environ["INPLACE_TEST"])
-        if len(calls) == 1:
+        if calls[-1] == "first":
             deadline = time.monotonic() + BOUND
             while time.monotonic() < deadline:
                 try:
@@ -95,7 +95,8 @@ def test_a_park_interrupts_the_attempt_and_the_next_place_runs_it_again(folder: 
     agent = _agent(folder, 1, {"INPLACE_TEST": "second"}, unset=["GONE_NEXT_ROUND"])
     assert worker.run(train) == "done in second"
     agent.join(BOUND)
-    assert calls == ["first", "second"] and not swallowed
+    # The park may come before train() is entered (its attempt had begun): then it ran once.
+    assert calls in (["first", "second"], ["second"]) and not swallowed
     assert "GONE_NEXT_ROUND" not in os.environ
     assert _state(folder)["state"] == "done"
     # A late park signal, after run returned, is ignored (it would kill by default).
