@@ -10,8 +10,9 @@ Setups:
 
 - ``torchrun``: torch 2.13's launcher, a DCP checkpoint every 50 steps (what its users resume
   from; 23 steps lost), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as in case 12;
-- ``ours``: node-agent, ``--in-place`` (the script's ``worker.run``), ``--preload torch``, a
-  snapshot every step (``snapshot_torch``): survivors stay in their processes, the lost rank
+- ``ours``: node-agent, ``--in-place`` (the script's ``worker.run``), ``--preload
+  torch,torch._dynamo,torch.distributed.checkpoint.state_dict`` (:data:`PRELOAD`), a snapshot every
+  step (``snapshot_torch``): survivors stay in their processes, the lost rank
   starts from the warm pool and restores from memory (or its peer's replica).
 
 Cases (the time is from the SIGKILL to the first step of the next attempt on every rank, the
@@ -68,8 +69,14 @@ def _args(trial: Trial, launcher: str) -> list[str]:
     return [*_script(trial, False, 1), "--in-place"]
 
 
+# What the script imports that takes long, as a user names their script's heavy imports: torch
+# (1.4 s here), DCP's state_dict helpers (0.9 s more) and torch._dynamo, which torch imports at
+# the first optimizer's construction (0.5 s: a replacement's first Adam() otherwise pays it).
+PRELOAD = "torch,torch._dynamo,torch.distributed.checkpoint.state_dict"
+
+
 def _ours_flags(launcher: str) -> list[str]:
-    return [] if launcher == "torchrun" else ["--preload", "torch"]
+    return [] if launcher == "torchrun" else ["--preload", PRELOAD]
 
 
 def _after(trial: Trial, t_kill: float, world: int) -> list[Attempt]:
@@ -244,7 +251,7 @@ def report(
         f"`python -m bench.inplace_lost --repeat {repeat}`: `bench/inplace_lost.py` has the commands. "
         "Trials interleaved in one run on this machine (CPU only, gloo); cells are min / **median** / max.",
         "",
-        "| failure | metric | torchrun 2.13 (DCP every 50) | ours (`worker.run`, `--preload torch`, "
+        "| failure | metric | torchrun 2.13 (DCP every 50) | ours (`worker.run`, `--preload`, "
         "snapshot every step) | ours / torchrun |",
         "|---|---|---|---|---|",
     ]
