@@ -71,9 +71,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list]:
 def test_one_node_restarts_only_the_lost_rank(
     tmp_path: Path, uninterrupted: dict, fault: str, in_place: list[int]
 ) -> None:
-    argv = agent_cmd(
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--hang-timeout", "4", SCRIPT
-    )  # fmt: skip
+    # A hang budget only where the fault is a hang, and not a tight one: on a loaded machine the
+    # last step's save and the process group's teardown have outlasted 4 s (issue 48).
+    hang = ("--hang-timeout", "8") if fault == "hang" else ()
+    argv = agent_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *hang, SCRIPT)
     p = Proc(argv, env=_env(tmp_path, FAULT=fault, FAULT_STEP=str(FAULT_STEP), FAULT_RANK="1"))
     assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
     assert f"({len(in_place)} in place: local ranks {in_place})" in p.stderr, p.stderr
