@@ -17,15 +17,15 @@ every attempt's pid: a survivor's must not change, only the lost rank's process 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
 
-from .live_job import get, wait_until
+from .live_job import wait_until
 from .procs import WORKERS, Proc, agent_cmd, start_server
+from .resumed_runs import at_step, final, kept_step, rank_of, same, starts
 
 torch = pytest.importorskip("torch")
 
@@ -41,26 +41,12 @@ def _env(tmp: Path, **kw: str) -> dict[str, str]:
     return env
 
 
-def _starts(tmp: Path, rank: int) -> list[dict]:
-    path = tmp / f"starts-{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _final(tmp: Path, rank: int) -> list:
-    return torch.load(tmp / f"final-{rank}.pt", weights_only=True)
-
-
-def _same(a: list, b: list) -> bool:
-    finite = all(bool(torch.isfinite(x).all()) for x in a)
-    return finite and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     p = Proc(agent_cmd("--standalone", "--nproc-per-node", "2", SCRIPT), env=_env(tmp))
     assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
-    return {r: _final(tmp, r) for r in (0, 1)}
+    return {r: final(tmp, r) for r in (0, 1)}
 
 
 @pytest.mark.parametrize(
@@ -80,11 +66,11 @@ def test_one_node_restarts_only_the_lost_rank(
     assert f"({len(in_place)} in place: local ranks {in_place})" in p.stderr, p.stderr
     assert "every rank restores the in-memory snapshot of step 12" in p.stderr, p.stderr
     for rank in (0, 1):
-        starts = _starts(tmp_path, rank)
-        assert [s["start"] for s in starts] == [0, FAULT_STEP + 1], starts
-        same_pid = starts[0]["pid"] == starts[1]["pid"]
-        assert same_pid == (rank in in_place), (rank, starts)
-        assert _same(_final(tmp_path, rank), uninterrupted[rank]), rank
+        runs = starts(tmp_path, rank)
+        assert [s["start"] for s in runs] == [0, FAULT_STEP + 1], runs
+        same_pid = runs[0]["pid"] == runs[1]["pid"]
+        assert same_pid == (rank in in_place), (rank, runs)
+        assert same(final(tmp_path, rank), uninterrupted[rank]), rank
 
 
 def _node(port: int, tmp: Path, tag: str, nnodes: str, **env: str) -> Proc:
@@ -95,38 +81,12 @@ def _node(port: int, tmp: Path, tag: str, nnodes: str, **env: str) -> Proc:
     return Proc(argv, env=_env(tmp, NODE_TAG=tag, **env))
 
 
-def _at(tmp: Path, step: int, agents: list[Proc]) -> bool:
-    """Both ranks have a complete snapshot of ``step`` (their agents' folders say so)."""
-    name = f"{step:020d}.snap"
-    found = {
-        path.parent.name
-        for a in agents
-        for path in Path("/dev/shm").glob(f"node-agent-{a.p.pid}-*/snapshots/r*/{name}")
-    }
-    return {"r0", "r1"} <= found
-
-
-def _rank_of(tmp: Path, tag: str) -> int:
-    for r in (0, 1):
-        if any(s["node"] == tag for s in _starts(tmp, r)):
-            return r
-    raise AssertionError(f"node {tag} ran no rank")
-
-
-def _kept(port: int) -> int:
-    """The step whose snapshots the server knows on two nodes for every rank (-1: none)."""
-    status, body = get(port, "/v1/jobs")
-    jobs = body["jobs"] if status == 200 else []
-    snap = jobs[0]["snapshot"] if jobs else None
-    return snap["kept_step"] or -1 if snap else -1
-
-
 def _kill_one_at_step_15(tmp: Path, nodes: dict[str, Proc], gate: Path, port: int) -> str:
     """Once both ranks snapshotted step 15 (training waits there) and its replicas are in,
     SIGKILL rank 1's node (agent and worker); returns the surviving node of the two."""
-    wait_until("both ranks at step 15", lambda: _at(tmp, 15, [nodes["a"], nodes["b"]]), JOB_BOUND)
-    wait_until("step 15 kept", lambda: _kept(port) >= 15, 30)
-    lost = next(t for t in ("a", "b") if _rank_of(tmp, t) == 1)
+    wait_until("both ranks at step 15", lambda: at_step(15, [nodes["a"], nodes["b"]]), JOB_BOUND)
+    wait_until("step 15 kept", lambda: kept_step(port) >= 15, 30)
+    lost = next(t for t in ("a", "b") if rank_of(tmp, t) == 1)
     kept = "b" if lost == "a" else "a"
     os.killpg(nodes[lost].p.pid, signal.SIGKILL)
     gate.touch()
@@ -154,13 +114,13 @@ def test_a_node_killed_with_a_spare_waiting_keeps_the_survivor_s_process(
         for p in nodes.values():
             p.kill()
         srv.kill()
-    survivor = _rank_of(tmp_path, kept)
-    starts = _starts(tmp_path, survivor)
-    assert len({s["pid"] for s in starts}) == 1, starts  # one process, two attempts
+    survivor = rank_of(tmp_path, kept)
+    runs = starts(tmp_path, survivor)
+    assert len({s["pid"] for s in runs}) == 1, runs  # one process, two attempts
     for rank in (0, 1):
-        last = _starts(tmp_path, rank)[-1]
+        last = starts(tmp_path, rank)[-1]
         assert last["start"] == 16 and last["world"] == 2, last
-        assert _same(_final(tmp_path, rank), uninterrupted[rank]), rank
+        assert same(final(tmp_path, rank), uninterrupted[rank]), rank
 
 
 def test_a_node_lost_in_an_elastic_job_leaves_the_survivor_training_alone_in_place(tmp_path: Path) -> None:
@@ -177,10 +137,10 @@ def test_a_node_lost_in_an_elastic_job_leaves_the_survivor_training_alone_in_pla
         for p in nodes.values():
             p.kill()
         srv.kill()
-    starts = _starts(tmp_path, 0)
-    assert len({s["pid"] for s in starts}) == 1, starts
+    runs = starts(tmp_path, 0)
+    assert len({s["pid"] for s in runs}) == 1, runs
     # Snapshots restore at their own world size only (docs/snapshots.md): alone, it starts over.
-    assert (starts[-1]["world"], starts[-1]["start"]) == (1, 0), starts
+    assert (runs[-1]["world"], runs[-1]["start"]) == (1, 0), runs
     assert (tmp_path / "final-0.pt").exists()
 
 
@@ -202,8 +162,8 @@ def test_failures_in_a_row_keep_the_survivor_in_one_process(tmp_path: Path, unin
     p = Proc(argv, env=_env(tmp_path, FAULT="exit", FAULT_STEP="12,20", FAULT_RANK="1"))
     assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
     assert p.stderr.count("(1 in place: local ranks [0])") == 2, p.stderr
-    survivor, lost = _starts(tmp_path, 0), _starts(tmp_path, 1)
+    survivor, lost = starts(tmp_path, 0), starts(tmp_path, 1)
     assert [s["start"] for s in survivor] == [s["start"] for s in lost] == [0, 13, 21], (survivor, lost)
     assert len({s["pid"] for s in survivor}) == 1 and len({s["pid"] for s in lost}) == 3
     for rank in (0, 1):
-        assert _same(_final(tmp_path, rank), uninterrupted[rank]), rank
+        assert same(final(tmp_path, rank), uninterrupted[rank]), rank

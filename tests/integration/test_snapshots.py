@@ -20,13 +20,11 @@ agents' consoles and the server's history say.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import ssl
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,12 @@ import pytest
 from ..pki import make_pki
 from .live_job import get, wait_until
 from .procs import WORKERS, Proc, agent_cmd, server_cmd, start_server
+from .resumed_runs import at_step as _at_step
+from .resumed_runs import final as _final
+from .resumed_runs import kept_step as _kept
+from .resumed_runs import rank_of as _rank_of
+from .resumed_runs import same as _same
+from .resumed_runs import starts as _starts
 
 torch = pytest.importorskip("torch")
 
@@ -46,20 +50,6 @@ def _env(tmp: Path, **kw: str) -> dict[str, str]:
     env = {"DUMP_DIR": str(tmp), "STEPS": str(STEPS), "GLOO_SOCKET_IFNAME": "lo", "STEP_S": "0.03"}
     env.update(kw)
     return env
-
-
-def _starts(tmp: Path, rank: int) -> list[dict]:
-    path = tmp / f"starts-{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _final(tmp: Path, rank: int) -> list:
-    return torch.load(tmp / f"final-{rank}.pt", weights_only=True)
-
-
-def _same(a: list, b: list) -> bool:
-    finite = all(bool(torch.isfinite(x).all()) for x in a)
-    return finite and len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +106,6 @@ def _history(port: int, tls: ssl.SSLContext | None = None) -> list[str]:
     return [e["text"] for e in body["history"]]
 
 
-def _kept(port: int, tls: ssl.SSLContext | None = None) -> int:
-    status, body = get(port, "/v1/jobs", tls=tls)
-    jobs = body["jobs"] if status == 200 else []
-    snap = jobs[0]["snapshot"] if jobs else None
-    return snap["kept_step"] or -1 if snap else -1
-
-
 def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_replicas(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
@@ -138,7 +121,7 @@ def test_a_lost_node_is_replaced_by_a_spare_that_restores_its_ranks_from_the_rep
         # Training waits at step 15 until the spare is in, so the loss lands mid-training.
         for tag in ("a", "b"):
             nodes[tag] = _node(port, tmp_path, tag, *tls, WAIT_FILE=str(gate), WAIT_STEP="15")
-        wait_until("both ranks at step 15", lambda: _at(tmp_path, 15, nodes.values()), JOB_BOUND)
+        wait_until("both ranks at step 15", lambda: _at_step(15, nodes.values()), JOB_BOUND)
         nodes["c"] = _node(port, tmp_path, "c", *tls)
         nodes["c"].wait_for_line("spare", timeout=30)
         # Every rank's step-15 snapshot is on two nodes before node b goes.
@@ -177,24 +160,6 @@ def _persisted(folder: Path, step: int) -> bool:
     return all((folder / f"r{r}" / f"{step:020d}.snap").exists() for r in (0, 1))
 
 
-def _at(tmp: Path, step: int, agents: Iterable[Proc]) -> bool:
-    """Both ranks have a complete snapshot of ``step`` (their agents' folders say so)."""
-    name = f"{step:020d}.snap"
-    found = {
-        path.parent.name
-        for a in agents
-        for path in Path("/dev/shm").glob(f"node-agent-{a.p.pid}-*/snapshots/r*/{name}")
-    }
-    return {"r0", "r1"} <= found
-
-
-def _rank_of(tmp: Path, tag: str) -> int:
-    for r in (0, 1):
-        if any(s["node"] == tag for s in _starts(tmp, r)):
-            return r
-    raise AssertionError(f"node {tag} ran no rank")
-
-
 def test_after_a_server_restart_the_agents_say_again_what_they_hold(
     tmp_path: Path, uninterrupted: dict
 ) -> None:
@@ -210,7 +175,7 @@ def test_after_a_server_restart_the_agents_say_again_what_they_hold(
     }
     nodes = {t: _node(port, tmp_path, t, **fault) for t in ("a", "b")}
     try:
-        wait_until("both ranks at step 10", lambda: _at(tmp_path, 10, nodes.values()), JOB_BOUND)
+        wait_until("both ranks at step 10", lambda: _at_step(10, nodes.values()), JOB_BOUND)
         srv.kill()
         srv = Proc(server_cmd("--host", "127.0.0.1", "--port", str(port), "--state-dir", str(state)))
         srv.wait_for_line(r"listening on", timeout=30)
