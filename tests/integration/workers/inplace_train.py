@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from det_model import model_and_optimizer, train_step  # beside this script
 
 from node_agent import worker
 from node_agent.worker import snapshot_torch
@@ -44,9 +45,7 @@ def marker(step: int) -> str:
 def train() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(1234 + rank)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, opt = model_and_optimizer(rank)
     loaded = snapshot_torch.load(model=model, optimizer=opt)
     start = loaded.step + 1 if loaded is not None else 0
     with open(os.path.join(dump, f"starts-{rank}.jsonl"), "a") as f:
@@ -60,15 +59,7 @@ def train() -> None:
         if wait_file and step > wait_step:
             while not os.path.exists(wait_file):
                 time.sleep(0.01)
-        x = torch.randn(8, 16)
-        y = x.sum(dim=1, keepdim=True) / 4
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
-        opt.step()
+        train_step(model, opt)
         time.sleep(step_s)
         worker.progress(step)
         if step % every == 0:
