@@ -32,11 +32,9 @@ BOUND = 10.0
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv(place.PLACE_VAR, str(tmp_path))
     monkeypatch.delenv("NODE_AGENT_PROGRESS_PAGE", raising=False)
-    monkeypatch.delenv("INPLACE_TEST", raising=False)
     before = signal.getsignal(place.PARK_SIGNAL)
     yield tmp_path
     signal.signal(place.PARK_SIGNAL, before)
-    os.environ.pop("INPLACE_TEST", None)
 
 
 def _state(folder: Path) -> dict[str, object]:
@@ -74,9 +72,11 @@ def test_outside_node_agent_run_is_a_plain_call(monkeypatch: pytest.MonkeyPatch)
     assert worker.run(lambda a, b=0: a + b, 2, b=3) == 5
 
 
-def test_a_park_interrupts_the_attempt_and_the_next_place_runs_it_again(folder: Path) -> None:
-    os.environ["INPLACE_TEST"] = "first"
-    os.environ["GONE_NEXT_ROUND"] = "1"
+def test_a_park_interrupts_the_attempt_and_the_next_place_runs_it_again(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INPLACE_TEST", "first")  # (monkeypatch puts the environment back after)
+    monkeypatch.setenv("GONE_NEXT_ROUND", "1")
     calls: list[str] = []
     swallowed: list[BaseException] = []
 
