@@ -35,18 +35,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from tests.integration.workers.train_commit_log import Attempt, attempts
 
-from .launch_cases import c10d, exe, start_server
-from .procs import Launched, Trial, TrialFailed, free_port, wait_for_log
+from .launch_cases import exe
+from .procs import Trial, TrialFailed, wait_for_log
 from .snapshot_lost import (
     FIRST_STEPS_BOUND,
     JOB_BOUND,
@@ -57,6 +55,8 @@ from .snapshot_lost import (
     _kill,
     _rank1_pid,
     _script,
+    kill_node_b,
+    node_launcher,
 )
 
 SETUPS = ("torchrun", "ours")
@@ -132,28 +132,10 @@ def worker_kill(trial: Trial, launcher: str) -> dict[str, float]:
     return out
 
 
-def _two_nodes(
-    trial: Trial, launcher: str, nnodes: str
-) -> tuple[Launched, Launched, Callable[[str], Launched]]:
-    if launcher == "torchrun":
-        port = free_port()
-    else:
-        _, port = start_server(trial)
-
-    def launch(node: str) -> Launched:
-        conf = "last_call_timeout=1"
-        if launcher == "torchrun":
-            host = "true" if node == "A" else "false"
-            conf += f",is_host={host},keep_alive_interval=1,keep_alive_max_attempt=2"
-        argv = [exe(launcher), *c10d(port, nnodes), "--rdzv-conf", conf, "--max-restarts", "3"]
-        argv += _ours_flags(launcher)
-        return trial.launch(f"agent{node}", [*argv, *_args(trial, launcher)], _env(launcher, node))
-
-    return launch("A"), launch("B"), launch
-
-
 def node_kill(trial: Trial, launcher: str, *, spare: bool) -> dict[str, float]:
-    a, b, launch = _two_nodes(trial, launcher, "2" if spare else "1:2")
+    flags = tuple(_ours_flags(launcher))
+    launch = node_launcher(trial, launcher, "2" if spare else "1:2", _args(trial, launcher), flags)
+    a, b = launch("A"), launch("B")
     trial.until("both nodes training", lambda: _at_step(trial, 1, 2), FIRST_STEPS_BOUND)
     waiting = None
     if spare and launcher != "torchrun":
@@ -162,12 +144,7 @@ def node_kill(trial: Trial, launcher: str, *, spare: bool) -> dict[str, float]:
     held = trial.until(
         f"both nodes at step {KILL_AT}", lambda: _at_step(trial, KILL_AT, 2), FIRST_STEPS_BOUND
     )
-    victims = [x.pid for x in held if x.node == "B"]
-    if not victims:
-        raise TrialFailed(f"node 2 ran no rank at step {KILL_AT}: {held}")
-    t_kill = time.time()
-    trial.kill(b, signal.SIGKILL)
-    _kill(victims)
+    t_kill = kill_node_b(trial, b, held)
     if spare and waiting is None:
         waiting = launch("C")  # torchrun: the scheduler's replacement
     (trial.dir / "go").touch()

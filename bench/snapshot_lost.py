@@ -82,6 +82,7 @@ import re
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.integration.workers.train_commit_log import Attempt, attempts
@@ -213,22 +214,42 @@ def _rank1_pid(trial: Trial, held: list[Attempt]) -> int:
     raise TrialFailed(f"no pid for local rank 1 among {held}")
 
 
-def node_kill(trial: Trial, launcher: str, *, dcp: bool, snap_every: int) -> dict[str, float]:
-    """Two nodes of one rank and a spare; SIGKILL of node 2 (launcher and worker) after step 73."""
-    conf = "last_call_timeout=1"
+def node_launcher(
+    trial: Trial, launcher: str, nnodes: str, script: list[str], flags: tuple[str, ...] = ()
+) -> Callable[[str], Launched]:
+    """Launch node A, B or C of a c10d job (torchrun: node A hosts, case 5's keep-alive tuning;
+    ours: against an ``rdzv-server`` started now); ``flags`` go after the launcher's own."""
     if launcher == "torchrun":
         port = free_port()
     else:
         _, port = start_server(trial)
 
     def launch(node: str) -> Launched:
-        c = conf
+        c = "last_call_timeout=1"
         if launcher == "torchrun":
             host = "true" if node == "A" else "false"
             c += f",is_host={host},keep_alive_interval=1,keep_alive_max_attempt=2"
-        argv = [exe(launcher), *c10d(port, "2"), "--rdzv-conf", c, "--max-restarts", "3"]
-        return trial.launch(f"agent{node}", [*argv, *_script(trial, dcp, snap_every)], _env(launcher, node))
+        argv = [exe(launcher), *c10d(port, nnodes), "--rdzv-conf", c, "--max-restarts", "3", *flags]
+        return trial.launch(f"agent{node}", [*argv, *script], _env(launcher, node))
 
+    return launch
+
+
+def kill_node_b(trial: Trial, b: Launched, held: list[Attempt]) -> float:
+    """SIGKILL node B's launcher and its workers (``held``: the attempts at the kill step) at
+    one instant; returns when."""
+    victims = [x.pid for x in held if x.node == "B"]
+    if not victims:
+        raise TrialFailed(f"node 2 ran no rank at step {KILL_AT}: {held}")
+    t_kill = time.time()
+    trial.kill(b, signal.SIGKILL)
+    _kill(victims)
+    return t_kill
+
+
+def node_kill(trial: Trial, launcher: str, *, dcp: bool, snap_every: int) -> dict[str, float]:
+    """Two nodes of one rank and a spare; SIGKILL of node 2 (launcher and worker) after step 73."""
+    launch = node_launcher(trial, launcher, "2", _script(trial, dcp, snap_every))
     a, b = launch("A"), launch("B")
     trial.until("both nodes training", lambda: _at_step(trial, 1, 2), FIRST_STEPS_BOUND)
     spare = None
@@ -238,12 +259,7 @@ def node_kill(trial: Trial, launcher: str, *, dcp: bool, snap_every: int) -> dic
     held = trial.until(
         f"both nodes at step {KILL_AT}", lambda: _at_step(trial, KILL_AT, 2), FIRST_STEPS_BOUND
     )
-    victims = [x.pid for x in held if x.node == "B"]
-    if not victims:
-        raise TrialFailed(f"node 2 ran no rank at step {KILL_AT}: {held}")
-    t_kill = time.time()
-    trial.kill(b, signal.SIGKILL)
-    _kill(victims)
+    t_kill = kill_node_b(trial, b, held)
     if spare is None:
         spare = launch("C")  # the replacement node, as a scheduler would start it (at once)
     (trial.dir / "go").touch()
