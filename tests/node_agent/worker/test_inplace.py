@@ -171,3 +171,25 @@ def test_orders_of_an_earlier_process_of_the_rank_are_not_acted_on(folder: Path)
 
     assert worker.run(train) == "ran through"
     assert len(seen) == 1
+
+
+def test_a_place_file_past_its_bound_or_of_the_wrong_shape_reads_as_none(tmp_path: Path) -> None:
+    """What a worker writes (its state) or the agent (its orders) is read bounded and checked:
+    one byte past MAX_FILE, JSON that is not an object, a bad serial or a non-string
+    environment count as no file at all."""
+    folder = str(tmp_path)
+    (tmp_path / place.STATE).write_bytes(
+        b'{"pid": 1, "serial": 1, "state": "parked", "pad": "' + b"x" * place.MAX_FILE + b'"}'
+    )
+    assert place.read(folder, place.STATE) is None
+    just = b'{"serial": 3, "pad": "'
+    (tmp_path / place.STATE).write_bytes(just + b"x" * (place.MAX_FILE - len(just) - 2) + b'"}')
+    assert place.serial_of(place.read(folder, place.STATE)) == 3  # exactly at the bound: read
+    for text in (b"[1, 2]", b"not json", b'"parked"'):
+        (tmp_path / place.STATE).write_bytes(text)
+        assert place.read(folder, place.STATE) is None
+    for serial in (-1, True, "3", 1.5):
+        assert place.serial_of({"serial": serial}) == -1
+    assert place.env_of({"env": {"RANK": 1}}) is None
+    assert place.env_of({"env": ["RANK=1"]}) is None
+    assert place.env_of({"env": {"RANK": "1"}}) == {"RANK": "1"}
