@@ -296,7 +296,7 @@ def largest_client_messages() -> dict[type, Message]:
         Resume: Resume(join=join, assignment=assignment, succeeded=True),
         Heartbeat: Heartbeat(),
         WorkersFailed: WorkersFailed(round=_BIG_INT, failure=failure, step=_BIG_INT, restore_failed=_BIG_INT),
-        WorkersSucceeded: WorkersSucceeded(round=_BIG_INT),
+        WorkersSucceeded: WorkersSucceeded(round=_BIG_INT, idle_ms=MAX_TIMEOUT * 1000),
         Leave: Leave(reason=_WIDE * MAX_TEXT_LEN, workers_stopping=True),
         Progress: Progress(
             round=_BIG_INT,

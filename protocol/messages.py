@@ -501,6 +501,11 @@ class WorkersSucceeded(_Schema):
 
     TYPE: ClassVar[str] = "workers_succeeded"
     round: int = field(metadata=_COUNT)
+    # How long before this report the node's most recent step was reported (ms; 0: no step,
+    # unknown, or an older agent): the server's goodput ends the training there, not at the
+    # report (the process group's teardown and the interpreters' exit are not training).
+    # Added within version 1: an older agent sends none.
+    idle_ms: float = field(default=0.0, metadata=_MILLIS)
 
 
 @record(frozen=True, kw_only=True, slots=True)

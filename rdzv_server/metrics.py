@@ -29,7 +29,7 @@ jobs keep their sizes.
 
 Goodput (issue 47, ``machine/goodput.py``): server-wide, the active jobs' training and wall
 seconds (jobs that report progress; their ratio is the fleet's goodput) and their badput seconds
-by cause (``rdzv_badput_seconds{cause}``: ``rendezvous``, ``startup``, ``checkpoint`` and each
+by cause (``rdzv_badput_seconds{cause}``: ``rendezvous``, ``startup``, ``checkpoint``, ``finishing`` and each
 cause of a restart, its downtime and the time its lost steps took again). Per job, within the
 same ``--metrics-jobs`` bound: ``rdzv_job_goodput_ratio``, ``rdzv_job_training_seconds``,
 ``rdzv_job_wall_seconds``, ``rdzv_job_badput_seconds{cause}``, ``rdzv_job_restarts_by_cause``
@@ -266,7 +266,12 @@ def _badput(f: dict[str, Any]) -> dict[str, float]:
     """A job's known badput seconds by cause (none without progress)."""
     if not f["progress_reported"]:
         return {}
-    out = {"rendezvous": f["rendezvous_s"], "startup": f["startup_s"], "checkpoint": f["checkpoint_s"]}
+    out = {
+        "rendezvous": f["rendezvous_s"],
+        "startup": f["startup_s"],
+        "checkpoint": f["checkpoint_s"],
+        "finishing": f["finishing_s"],
+    }
     out.update((cause, c["seconds"]) for cause, c in f["causes"].items())
     return out
 
@@ -289,7 +294,9 @@ def _goodput(figures: list[dict[str, Any]]) -> Iterator[Metric]:
         "Seconds of the active jobs that report progress not spent training, by cause.",
         labels=["cause"],
     )
-    totals: dict[str, float] = dict.fromkeys(("rendezvous", "startup", "checkpoint", *goodput.CAUSES), 0.0)
+    totals: dict[str, float] = dict.fromkeys(
+        ("rendezvous", "startup", "checkpoint", "finishing", *goodput.CAUSES), 0.0
+    )
     for f in known:
         for cause, seconds in _badput(f).items():
             totals[cause] += seconds

@@ -427,7 +427,8 @@ class AgentMachine:
             self.link.finished()
             self.deadline = now + self.settings.exit_barrier_timeout
             # While the server is unreachable the Resume we send when back says so instead.
-            effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round))
+            idle = self.training.idle_ms(now) if self.training is not None else 0.0
+            effects: list[Effect] = self._send(WorkersSucceeded(round=self.assignment.round, idle_ms=idle))
             if self.assignment.group_world_size > 1:
                 effects.insert(0, Log("info", "workers finished; waiting for the other nodes (exit barrier)"))
             effects += self._drain_if_asked(now)  # finished before any commit point

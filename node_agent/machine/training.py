@@ -201,6 +201,10 @@ class Training:
     def max_step(self) -> int:
         return self.watch.max_step() if self.watch is not None else -1
 
+    def idle_ms(self, now: float) -> float:
+        """How long ago this node's most recent step was (ms; 0: none), for WorkersSucceeded."""
+        return self.watch.idle_ms(int(now * 1e9)) if self.watch is not None else 0.0
+
     def seconds_to(self, step: int) -> float:
         """The slowest local rank's time to reach ``step``, as its step times go (0: unknown)."""
         return self.watch.seconds_to(step) if self.watch is not None else 0.0

@@ -345,6 +345,11 @@ class NodeWatch:
         """The highest step any rank reported this round (-1: none)."""
         return max((r.step for r in self._ranks), default=-1)
 
+    def idle_ms(self, now_ns: int) -> float:
+        """How long ago the most recent step of any rank was (ms; 0: no step reported)."""
+        last = max((r.last_ns for r in self._ranks if r.attached and r.step >= 0), default=0)
+        return _ms(max(0, now_ns - last)) if last else 0.0
+
     def _pooled_intervals(self) -> list[float]:
         """Every attached rank's recent step intervals (ns), sorted: the node's distribution."""
         return sorted(i for r in self._ranks if r.attached for i in r.intervals)

@@ -8,6 +8,9 @@ Wall time, from the job's creation to its end (or now), is split into:
 - ``startup``: from the first round's assignments to the first step any rank reported (every
   round before the job's first step counts here, failed attempts too);
 - ``training``: from a round's first step to its stop (or the job's end), less the two below;
+- ``finishing``: from the end of the training (the last round's first node whose workers all
+  exited 0, back to its most recent step: ``WorkersSucceeded.idle_ms``) to the job's end: the
+  process groups' teardown, the interpreters' exit and the exit barrier;
 - per cause of a stop (``CAUSES``), the time from the stop to the next round's first step (the
   re-rendezvous, ``regather_s``, and the workers' restart), and the time spent doing the steps
   lost by it again (steps lost x the step time);
@@ -20,6 +23,7 @@ re-rendezvous), and the time its rounds ran (``ran_s``), never a guess of its sp
 
 When. ``formed`` (a round's assignments went out), ``stopped`` (``_regather``: the running round
 stops, for the cause the job's history gives since the round formed: ``stop_cause``),
+``finishing`` (the running round's first node whose workers all exited 0),
 ``ended`` (finished, failed or abandoned), and, from Progress, ``first_step`` (the first step of
 a formed round) and ``sample`` (the volatile figures). A hang's stop counts from the hung
 rank's last progress (the HANG event's time less its silence), not from the verdict.
@@ -85,6 +89,7 @@ class Stage(str, enum.Enum):
     STARTUP = "startup"  # a round formed, and the job never reported a step yet
     TRAINING = "training"  # the running round reported a step
     DOWN = "down"  # a round stopped (``cause``): until the next round's first step
+    FINISHING = "finishing"  # a node's workers finished: the job ends once every node's have
     ENDED = "ended"
 
 
@@ -128,6 +133,7 @@ class Ledger:
     rendezvous_s: float = 0.0
     startup_s: float = 0.0
     training_s: float = 0.0  # first steps to stops, before the lost steps' and checkpoints' time
+    finishing_s: float = 0.0  # a round's last step to its end (the job finished, or it stopped)
     causes: dict[str, CauseCost] = field(default_factory=dict)
     ended_at: float | None = None
     known_from: float | None = None  # None: from the job's creation (else adopted at that time)
@@ -191,11 +197,29 @@ def stopped(job: Job, now: float) -> None:
         g.training_s += onset - since
         g.lost_cause = cause
         _last_trained(job)
+    elif g.stage is Stage.FINISHING:  # some nodes had finished: the others' stop restarts it
+        onset = now
+        g.finishing_s += max(0.0, now - since)
+        g.lost_cause = cause
+        _last_trained(job)
     else:
         onset = now
         _close(job, now)
     g.cost(cause).count += 1
     g.stage, g.cause, g.since, g.stop_at, g.regathered = Stage.DOWN, cause, onset, now, False
+
+
+def finishing(job: Job, now: float, idle_s: float) -> None:
+    """A node of the running round reports that its workers all exited 0, its most recent
+    step ``idle_s`` before: the training ended there (the first such node's report; every
+    node's last step is the same one, the others report as their teardown ends)."""
+    g = job.goodput
+    if g.stage is not Stage.TRAINING:
+        return
+    since = _since(job)
+    end = min(now, max(since, now - idle_s))
+    g.training_s += end - since
+    g.stage, g.since = Stage.FINISHING, end
 
 
 def ended(job: Job, now: float) -> None:
@@ -218,6 +242,8 @@ def _close(job: Job, now: float) -> None:
         g.rendezvous_s += open_s
     elif g.stage is Stage.STARTUP:
         g.startup_s += open_s
+    elif g.stage is Stage.FINISHING:
+        g.finishing_s += open_s
     elif g.stage is Stage.DOWN:
         c = g.cost(g.cause)
         c.down_s += open_s
@@ -373,6 +399,7 @@ def dump(g: Ledger) -> dict[str, Any]:
         "rendezvous_s": g.rendezvous_s,
         "startup_s": g.startup_s,
         "training_s": g.training_s,
+        "finishing_s": g.finishing_s,
         "causes": {name: c.dump() for name, c in g.causes.items()},
         "ended_at": g.ended_at,
         "known_from": g.known_from,
@@ -405,6 +432,7 @@ def load(d: dict[str, Any]) -> Ledger:
         rendezvous_s=float(d["rendezvous_s"]),
         startup_s=float(d["startup_s"]),
         training_s=float(d["training_s"]),
+        finishing_s=float(d.get("finishing_s", 0.0)),  # (an image from before it was kept: 0)
         causes=causes,
         ended_at=opt(d["ended_at"]),
         known_from=opt(d["known_from"]),
@@ -439,7 +467,7 @@ def figures(job: Job, now: float) -> dict[str, Any]:
     created = job.created_at
     wall = max(0.0, end - created)
     unknown = 0.0 if g.known_from is None else max(0.0, g.known_from - created)
-    rendezvous, startup, training = g.rendezvous_s, g.startup_s, g.training_s
+    rendezvous, startup, training, finish = g.rendezvous_s, g.startup_s, g.training_s, g.finishing_s
     costs = {name: CauseCost(*c.dump()) for name, c in g.causes.items()}
     open_s = max(0.0, end - _since(job))
     if g.stage is Stage.RENDEZVOUS:
@@ -448,6 +476,8 @@ def figures(job: Job, now: float) -> dict[str, Any]:
         startup += open_s
     elif g.stage is Stage.TRAINING:
         training += open_s
+    elif g.stage is Stage.FINISHING:
+        finish += open_s
     elif g.stage is Stage.DOWN:
         c = costs.setdefault(g.cause, CauseCost())
         c.down_s += open_s
@@ -484,6 +514,7 @@ def figures(job: Job, now: float) -> dict[str, Any]:
         "startup_s": _r(startup) if stepped else None,
         "ran_s": None if stepped else _r(startup),
         "rendezvous_s": _r(rendezvous),
+        "finishing_s": _r(finish) if stepped else None,
         "checkpoint_s": _r(checkpoint) if stepped else None,
         "rerun_s": _r(rerun * scale) if stepped else None,
         "unknown_s": _r(unknown),
@@ -571,6 +602,8 @@ def sentence(f: dict[str, Any]) -> str:
     parts.append(f"rendezvous {duration(f['rendezvous_s'])}")
     if f["checkpoint_s"]:
         parts.append(f"checkpoints {duration(f['checkpoint_s'])}")
+    if f.get("finishing_s"):
+        parts.append(f"finishing {duration(f['finishing_s'])}")
     if f["unknown_s"]:
         parts.append(f"the first {duration(f['unknown_s'])} not accounted (an older server's state)")
     text = head + ": " + "; ".join(parts)

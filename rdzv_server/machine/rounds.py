@@ -691,6 +691,7 @@ class RoundRules(RestoreRules):
             self.unchanged = True
             return
         set_state(job, member, MemberState.SUCCEEDED)
+        goodput.finishing(job, now, msg.idle_ms / 1000.0)
         self._maybe_finish(job, now, out)
 
     # -- departures ------------------------------------------------------------------------

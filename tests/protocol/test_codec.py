@@ -113,7 +113,7 @@ SAMPLES = [
     WorkersFailed(
         round=0, failure=Failure(node_id="n", addr="", rank=0, local_rank=0, exitcode=1, timestamp=0)
     ),
-    WorkersSucceeded(round=2),
+    WorkersSucceeded(round=2, idle_ms=1250.0),
     Leave(),
     Leave(reason="scale down"),
     Welcome(version=1, software="rdzv-server 0.1.0"),

@@ -117,7 +117,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
     },
     Heartbeat: {},
     WorkersFailed: {"round": 2, "failure": Failure(**FAILURE), "step": 41, "restore_failed": 40},
-    WorkersSucceeded: {"round": 2},
+    WorkersSucceeded: {"round": 2, "idle_ms": 1250.0},
     Leave: {"reason": "scale down", "workers_stopping": True},
     Welcome: {"version": 1, "software": "rdzv-server 0.1.0", "challenge": "cd" * 16},
     Waiting: {
@@ -345,6 +345,8 @@ OUT_OF_RANGE = [
     (WorkersFailed, "failure", None, {}, None),
     (WorkersFailed, "failure", FAILURE, {}, None),
     (WorkersSucceeded, "round", -1, {}, None),
+    (WorkersSucceeded, "idle_ms", -1.0, {}, None),
+    (WorkersSucceeded, "idle_ms", float("nan"), {}, None),
     (Leave, "reason", None, {}, None),
     (Leave, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
     (Leave, "workers_stopping", 1, {}, None),

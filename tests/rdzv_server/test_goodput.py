@@ -61,7 +61,7 @@ def figures(h: Harness) -> dict[str, Any]:
 def adds_up(f: dict[str, Any]) -> None:
     """Every second of the wall time is in exactly one part."""
     parts = [f["unknown_s"], f["rendezvous_s"], f["startup_s"] or f["ran_s"] or 0.0]
-    parts += [f["training_s"] or 0.0, f["checkpoint_s"] or 0.0]
+    parts += [f["training_s"] or 0.0, f["checkpoint_s"] or 0.0, f["finishing_s"] or 0.0]
     parts += [c["seconds"] if c["seconds"] is not None else c["regather_s"] for c in f["causes"].values()]
     assert sum(parts) == pytest.approx(f["wall_s"], abs=1e-6), f
 
@@ -178,6 +178,64 @@ def test_a_failure_reports_step_counts_when_the_summaries_were_a_step_behind() -
     at(h, 70.0)
     h.send(b, progress(1, 91))
     assert figures(h)["causes"]["worker_crash"]["steps_lost"] == 10
+    replays_from_every_cut(h.machine.records, h.machine)
+
+
+def test_the_training_ends_at_the_last_step_not_when_the_last_node_exits() -> None:
+    """The first node to finish says its last step came 2 s before its report (the process
+    group's teardown, the interpreter's exit); the other node reports 3 s later: the 5 s from
+    the last step to the job's end are finishing, not training, and the sentence says so."""
+    h = Harness(machine=Recording())
+    a = h.join(**KW)
+    at(h, 2.0)
+    b = h.join(**KW)
+    at(h, 10.0)
+    h.send(a, progress(0, 0))
+    at(h, 100.0)
+    h.send(a, WorkersSucceeded(round=0, idle_ms=2000.0))
+    f = figures(h)
+    assert (f["stage"], f["training_s"], f["finishing_s"]) == ("finishing", 88.0, 2.0)
+    adds_up(f)
+    at(h, 103.0)
+    h.send(b, WorkersSucceeded(round=0, idle_ms=4000.0))  # (the training had ended already)
+    done = h.last(a, JobDone)
+    assert done is not None
+    f = figures(h)
+    assert (f["stage"], f["wall_s"], f["training_s"], f["finishing_s"]) == ("ended", 103.0, 88.0, 5.0)
+    assert f["goodput"] == round(88.0 / 103.0, 4)
+    adds_up(f)
+    text = "goodput 85.4 % over 1 min 43 s: no failures; start-up 8 s; rendezvous 2 s; finishing 5 s"
+    assert done.summary == goodput.sentence(f) == text
+    replays_from_every_cut(h.machine.records, h.machine)
+
+
+def test_an_idle_time_longer_than_the_round_ends_the_training_at_its_first_step() -> None:
+    """A report claiming a last step before the round's first one is held to the round."""
+    h = Harness()
+    a = h.join(**{**KW, "min_nodes": 1, "max_nodes": 1})
+    at(h, 10.0)
+    h.send(a, progress(0, 0))
+    at(h, 20.0)
+    h.send(a, WorkersSucceeded(round=0, idle_ms=60_000.0))
+    f = figures(h)
+    assert (f["training_s"], f["finishing_s"], f["wall_s"]) == (0.0, 10.0, 20.0)
+    adds_up(f)
+
+
+def test_a_node_failing_after_another_finished_restarts_and_counts_the_finishing_time() -> None:
+    h = Harness(machine=Recording())
+    a = h.join(**KW)
+    b = h.join(**KW)
+    at(h, 10.0)
+    h.send(a, progress(0, 50))
+    h.send(b, progress(0, 50))
+    at(h, 20.0)
+    h.send(a, WorkersSucceeded(round=0, idle_ms=1000.0))
+    at(h, 22.0)
+    h.send(b, WorkersFailed(round=0, failure=failure(rank=2, node="node2"), step=50))
+    f = figures(h)
+    assert (f["stage"], f["training_s"], f["finishing_s"]) == ("down", 9.0, 3.0)
+    adds_up(f)
     replays_from_every_cut(h.machine.records, h.machine)
 
 

@@ -23,6 +23,7 @@ from protocol import (
     Restart,
     Stacks,
     WorkersFailed,
+    WorkersSucceeded,
 )
 
 NS = 1_000_000_000
@@ -266,3 +267,12 @@ def test_the_jobs_hang_report_with_a_failed_job_is_filed_and_the_banner_tells_th
     old = machine()
     eff = old.handle(st.ServerSent(JobFailed(reason="rank 2 ... failed with a hang")), 3.0)
     assert not [e for e in eff if isinstance(e, JobHangReport)]
+
+
+def test_finished_workers_tell_the_server_how_long_ago_their_last_step_was() -> None:
+    """The goodput's training ends at the last step, not at the report: the report says how
+    long before it the node's most recent step was (the pages' own time)."""
+    m = machine()
+    last = train(m, 10)  # the last step at 2.9 s
+    eff = m.handle(st.WorkersExited(None), last + 2.5)
+    assert sent(eff) == [WorkersSucceeded(round=4, idle_ms=2500.0)]
