@@ -56,7 +56,7 @@ from node_agent.supervisor.signal_witness import SignalWitness
 from node_agent.supervisor.warm import WarmInterpreter, WarmPool, hand_off
 
 from .output import SharedFile, StreamSink, plan_stdio
-from .parking import Parking
+from .parking import COMMIT_POLL_S, RELEASE_S, Parking, folder_of
 from .process import (
     OUTPUT_SETTLE,
     Watchdog,
@@ -131,7 +131,7 @@ class WorkerGroup:
         if self._started and self._stopped is None:
             if any(not w.exited.done() for w in self._workers):
                 raise RuntimeError("WorkerGroup.start() while the previous workers run; stop() them first")
-            await self.stop(grace=0.0, keep_watchdog=True)
+            await self.stop(grace=0.0, keep_watchdog=True, park=True)  # (those parked at a commit stay)
         self._started = True
         self._workers = []
         self._stopped = None
@@ -176,17 +176,22 @@ class WorkerGroup:
 
     async def wait(self) -> GroupResult:
         """Return once every worker exited 0, or as soon as one exits non-zero (the rest keep
-        running: call ``stop()``)."""
+        running: call ``stop()``). A worker whose ``worker.run`` attempt ended at a commit
+        point counts as exited 0 and is kept, parked, for the next start (parking.py)."""
         if not self._started:
             raise RuntimeError("WorkerGroup.wait() before start()")
         if self._stopped is not None:
             return self._stopped
         while True:
-            running = [w.exited for w in self._workers if not w.exited.done()]
+            live = [w for w in self._workers if not w.exited.done()]
             failed = any(w.returncode for w in self._workers if w.exited.done())
-            if failed or not running:
+            if failed or not live:
                 break
-            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            if self._all_committed(live):
+                break
+            # A worker may call worker.run only after its imports: look every poll.
+            poll = COMMIT_POLL_S if any(folder_of(w) for w in live) else None
+            await asyncio.wait([w.exited for w in live], timeout=poll, return_when=asyncio.FIRST_COMPLETED)
         exited = [w for w in self._workers if w.exited.done()]
         await wait_futures((f for w in exited for f in w.eof.values()), OUTPUT_SETTLE)
         return self._result()
@@ -209,6 +214,9 @@ class WorkerGroup:
         rest stop as above. A stop without ``park`` stops parked workers too."""
         async with self._stop_lock:
             if self._parked and not park:
+                released = [w for w in self._parked.values() if self._parking.release(w)]
+                if released:  # a commit's survivors the job goes on without: they end cleanly
+                    await wait_futures((w.exited for w in released), RELEASE_S)
                 self._workers = [*self._workers, *self._parked.values()]
                 self._parked = {}
                 self._stopped = None
@@ -497,6 +505,19 @@ class WorkerGroup:
             self._log(
                 f"{len(parked)} worker(s) left their attempt and wait for the next round: local ranks {ranks}"
             )
+
+    def _all_committed(self, live: list[Worker]) -> bool:
+        """Every live worker's attempt ended at a commit point: they leave ``_workers``, parked
+        (the next start places them; a stop without ``park`` stops them)."""
+        if not all(self._parking.committed(w) for w in live):
+            return False
+        self._parked = {w.spec.local_rank: w for w in live}
+        self._workers = [w for w in self._workers if w not in live]
+        self._log(
+            f"{len(live)} worker(s) stopped at a commit point and wait for the next round: "
+            f"local ranks {sorted(self._parked)}"
+        )
+        return True
 
     async def _place_parked(self, specs: Sequence[WorkerSpec]) -> set[int]:
         """Give parked survivors their place in this start; the local ranks placed. One that

@@ -7,6 +7,11 @@ It leaves its attempt, destroys its process group and says ``parked``; once the 
 formed it gets its place (a run order with its whole environment) and trains again in the
 same process. A worker that has not said it runs under ``worker.run``, or does not park
 within :data:`PARK_TIMEOUT`, is stopped as before.
+
+At a commit point (a scale-up, a drain elsewhere) nothing is asked: ``train()`` returns at the
+commit step and the worker says ``committed`` by itself, alive. The group counts it as a
+worker that exited 0 (:meth:`Parking.committed`, looked at every :data:`COMMIT_POLL_S` while
+workers run under ``worker.run``: one ``stat`` each), and the next start gives it its place.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from node_agent.worker import place
 
 from .process import Worker
 
-__all__ = ["PARK_TIMEOUT", "Parking", "folder_of"]
+__all__ = ["COMMIT_POLL_S", "PARK_TIMEOUT", "RELEASE_S", "Parking", "folder_of"]
 
 # How long a survivor may take to leave its attempt: its thread aborts a blocked collective
 # after inplace.ABORT_AFTER_S, so seconds are spent only by a process that is truly stuck
 # (in the kernel, in a C loop that never checks): that one is killed and replaced.
 PARK_TIMEOUT = 3.0
 _POLL_S = 0.003
+COMMIT_POLL_S = 0.05  # a commit is seen this much later than an exit would be
+RELEASE_S = 2.0  # a worker released after a commit exits by itself within this, or is stopped
+_MAX_SEEN = 4096
 
 
 def folder_of(worker: Worker) -> str:
@@ -46,6 +54,10 @@ class Parking:
 
     def __init__(self) -> None:
         self._serial = 0
+        # Per worker pid: the state file's identity when last read, and whether it said committed.
+        self._seen: dict[int, tuple[tuple[int, int, int], bool]] = {}
+        # Per worker pid: the serial of the last place given (its state from before is stale).
+        self._placed: dict[int, int] = {}
 
     def _next(self) -> int:
         self._serial += 1
@@ -54,6 +66,32 @@ class Parking:
     def can_park(self, worker: Worker) -> bool:
         state = _state(worker)
         return state is not None and state.get("state") in (place.RUNNING, place.FAILED)
+
+    def committed(self, worker: Worker) -> bool:
+        """Whether the worker's attempt ended at a commit point and it waits for a place; the
+        file is read only when it changed (a stat otherwise)."""
+        folder = folder_of(worker)
+        if not folder:
+            return False
+        try:
+            st = os.stat(os.path.join(folder, place.STATE))
+        except OSError:
+            return False
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        seen = self._seen.get(worker.pid)
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        state = _state(worker)
+        said = (
+            state is not None
+            and state.get("state") == place.COMMITTED
+            and place.serial_of(state) >= self._placed.get(worker.pid, -1)
+        )
+        if len(self._seen) >= _MAX_SEEN:
+            self._seen.clear()  # (pids of workers long gone)
+            self._placed = {pid: n for pid, n in self._placed.items() if pid == worker.pid}
+        self._seen[worker.pid] = (key, said)
+        return said
 
     async def park(self, workers: Sequence[Worker], timeout: float = PARK_TIMEOUT) -> list[Worker]:
         """Ask every live worker that can park to do so; return those that did in time."""
@@ -88,12 +126,27 @@ class Parking:
             await asyncio.sleep(_POLL_S)
         return parked
 
+    def release(self, worker: Worker) -> bool:
+        """Let a worker that waits after a commit point end by itself (``worker.run`` returns:
+        its output flushed, its exit handlers run); False: it cannot be told, or waits for
+        another reason (a park after a failure: it is stopped as before)."""
+        if worker.exited.done() or not self.committed(worker):
+            return False
+        try:
+            place.write(folder_of(worker), place.ORDER, {"serial": self._next(), "do": place.EXIT})
+        except OSError:
+            return False
+        return True
+
     def place(self, worker: Worker, env: Mapping[str, str]) -> bool:
         """Give a parked worker its next place (False: it cannot be told; stop it)."""
         unset = [k for k in worker.spec.env if k not in env]
-        order = {"serial": self._next(), "do": place.RUN, "env": dict(env), "unset": unset}
+        serial = self._next()
+        order = {"serial": serial, "do": place.RUN, "env": dict(env), "unset": unset}
         try:
             place.write(folder_of(worker), place.ORDER, order)
         except OSError:
             return False
+        self._placed[worker.pid] = serial
+        self._seen.pop(worker.pid, None)
         return True

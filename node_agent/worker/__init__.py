@@ -505,6 +505,11 @@ def _reset() -> None:
         p._slot = 0
 
 
+def _stopped_at_commit() -> bool:
+    """``should_stop()`` said True in this round: the attempt ended at a commit point."""
+    return _stopped >= 0
+
+
 def _rebind() -> None:
     """A process restarting in place (:mod:`.inplace`) takes the next round's page: the last
     one let go, everything it counted forgotten, the stack signal still ignored while no

@@ -24,6 +24,9 @@ torchrun, or when the agent cannot park it, ``run(train)`` is ``train()``.
 What ends an attempt and what follows:
 
 * ``train()`` returns: the worker is done; ``run`` returns its value (the process exits 0).
+  Unless it returned at a commit point (``worker.should_stop()`` said True): the job goes on
+  in a next round (nodes join, or one leaves), so the process waits for its place in it and
+  calls ``train()`` again, which resumes from the checkpoint it saved at the commit step.
 * The job restarts (another rank or node failed, a hang, a spare took a node's place): the
   agent asks this process to park; :class:`Interrupted` (a ``BaseException``, so a plain
   ``except Exception`` in the script does not swallow it) ends the attempt.
@@ -96,8 +99,10 @@ class _Attempts:
         if main:
             signal.signal(_place.PARK_SIGNAL, self._on_park_signal)
         try:
+            result: Any = None
             while True:
                 self._sockets = _sockets()
+                committed = False
                 try:
                     try:
                         # In the attempt before the agent can know it (the state says so): a
@@ -105,9 +110,12 @@ class _Attempts:
                         self.in_attempt = True
                         self._state(_place.RUNNING)
                         self._start_watching()
-                        return fn(*args, **kwargs)
+                        result = fn(*args, **kwargs)
                     finally:
                         self.in_attempt = False
+                    if not _stopped_at_commit():
+                        return result
+                    committed = True
                 except Interrupted:
                     pass
                 except (SystemExit, KeyboardInterrupt):
@@ -116,17 +124,24 @@ class _Attempts:
                     self._state(_place.FAILED)
                     if not self._park_within(COLLATERAL_S if _collateral(exc) else 0.0):
                         raise
-                self._park()
+                if not self._park(committed):
+                    return result  # (released after a commit: the job goes on without us)
         finally:
             self._state("done")
             if main:  # a late park signal must never kill a process on its way out (default: kills)
                 keep = handler not in (None, signal.SIG_DFL)
                 signal.signal(_place.PARK_SIGNAL, handler if keep else signal.SIG_IGN)
 
-    def _park(self) -> None:
-        """Out of the attempt: the process group torn down, parked until the next place."""
-        _tear_down_torch(self._sockets)
-        self._state(_place.PARKED)
+    def _park(self, committed: bool = False) -> bool:
+        """Out of the attempt: the process group torn down, parked until the next place.
+        ``committed``: the attempt ended cleanly at a commit point, every rank at one step:
+        nothing is blocked, so nothing is aborted (a peer may still be in its last collective).
+        False: released instead (an exit order; only after a commit)."""
+        if committed:
+            _destroy_torch()
+        else:
+            _tear_down_torch(self._sockets)
+        self._state(_place.COMMITTED if committed else _place.PARKED)
         while True:
             order = _place.read(self.folder, _place.ORDER)
             serial = _place.serial_of(order)
@@ -135,7 +150,10 @@ class _Attempts:
                 if env is not None:
                     self.acted = serial
                     _take_place(env, order.get("unset"))
-                    return
+                    return True
+            if order is not None and serial > self.acted and order.get("do") == _place.EXIT and committed:
+                self.acted = serial
+                return False
             time.sleep(_WAIT_S)
 
     # -- orders --------------------------------------------------------------------------
@@ -235,6 +253,22 @@ def _take_place(env: dict[str, str], unset: object) -> None:
     from . import _rebind
 
     _rebind()  # the new round's progress page
+
+
+def _stopped_at_commit() -> bool:
+    from . import _stopped_at_commit as stopped
+
+    return stopped()
+
+
+def _destroy_torch() -> None:
+    """Destroy the default process group if ``train()`` left it (no abort: it is whole)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass  # the next init_process_group says what is wrong, if anything is
 
 
 def _tear_down_torch(before: dict[int, str]) -> None:

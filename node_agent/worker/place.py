@@ -8,11 +8,14 @@ never half of one:
 * ``order`` (the agent's): ``{"serial": n, "do": "park"}`` asks the process to leave its
   attempt (the job restarts), ``{"serial": n, "do": "run", "env": {...}}`` gives it the next
   round's place (its whole environment: rank, world size, master address and port, the step
-  to restore). Serials only grow; a worker acts on an order whose serial is above the last
-  one it acted on.
+  to restore); ``{"serial": n, "do": "exit"}`` lets a process that waits after a commit point
+  end (the job goes on without this node): ``worker.run`` returns. Serials only grow; a
+  worker acts on an order whose serial is above the last one it acted on.
 * ``state`` (the worker's): ``{"pid": p, "serial": n, "state": s}`` with ``s`` one of
   ``running`` (in an attempt, since order ``n``), ``parked`` (out of it, waiting for a place),
-  ``failed`` (its attempt raised; waiting a moment for a park that would make it collateral).
+  ``failed`` (its attempt raised; waiting a moment for a park that would make it collateral),
+  ``committed`` (``train()`` returned at a commit point, ``worker.should_stop()``: the job goes
+  on in a next round, a scale-up or a drain elsewhere; waiting, alive, for a place in it).
 
 The agent sends :data:`PARK_SIGNAL` after writing a park order: it interrupts the attempt at
 the next bytecode; a thread of the worker notices the order by itself when the main thread is
@@ -36,8 +39,8 @@ PARK_SIGNAL = int(SIGRTMIN) + 5  # the stack signal is +4 (worker.STACK_SIGNAL)
 ORDER = "order"
 STATE = "state"
 MAX_FILE = 1 << 20  # an environment is tens of kB; anything past this is not ours
-PARK, RUN = "park", "run"
-RUNNING, PARKED, FAILED = "running", "parked", "failed"
+PARK, RUN, EXIT = "park", "run", "exit"
+RUNNING, PARKED, FAILED, COMMITTED = "running", "parked", "failed", "committed"
 
 
 def write(folder: str, name: str, obj: dict[str, object]) -> None:

@@ -45,8 +45,11 @@ JOB_BOUND = 120.0
 class Job:
     """A server and the 1:2 job's agents (A, then B), each node's workers tagged in the logs."""
 
-    def __init__(self, tmp: Path, name: str, *, commit: bool, slow: bool, check_every: int = 1) -> None:
+    def __init__(
+        self, tmp: Path, name: str, *, commit: bool, slow: bool, check_every: int = 1, in_place: bool = False
+    ) -> None:
         self.tmp, self.name = tmp, name
+        self.in_place = in_place
         self.logs = tmp / "steps"
         self.commit = commit
         self.check_every = check_every
@@ -61,6 +64,8 @@ class Job:
             script += ["--slow-from", str(SLOW_FROM), "--slow-seconds", str(SLOW_SECONDS)]
         if self.commit:
             script += ["--commit", "--check-every", str(self.check_every)]
+        if self.in_place:
+            script += ["--in-place"]
         argv = agent_cmd(
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
             "--rdzv-id", self.name, "--rdzv-conf", f"last_call_timeout={last_call:g}", "--max-restarts", "0",
@@ -112,8 +117,10 @@ class Job:
 def make_job(tmp_path: Path) -> Iterator[Any]:
     jobs: list[Job] = []
 
-    def make(name: str, *, commit: bool, slow: bool = False, check_every: int = 1) -> Job:
-        jobs.append(Job(tmp_path, name, commit=commit, slow=slow, check_every=check_every))
+    def make(
+        name: str, *, commit: bool, slow: bool = False, check_every: int = 1, in_place: bool = False
+    ) -> Job:
+        jobs.append(Job(tmp_path, name, commit=commit, slow=slow, check_every=check_every, in_place=in_place))
         return jobs[-1]
 
     try:
@@ -143,11 +150,16 @@ def assert_round_lines_say_restart_0(job: Job) -> None:
         assert all(line.endswith("restart 0") for line in rounds), rounds
 
 
-@pytest.mark.parametrize("check_every", [1, SPARSE])
-def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any, check_every: int) -> None:
+@pytest.mark.parametrize(("check_every", "in_place"), [(1, False), (SPARSE, False), (1, True)])
+def test_scale_up_with_the_check_resumes_from_the_commit_step(
+    make_job: Any, check_every: int, in_place: bool
+) -> None:
     """Also for a script that calls should_stop() only every SPARSE steps: it stops at its first
-    check past S, the job goes on from there, and no step is lost or run twice."""
-    job = make_job(f"commit-up-{check_every}", commit=True, slow=True, check_every=check_every)
+    check past S, the job goes on from there, and no step is lost or run twice. Under
+    ``worker.run`` (issue 44) A's process is the one that trains on with B: it returned at S,
+    waited alive, and trained again from S in the round of two."""
+    name = f"commit-up-{check_every}" + ("-in-place" if in_place else "")
+    job = make_job(name, commit=True, slow=True, check_every=check_every, in_place=in_place)
     job.start("A")
     job.wait_step("A", JOIN_AT)
     job.start("B")
@@ -172,7 +184,13 @@ def test_scale_up_with_the_check_resumes_from_the_commit_step(make_job: Any, che
         assert a.steps == list(range(S + 1, STEPS + 1)), (a.node, a.steps[:3], S)
         assert a.done
     # No step lost, none run twice: A's steps over both attempts are 1..STEPS once each.
-    assert sorted(alone.steps + next(a for a in pair if a.node == "A").steps) == list(range(1, STEPS + 1))
+    a_pair = next(a for a in pair if a.node == "A")
+    assert sorted(alone.steps + a_pair.steps) == list(range(1, STEPS + 1))
+    # In place: one process of A for both rounds; else a new one, as torchrun.
+    assert (a_pair.pid == alone.pid) == in_place, (alone, a_pair)
+    if in_place:
+        assert "stopped at a commit point and wait for the next round" in job.agents["A"].stderr
+        assert "(1 in place: local ranks [0])" in job.agents["A"].stderr, job.agents["A"].stderr
 
     status = job.status()
     assert status["phase"] == "finished" and status["restart_count"] == 0, status
@@ -208,12 +226,18 @@ def test_scale_up_without_the_check_loses_the_steps_since_the_last_checkpoint(ma
     assert not any("committed" in t for t in job.history()), job.history()
 
 
-@pytest.mark.parametrize(("how", "check_every"), [("rdzv-server drain", 1), ("SIGTERM", 1), ("SIGTERM", 10)])
+@pytest.mark.parametrize(
+    ("how", "check_every", "in_place"),
+    [("rdzv-server drain", 1, False), ("SIGTERM", 1, False), ("SIGTERM", 10, False), ("SIGTERM", 1, True)],
+)
 def test_a_drain_with_the_check_resumes_from_the_commit_step(
-    make_job: Any, how: str, check_every: int
+    make_job: Any, how: str, check_every: int, in_place: bool
 ) -> None:
-    name = f"commit-drain-{how.split()[0].lower()}-{check_every}"
-    job = make_job(name, commit=True, check_every=check_every)
+    """Under ``worker.run`` the survivor A keeps its process; B's worker, which waited alive
+    after the commit, is let go by its leaving agent and ends by itself (exit 0, its output
+    flushed), not killed."""
+    name = f"commit-drain-{how.split()[0].lower()}-{check_every}" + ("-in-place" if in_place else "")
+    job = make_job(name, commit=True, check_every=check_every, in_place=in_place)
     # With 1:2 the round forms at once when both are in; a long last call keeps them together.
     job.start("A", last_call=30)
     job.start("B", last_call=30)
@@ -234,7 +258,7 @@ def test_a_drain_with_the_check_resumes_from_the_commit_step(
     assert_deterministic(runs)
     b = the([a for a in runs if a.node == "B"], "B's one attempt")
     a_pair = the([a for a in runs if a.node == "A" and a.world == 2], "A's attempt with B")
-    a_alone = the([a for a in runs if a.node == "A" and a.world == 1], "A's attempt after the drain")
+    a_alone = the([a for a in runs if a.node == "A" and a.world == 1], f"A after the drain\n{job.stderr()}")
     S = b.stopped
     assert S is not None and S == a_pair.stopped, (b, a_pair)
     assert JOIN_AT < S < STEPS and S % check_every == 0, S
@@ -243,6 +267,10 @@ def test_a_drain_with_the_check_resumes_from_the_commit_step(
     assert saved == b.saves[S][0] == a_pair.sums[S]
     assert a_alone.start_from == S and a_alone.loaded == saved, (a_alone, S)
     assert a_alone.steps == list(range(S + 1, STEPS + 1)) and a_alone.done
+    assert (a_alone.pid == a_pair.pid) == in_place, (a_pair, a_alone)
+    if in_place:
+        assert "stopped with SIGKILL" not in job.agents["B"].stderr, job.agents["B"].stderr
+        assert "exitcode" not in job.agents["B"].stderr, job.agents["B"].stderr
     status = job.status()
     assert status["phase"] == "finished" and status["restart_count"] == 0, status
     assert not status["failures"], status["failures"]

@@ -1,7 +1,7 @@
 """A deterministic gloo training loop with torch.distributed.checkpoint, for commit-point restarts.
 
     train_commit.py --ckpt-dir DIR --log-dir DIR [--steps 150] [--every 50] [--step-seconds 0.05]
-                    [--slow-from N --slow-seconds 0.2] [--commit [--check-every K]]
+                    [--slow-from N --slow-seconds 0.2] [--commit [--check-every K]] [--in-place]
 
 A tiny model (``nn.Linear``) and Adam, seeded; the batch of step ``n`` is drawn from a
 generator seeded with ``n`` and is the same on every rank, and the gradients are averaged over
@@ -32,7 +32,9 @@ Each process appends lines to ``<log-dir>/<NODE_TAG>-<LOCAL_RANK>.log`` (one wri
     done pid=P step=N
 
 and every line ends with ``t=<time.time()>`` (the bench times the restarts with it).
-``pid`` tells the attempts apart: a commit restart keeps the restart count. The tests and the
+``pid`` tells the attempts apart (and a second ``load`` or ``start`` line of one process, under
+``--in-place``: ``worker.run`` trains again in the same process): a commit restart keeps the
+restart count. The tests and the
 bench read these logs with ``train_commit_log.py``.
 """
 
@@ -71,6 +73,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--slow-seconds", type=float, default=0.2)
     p.add_argument("--commit", action="store_true", help="stop at the commit step the agent gives")
+    p.add_argument("--in-place", action="store_true", help="train under worker.run (restarts in place)")
     p.add_argument(
         "--check-every",
         type=int,
@@ -137,6 +140,13 @@ def load(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> int:
 
 def main() -> None:
     args = parse()
+    if args.in_place:
+        worker.run(train, args)  # (the two lines a script adds for restarts in place)
+    else:
+        train(args)
+
+
+def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()

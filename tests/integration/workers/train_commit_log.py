@@ -60,8 +60,8 @@ def attempts(log_dir: Path) -> list[Attempt]:
             kind, pid = m[1], int(m[2])
             f = dict(kv.split("=", 1) for kv in m[3].split())
             a = by_pid.get(pid)
-            if a is None or (kind == "start" and a.start_from >= 0):
-                # A second start line of one process: it restarted in place (worker.run)
+            if a is None or (kind in ("load", "start") and a.start_from >= 0):
+                # A second start (or load, before it) of one process: it restarted in place
                 a = by_pid[pid] = Attempt(node, pid)
                 out.append(a)
             if kind == "start":

@@ -193,3 +193,85 @@ def test_a_place_file_past_its_bound_or_of_the_wrong_shape_reads_as_none(tmp_pat
     assert place.env_of({"env": {"RANK": 1}}) is None
     assert place.env_of({"env": ["RANK=1"]}) is None
     assert place.env_of({"env": {"RANK": "1"}}) == {"RANK": "1"}
+
+
+def test_an_attempt_that_returns_at_a_commit_point_waits_for_its_place_then_trains_again(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``should_stop()`` said True (a scale-up or a drain elsewhere): the return is not the
+    end; the process says ``committed``, takes the next round's place and trains again, and a
+    later plain return is ``run``'s value."""
+    monkeypatch.setenv("ROUND", "0")
+    seen: list[str] = []
+
+    def train() -> str:
+        seen.append(os.environ["ROUND"])
+        if len(seen) == 1:
+            monkeypatch.setattr(worker, "_stopped", 87)  # what should_stop() leaves at a commit
+        return f"done in round {os.environ['ROUND']}"
+
+    def agent() -> None:
+        _wait_state(folder, place.COMMITTED)
+        order = {"serial": 1, "do": place.RUN, "env": {"ROUND": "1"}, "unset": []}
+        place.write(str(folder), place.ORDER, order)
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    # (the next round's page: _rebind, from the place, forgets the commit as it attaches)
+    assert worker.run(train) == "done in round 1"
+    t.join(BOUND)
+    assert seen == ["0", "1"]
+    assert _state(folder)["state"] == "done"
+
+
+def test_a_process_released_after_a_commit_returns_what_its_attempt_returned(folder: Path) -> None:
+    """The job goes on without this node (it drains at the commit): the agent's exit order
+    lets ``run`` return, so the process exits by itself, output flushed."""
+    orders: list[int] = []
+
+    def train() -> int:
+        worker._stopped = 12  # type: ignore[attr-defined]
+        return 7
+
+    def agent() -> None:
+        _wait_state(folder, place.COMMITTED)
+        place.write(str(folder), place.ORDER, {"serial": 1, "do": place.EXIT})
+        orders.append(1)
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    try:
+        assert worker.run(train) == 7
+    finally:
+        worker._reset()  # type: ignore[attr-defined]
+    t.join(BOUND)
+    assert orders == [1]
+
+
+def test_an_exit_order_does_not_release_a_process_parked_after_a_failure(folder: Path) -> None:
+    """Only a commit's survivor may end by an exit order: one parked after a restart waits for
+    its place (the agent stops it if there is none)."""
+    calls: list[int] = []
+
+    def train() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            while True:
+                time.sleep(0.01)
+        return 3
+
+    def agent() -> None:
+        _wait_state(folder, place.RUNNING)
+        place.write(str(folder), place.ORDER, {"serial": 1, "do": place.PARK})
+        os.kill(os.getpid(), place.PARK_SIGNAL)
+        _wait_state(folder, place.PARKED, 1)
+        place.write(str(folder), place.ORDER, {"serial": 2, "do": place.EXIT})
+        time.sleep(0.1)  # (a wrong release would return from run meanwhile)
+        assert _state(folder)["state"] == place.PARKED
+        place.write(str(folder), place.ORDER, {"serial": 3, "do": place.RUN, "env": {}, "unset": []})
+
+    t = threading.Thread(target=agent, daemon=True)
+    t.start()
+    assert worker.run(train) == 3
+    t.join(BOUND)
+    assert calls == [1, 1]
