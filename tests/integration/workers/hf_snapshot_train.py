@@ -4,9 +4,10 @@
 Each rank trains a tiny model (a linear layer with dropout in a ``PreTrainedModel``, built
 here: no download) with AdamW and a linear schedule under DDP (gloo, CPU) for $STEPS steps on
 random data made here. Rank $FAULT_RANK SIGKILLs itself after its snapshot of step
-$FAULT_STEP, once per job (a marker file in $DUMP_DIR). Each process appends {"restart",
-"start"} to $DUMP_DIR/starts-<rank>.jsonl; the last one saves the parameters to
-$DUMP_DIR/final-<rank>.pt.
+$FAULT_STEP, once per job (a marker file in $DUMP_DIR). With IN_PLACE=1 the script's entry
+is ``worker.run(main)`` (restarts in place: the survivor trains again in its process). Each
+process appends {"restart", "start", "pid"} to $DUMP_DIR/starts-<rank>.jsonl; the last one
+saves the parameters to $DUMP_DIR/final-<rank>.pt.
 """
 
 import json
@@ -61,7 +62,7 @@ class Record(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         with open(os.path.join(dump, f"starts-{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"restart": restart, "start": state.global_step}) + "\n")
+            f.write(json.dumps({"restart": restart, "start": state.global_step, "pid": os.getpid()}) + "\n")
 
     def on_step_end(self, args, state, control, **kwargs):
         marker = os.path.join(dump, "killed")
@@ -71,6 +72,8 @@ class Record(TrainerCallback):
 
 
 def main() -> None:
+    global rank
+    rank = int(os.environ.get("RANK", "0"))  # (this attempt's: in place, the next may differ)
     args = TrainingArguments(
         output_dir=sys.argv[1],
         max_steps=steps,
@@ -99,4 +102,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("IN_PLACE") == "1":
+        from node_agent import worker
+
+        worker.run(main)  # restarts in place: a survivor trains again in this process
+    else:
+        main()

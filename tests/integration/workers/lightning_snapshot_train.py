@@ -5,8 +5,9 @@ Each rank trains a linear layer with SGD and momentum under DDP (gloo, CPU) for 
 step's batch is drawn from a generator seeded by the step and the rank, so the parameters after
 step n do not depend on where the data loader stood when the run resumed. Rank $FAULT_RANK
 SIGKILLs itself after its snapshot of step $FAULT_STEP, once per job (a marker file in
-$DUMP_DIR). Each process appends {"restart", "start"} to $DUMP_DIR/starts-<rank>.jsonl; the
-last one saves the parameters to $DUMP_DIR/final-<rank>.pt.
+$DUMP_DIR). With IN_PLACE=1 the script's entry is ``worker.run(main)`` (restarts in place: the
+survivor trains again in its process). Each process appends {"restart", "start", "pid"} to
+$DUMP_DIR/starts-<rank>.jsonl; the last one saves the parameters to $DUMP_DIR/final-<rank>.pt.
 """
 
 import json
@@ -49,7 +50,7 @@ class Record(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         with open(os.path.join(dump, f"starts-{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"restart": restart, "start": trainer.global_step}) + "\n")
+            f.write(json.dumps({"restart": restart, "start": trainer.global_step, "pid": os.getpid()}) + "\n")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         marker = os.path.join(dump, "killed")
@@ -59,6 +60,8 @@ class Record(pl.Callback):
 
 
 def main() -> None:
+    global rank
+    rank = int(os.environ.get("RANK", "0"))  # (this attempt's: in place, the next may differ)
     torch.manual_seed(0)
     trainer = pl.Trainer(
         max_steps=steps,
@@ -80,4 +83,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if os.environ.get("IN_PLACE") == "1":
+        from node_agent import worker
+
+        worker.run(main)  # restarts in place: a survivor trains again in this process
+    else:
+        main()
