@@ -57,6 +57,7 @@ PROC = {
     "node_agent/test_runner.py",
     "node_agent/test_runtime_dir.py",
     "node_agent/test_worker_env.py",
+    "node_agent/worker/test_dcp_snapshots_gloo.py",
     "node_agent/worker/test_snapshot_callback_rules.py",
     "node_agent/worker/test_snapshot_import.py",
     "rdzv_server/test_auth.py",

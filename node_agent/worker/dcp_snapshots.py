@@ -2,13 +2,18 @@
 
     from node_agent.worker import dcp_snapshots
 
-    sd = {"model": model_sd, "optim": optim_sd}      # e.g. get_state_dict(model, opt): DTensors
-    step = dcp_snapshots.load(sd)                   # None: nothing to restore (sd untouched)
-    start = step + 1 if step is not None else 0
-    for step in range(start, steps):
+    def state():
+        model_sd, optim_sd = get_state_dict(model, opt)  # FSDP2: DTensors
+        return {"model": model_sd, "optim": optim_sd}
+
+    sd = state()
+    step = dcp_snapshots.load(sd)                   # filled into sd; None: nothing to restore
+    if step is not None:
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for step in range(step + 1 if step is not None else 0, steps):
         train_step()
         if step % 100 == 0:
-            dcp_snapshots.save(step, sd)            # a collective, like dcp.save
+            dcp_snapshots.save(step, state())       # a collective, like dcp.save
 
 Both are collectives: every rank of ``process_group`` calls them. ``save`` runs DCP's planning
 (``dcp.save`` with a planner and a storage writer of ours) and writes this rank's shards, and
@@ -39,6 +44,7 @@ torch is imported inside the functions only: importing this module costs what
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
@@ -47,7 +53,7 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _MAX_STEP, _as_step, phase
@@ -103,9 +109,10 @@ def save(step: int, state_dict: dict[str, Any], *, process_group: Any = None) ->
     dist = kit.dist
     on = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if on else (0, 1)
-    with phase("snapshot"), snapshot(step) as f:
-        f.write(bytes(HEADER_SIZE))  # the header, written again once the lengths are known
-        writer = kit.Writer(f)
+    with phase("snapshot"), contextlib.ExitStack() as stack:
+        # The file is opened inside DCP's write step, where a rank's error reaches every rank
+        # (one failing alone before a collective would leave the others waiting in it).
+        writer = kit.Writer(lambda: stack.enter_context(snapshot(step)))
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -118,6 +125,7 @@ def save(step: int, state_dict: dict[str, Any], *, process_group: Any = None) ->
                 )
         except kit.CheckpointException as exc:
             raise _own_error(exc, writer.error, rank) from exc
+        f = writer.file()  # opened in DCP's write step
         end = f.tell()
         doc = encode_metadata(metadata, writer.items, step=step, rank=rank, world_size=world)
         f.write(doc)
@@ -143,34 +151,55 @@ def load(
     dist = kit.dist
     on = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if on else (0, 1)
-    parsed: Parsed | None = None
+    reader: Any = None
     local: tuple[str, int, str]
     failure: BaseException | None = None
-    try:
+    try:  # everything that may fail on one rank alone, before the first collective
         r = restore()
         if r is not None:
             _check_byte_order()
             parsed = parse(r.path)
             _check_parsed(parsed, r.path, r.step, rank, world)
-        local = ("ok", parsed.step, "") if parsed is not None else ("none", -1, "")
+            reader = kit.Reader(parsed)
+        local = ("ok", reader.parsed.step, "") if reader is not None else ("none", -1, "")
     except Exception as exc:
         failure = exc
         local = ("error", -1, f"{type(exc).__name__}: {exc}"[:_MAX_TEXT])
-    views = [local]
-    if on:
-        views = [("error", -1, "")] * world
-        dist.all_gather_object(views, local, group=process_group)
-    _agree(views, rank, failure)
-    if parsed is None:
-        return None
-    reader = kit.Reader(parsed)
+    try:
+        views = [local]
+        if on:
+            views = [("error", -1, "")] * world
+            dist.all_gather_object(views, local, group=process_group)
+        _agree(views, rank, failure)
+        if reader is None:
+            return None
+        _load(kit, reader, state_dict, process_group, on, rank, list(safe_globals))
+        step: int = reader.parsed.step
+        return step
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _load(
+    kit: Any,
+    reader: Any,
+    state_dict: dict[str, Any],
+    process_group: Any,
+    on: bool,
+    rank: int,
+    safe: list[Any],
+) -> None:
+    """``dcp.load`` through ``reader``; this rank's own error raised as itself, another
+    rank's as :class:`RestoreFailed`."""
+    parsed = reader.parsed
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             kit.dcp.load(
                 state_dict,
                 storage_reader=reader,
-                planner=kit.LoadPlanner(list(safe_globals)),
+                planner=kit.LoadPlanner(safe),
                 process_group=process_group,
                 no_dist=not on,
             )
@@ -186,9 +215,6 @@ def load(
                 "states would diverge"
             ) from exc
         raise own from exc
-    finally:
-        reader.close()
-    return parsed.step
 
 
 def _own_error(exc: Any, recorded: BaseException | None, rank: int) -> BaseException:
@@ -547,9 +573,10 @@ def _make_kit() -> Any:
         """Writes each item of this rank's plan into the snapshot file, aligned, and records
         where: ``items`` as ``(fqn, offsets, sizes, start, length)``."""
 
-        def __init__(self, out: Any) -> None:
+        def __init__(self, open_file: Callable[[], Any]) -> None:
             super().__init__()
-            self.out = out
+            self._open_file = open_file
+            self.out: Any = None
             self.error: Exception | None = None
             self.items: list[tuple[str, tuple[int, ...] | None, tuple[int, ...] | None, int, int]] = []
 
@@ -575,12 +602,21 @@ def _make_kit() -> Any:
             return fut
 
         def _stand_in(self, exc: Exception) -> Exception:
-            # DCP pickles a rank's error to the coordinator: an error that does not unpickle
-            # (SnapshotTooLarge) would leave the other ranks waiting. This rank raises its own.
+            # DCP pickles a rank's error to the coordinator: one that does not unpickle
+            # (SnapshotTooLarge) makes the coordinator fail with a TypeError and skip the
+            # broadcast the other ranks wait in. A plain stand-in goes; this rank raises its own.
             self.error = exc
             return RuntimeError(f"{type(exc).__name__}: {exc}")
 
+        def file(self) -> Any:
+            """The snapshot file, opened at the first call, the header's place reserved."""
+            if self.out is None:
+                self.out = self._open_file()
+                self.out.write(bytes(HEADER_SIZE))  # written again once the lengths are known
+            return self.out
+
         def _write(self, plan: Any, planner: Any) -> list[Any]:
+            self.file()
             results = []
             for item in plan.items:
                 data = planner.resolve_data(item)
