@@ -263,6 +263,7 @@ def _stopped_at_commit() -> bool:
 
 def _destroy_torch() -> None:
     """Destroy the default process group if ``train()`` left it (no abort: it is whole)."""
+    _forget_frameworks()
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -274,6 +275,8 @@ def _destroy_torch() -> None:
 def _tear_down_torch(before: dict[int, str]) -> None:
     """Destroy the default process group, aborting it first when it may be broken, and its
     connections shut down first (``before``: the sockets as the attempt began)."""
+    _forget_frameworks()
+    _forget_backward_context()
     _shut_down_sockets(before)
     dist = sys.modules.get("torch.distributed")
     if dist is None:
@@ -288,6 +291,43 @@ def _tear_down_torch(before: dict[int, str]) -> None:
         dist.destroy_process_group()
     except Exception:
         pass  # aborted: the next init_process_group makes a fresh one all the same
+
+
+def _forget_backward_context() -> None:
+    """Drop the context autograd keeps in the thread's storage during a backward pass, if the
+    interruption left it there. torch stashes it as the backward starts and removes it in a
+    ``finally``; an attempt interrupted in a collective inside backward gets ``Interrupted`` at
+    the first bytecode after the C++ call, which is that ``finally``, so the removal is skipped.
+    Left there, it is captured by every collective of the next attempt, whose gloo thread must
+    then take the GIL to free it, and torch's process group teardown joins that thread with the
+    GIL held."""
+    c = getattr(sys.modules.get("torch"), "_C", None)
+    is_key, remove = getattr(c, "_is_key_in_tls", None), getattr(c, "_remove_obj_from_tls", None)
+    if not (callable(is_key) and callable(remove)):
+        return
+    try:
+        if is_key("context"):
+            remove("context")
+    except Exception:
+        pass  # another torch: nothing of ours to fix
+
+
+def _forget_frameworks() -> None:
+    """Forget what a framework keeps for the life of the process about the process group this
+    attempt had, so the next attempt's sets it up again. accelerate's ``PartialState`` is a
+    process-wide singleton: once set up it never calls ``init_process_group`` again, so a
+    second ``Accelerator()`` would find no process group. (Hugging Face's Trainer and Lightning
+    set theirs up again by themselves: tested.)"""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    for name, args in (("AcceleratorState", (True,)), ("GradientState", ()), ("PartialState", ())):
+        reset = getattr(getattr(state, name, None), "_reset_state", None)
+        if callable(reset):
+            try:
+                reset(*args)
+            except Exception:
+                pass  # (another version: its own error comes at the next Accelerator)
 
 
 def _sockets() -> dict[int, str]:

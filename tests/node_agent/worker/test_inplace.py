@@ -275,3 +275,20 @@ def test_an_exit_order_does_not_release_a_process_parked_after_a_failure(folder:
     assert worker.run(train) == 3
     t.join(BOUND)
     assert calls == [1, 1]
+
+
+def test_accelerate_forgets_its_process_group_between_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate keeps its process group's state in process-wide singletons: once set up,
+    ``Accelerator()`` never calls ``init_process_group`` again, so a survivor's next attempt
+    would find none. Between attempts ``worker.run`` empties them (the real accelerate)."""
+    state = pytest.importorskip("accelerate.state")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    accelerate = pytest.importorskip("accelerate")
+    try:
+        accelerate.Accelerator(cpu=True)
+        assert state.PartialState._shared_state and state.AcceleratorState._shared_state
+        inplace._forget_frameworks()
+        assert not state.PartialState._shared_state and not state.AcceleratorState._shared_state
+    finally:
+        state.AcceleratorState._reset_state(True)
