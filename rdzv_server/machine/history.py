@@ -76,6 +76,7 @@ class EventKind(str, enum.Enum):
     CRASH_LOOP = "crash_loop"  # restarts in a row made no step progress: the job fails
     COMMIT = "commit"  # a planned change waits for every rank to stop at one step (issue 20)
     RESTORE = "restore"  # a round restores every rank from one in-memory snapshot (issue 35)
+    TAKEOVER = "takeover"  # a standby agent hosts the rendezvous of a lost host (issue 45)
 
 
 class Departure(str, enum.Enum):
@@ -317,6 +318,14 @@ def server_going_away(now: float, reason: str) -> JobEvent:
 def resuming(now: float, rnd: int) -> JobEvent:
     text = f"rebuilding round {rnd} from its agents (no record of it)"
     return JobEvent(now, EventKind.RESUMING, text, round=rnd)
+
+
+def took_over(now: float, rnd: int, node: str, term: int, lost: str) -> JobEvent:
+    """A standby (``node``) hosts the rendezvous now, at take-over ``term``; ``lost``: the node
+    that hosted it ("" when that node held no place in the job's round)."""
+    whom = f"node {lost}, which hosted it, is lost" if lost else "the agent that hosted it is lost"
+    text = f"node {node} took over the rendezvous (term {term}): {whom}; rebuilding round {rnd}"
+    return JobEvent(now, EventKind.TAKEOVER, text, node=node, round=rnd)
 
 
 def resumed(now: float, m: Member, rnd: int) -> JobEvent:

@@ -48,6 +48,8 @@ class Recovery(RoundRules):
     resume_deadline: float | None
     draining: bool
     taken_over: TakeOver | None
+    host_node: str | None
+    standby_term: int
 
     def _recover(self, now: float, out: list[Effect]) -> None:
         """The state was replayed from the log of a previous process whose sockets are gone.
@@ -114,6 +116,10 @@ class Recovery(RoundRules):
             job.last_call_deadline = now + max(RESUME_WINDOW, 2 * settings.heartbeat_timeout)
             self.jobs[job.id] = job
             self.stats.jobs_created += 1
+            took = self.taken_over
+            if took is not None and took.job == job.id:  # (the history says who took over, when)
+                event = said.took_over(now, a.round, self.host_node or "", self.standby_term, took.host)
+                said.note(job, event, out)
             said.note(job, said.resuming(now, a.round), out)
         if job.phase is JobPhase.RESUMING:
             self._resume_into_rebuild(job, conn, msg, settings, now, out)

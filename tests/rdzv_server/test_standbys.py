@@ -100,6 +100,13 @@ def test_a_standby_that_took_over_does_not_wait_for_the_lost_host() -> None:
     assert any(isinstance(m, Restart) for m in first["nc"])
     assert any("node host, which hosted the rendezvous, is lost" in line for line in new.logs)
     assert new.now == 0.0  # no window waited out
+    # The history (status, /v1/jobs) says who took over, at which term, from whom, and when.
+    took = [e for e in new.machine.jobs["job"].history if e.kind == "takeover"]
+    assert len(took) == 1 and took[0].time == 0.0 and took[0].node == standby, took
+    assert took[0].text == (
+        f"node {standby} took over the rendezvous (term 1): node host, which hosted it, is lost; "
+        f"rebuilding round {held['nb'].round}"  # type: ignore[union-attr]
+    )
 
 
 def test_the_lost_host_is_waited_for_only_where_it_held_a_place() -> None:
