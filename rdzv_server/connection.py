@@ -79,6 +79,10 @@ class ConnectionOwner(Protocol):
 
     def agent_disconnected(self, conn: Connection, reason: str) -> None: ...
 
+    def http_later(self, conn: Connection) -> bool:
+        """HTTP set up on demand: ``conn`` waits for it (False: HTTP is off)."""
+        ...
+
     def heartbeat(self, conn_id: int) -> bool:
         """A heartbeat frame, alone: noted (False: hand it to ``dispatch`` as any frame)."""
         ...
@@ -186,6 +190,9 @@ class Connection(asyncio.Protocol):
             elif kind == "http" and self.owner.http_factory is not None:
                 self._to_http(self.owner.http_factory, bytes(self._buf))
                 self._buf = bytearray()
+                return
+            elif kind == "http" and self.transport is not None and self.owner.http_later(self):
+                self.transport.pause_reading()  # its bytes so far wait in _buf; http_ready
                 return
             elif kind == "tls":
                 # A TLS client on a plain port; it will see the connection close mid-handshake.
@@ -356,6 +363,14 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     # -- HTTP ------------------------------------------------------------------------------
+
+    def http_ready(self, factory: Callable[[], asyncio.Protocol]) -> None:
+        """HTTP, set up on demand, is ready: what this client sent goes to it."""
+        if self.transport is None or self.transport.is_closing() or self._http is not None:
+            return
+        self._to_http(factory, bytes(self._buf))
+        self._buf = bytearray()
+        self.transport.resume_reading()
 
     def _to_http(self, factory: Callable[[], asyncio.Protocol], preface: bytes) -> None:
         """From now on the connection relays its bytes to aiohttp's protocol. It stays the

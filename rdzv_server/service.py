@@ -62,6 +62,7 @@ Everything the machine decides comes back as effects; this module only carries t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -136,6 +137,7 @@ class RendezvousService:
         *,
         clock: Callable[[], float] = time.monotonic,
         http: bool = False,
+        http_on_demand: bool = False,
         max_frame_size: int = MAX_FRAME_SIZE,
         tokens: TokenTable | None = None,
         max_connections: int | None = None,
@@ -162,7 +164,8 @@ class RendezvousService:
         in; embedded servers keep 1. ``host_node``/``standby_term``: the node of the agent
         hosting us and the take-overs so far (``machine/standbys.py``); each round then names
         its job's standbys. ``taken_over``: we host as the standby that took over, and what it
-        knows was lost."""
+        knows was lost. ``http_on_demand`` (an agent's server): HTTP is set up at its first
+        request, so the agent imports aiohttp only when someone asks for the status."""
         # The port, the caps on its connections and what each may send (admission.py).
         self.gate = Gate(
             max_connections=max_connections,
@@ -192,6 +195,9 @@ class RendezvousService:
         self.tokens = tokens
         self.clock = clock
         self.http_enabled = http
+        self.http_on_demand = http_on_demand and not http
+        self._http_starting: asyncio.Task[None] | None = None
+        self._http_waiting: list[Connection] = []  # HTTP clients until it is set up (on demand)
         self.http_access = http_access  # the HTTP API's read token and Host names
         self.http_factory: Callable[[], asyncio.Protocol] | None = None
         self._http_runner: web.AppRunner | None = None
@@ -280,10 +286,47 @@ class RendezvousService:
             self._retry.cancel()
             self._retry = None
         await self.gate.wait_closed()
+        if self._http_starting is not None:
+            self._http_starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._http_starting
+            self._http_starting = None
         if self._http_runner is not None:
             await self._http_runner.cleanup()
             self._http_runner = None
         self._closed.set()
+
+    def http_later(self, conn: Connection) -> bool:
+        """An HTTP client of a server that sets up HTTP on demand: set it up (once) and hand
+        ``conn`` over when it is ready (its reading paused meanwhile). False: no HTTP here."""
+        if not self.http_on_demand:
+            return False
+        self._http_waiting.append(conn)
+        if self._http_starting is None:
+            self._http_starting = asyncio.get_running_loop().create_task(self._start_http())
+        return True
+
+    async def _start_http(self) -> None:
+        try:
+            from .http_app import make_http_runner
+
+            runner = await make_http_runner(self)
+        except Exception as exc:  # aiohttp missing or broken: the rendezvous goes on without
+            logger.warning("cannot serve HTTP here (%s): closing its clients", exc)
+            self.http_on_demand = False
+            waiting, self._http_waiting = self._http_waiting, []
+            for c in waiting:
+                c.close()
+            return
+        self._http_runner = runner
+        self.http_factory = factory = runner.server
+        waiting, self._http_waiting = self._http_waiting, []
+        if factory is None:  # (a runner set up always has its server)
+            for c in waiting:
+                c.close()
+            return
+        for c in waiting:
+            c.http_ready(factory)
 
     # -- connections -----------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ An agent hosts when it is told to (``--standalone``, port 0, ``--rdzv-conf is_ho
 like torchrun's c10d backend, when nobody told it either way and it is the first agent on the
 endpoint's machine to find the port free: several agents may race there; the one whose bind
 wins hosts, the others connect to it as clients. What it hosts is the daemon's own
-:class:`rdzv_server.service.RendezvousService`, without HTTP (the agent stays free of aiohttp).
+:class:`rdzv_server.service.RendezvousService`, with its HTTP side (status, ``/v1/jobs``, the
+dashboard) set up only at the first HTTP request: a launch nobody asks about never imports aiohttp.
 
 An agent that hosts because it guessed it should (not because it was told) keeps serving after
 its own run until its job's other nodes are gone, so its early exit does not strand them.
@@ -142,10 +143,12 @@ def _service(
 ) -> RendezvousService:
     from rdzv_server.service import RendezvousService
 
-    # The agent stays free of aiohttp; with a token, what we host asks for it too. It names
-    # each job's standbys, should this agent be lost (``takeover.py``).
+    # The agent imports aiohttp only if someone asks for the status (HTTP on demand); with a
+    # token, what we host asks for it too. It names each job's standbys, should this agent be
+    # lost (``takeover.py``).
     return RendezvousService(
         http=False,
+        http_on_demand=True,
         tokens=hosted_tokens(config.token),
         host_node=node_id,
         standby_term=term,

@@ -5,9 +5,11 @@ training; the host's whole node (agent and workers) is SIGKILLed."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
-from .procs import WORKERS, Proc, agent_cmd, free_port
+from .procs import ROOT, WORKERS, Proc, agent_cmd, free_port, server_cmd
 
 TOTAL = 60
 
@@ -17,7 +19,18 @@ def _worlds(folder: Path) -> list[int]:
     return [int(line.split("world=")[1].split()[0]) for line in lines if line.startswith("start")]
 
 
+def _status(port: int, job: str) -> dict[str, Any]:
+    """``rdzv-server status --json`` of ``job`` as an operator asks it of an agent's port."""
+    argv = server_cmd("status", "--endpoint", f"127.0.0.1:{port}", "--job", job, "--json")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
 def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Path) -> None:
+    """Also what an operator sees: ``rdzv-server status`` asked of the hosting agent's port
+    answers (HTTP set up at that first request), and after the take-over the new host's port
+    answers, its history saying who took over the rendezvous from which lost node."""
     port = free_port()
     args = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
     args += ("--rdzv-id", "standby", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=1")
@@ -29,7 +42,15 @@ def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Pat
         host.wait_for_line("this agent hosts it", timeout=30)
         other = Proc(agent_cmd(*args), env=env)
         other.wait_for_line(r"step [5-9] world=2", stream="out", timeout=90)
+        before = _status(port, "standby")
+        assert before["phase"] == "running" and len(before["members"]) == 2, before
         host.kill()  # the whole node: the agent, the rendezvous it hosts, its workers
+        took_over = r"host \(node (\S+)\) is gone: this node hosts the rendezvous now, on port (\d+)"
+        moved = other.wait_for_line(took_over, timeout=60)
+        assert moved[1] in {m["node_id"] for m in before["members"]}, (moved[0], before["members"])
+        after = _status(int(moved[2]), "standby")
+        took = [e["text"] for e in after["history"] if e["kind"] == "takeover"]
+        assert len(took) == 1 and f"node {moved[1]}, which hosted it, is lost" in took[0], after["history"]
         assert other.wait(timeout=120) == 0, other.stderr
     finally:
         host.kill()
