@@ -14,7 +14,26 @@ from pathlib import Path
 from typing import Any
 
 from .live_job import get
-from .procs import Proc
+from .procs import Proc, agent_cmd
+
+
+def standalone_fault_run(
+    tmp: Path, script: Iterable[str], *, steps: int, fault_step: int, in_place: bool, bound: float
+) -> Proc:
+    """``node-agent --standalone`` with two ranks and one restart allowed, running ``script``
+    (its path and arguments) with $DUMP_DIR, $STEPS, $FAULT_STEP (-1: none) and $IN_PLACE set as
+    the fault workers read them; it must exit 0 within ``bound``."""
+    argv = agent_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *script)
+    env = {
+        "DUMP_DIR": str(tmp),
+        "STEPS": str(steps),
+        "FAULT_STEP": str(fault_step),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "IN_PLACE": "1" if in_place else "0",
+    }
+    p = Proc(argv, env=env)
+    assert p.wait(timeout=bound) == 0, p.stderr
+    return p
 
 
 def starts(tmp: Path, rank: int) -> list[dict[str, Any]]:

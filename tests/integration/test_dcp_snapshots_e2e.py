@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from .procs import WORKERS, Proc, agent_cmd
+from .procs import WORKERS, Proc
+from .resumed_runs import standalone_fault_run
 
 torch = pytest.importorskip("torch")
 
@@ -29,17 +30,9 @@ SCRIPT = WORKERS / "fsdp_snapshot_train.py"
 
 
 def _run(tmp: Path, fault_step: int, *, in_place: bool = False) -> Proc:
-    argv = agent_cmd("--standalone", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPT))
-    env = {
-        "DUMP_DIR": str(tmp),
-        "STEPS": str(STEPS),
-        "FAULT_STEP": str(fault_step),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "IN_PLACE": "1" if in_place else "0",
-    }
-    p = Proc(argv, env=env)
-    assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
-    return p
+    return standalone_fault_run(
+        tmp, [str(SCRIPT)], steps=STEPS, fault_step=fault_step, in_place=in_place, bound=JOB_BOUND
+    )
 
 
 def _starts(tmp: Path, rank: int) -> list[dict[str, Any]]:
@@ -50,6 +43,7 @@ def _final(tmp: Path, rank: int) -> list[Any]:
     return torch.load(tmp / f"final-{rank}.pt", weights_only=True)
 
 
+@pytest.mark.timeout(3 * JOB_BOUND)  # three runs, each bounded
 def test_a_killed_fsdp_rank_resumes_from_its_dcp_snapshot_bit_identical(tmp_path: Path) -> None:
     clean, faulty, in_place = tmp_path / "clean", tmp_path / "faulty", tmp_path / "in_place"
     for d in (clean, faulty, in_place):

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from .procs import WORKERS, Proc, agent_cmd
+from .procs import WORKERS, Proc
+from .resumed_runs import standalone_fault_run
 
 torch = pytest.importorskip("torch")
 
@@ -31,20 +32,10 @@ SCRIPTS = {"lightning": "lightning_snapshot_train.py", "hf": "hf_snapshot_train.
 
 
 def _run(tmp: Path, script: str, fault_step: int, *, in_place: bool = False) -> Proc:
-    argv = agent_cmd(
-        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-        str(WORKERS / script), str(tmp / "out"),
+    return standalone_fault_run(
+        tmp, [str(WORKERS / script), str(tmp / "out")], steps=STEPS, fault_step=fault_step,
+        in_place=in_place, bound=JOB_BOUND,
     )  # fmt: skip
-    env = {
-        "DUMP_DIR": str(tmp),
-        "STEPS": str(STEPS),
-        "FAULT_STEP": str(fault_step),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "IN_PLACE": "1" if in_place else "0",
-    }
-    p = Proc(argv, env=env)
-    assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
-    return p
 
 
 def _starts(tmp: Path, rank: int, what: str = "start") -> list[int]:
@@ -56,6 +47,7 @@ def _final(tmp: Path, rank: int) -> list:
     return torch.load(tmp / f"final-{rank}.pt", weights_only=True)
 
 
+@pytest.mark.timeout(3 * JOB_BOUND)  # three runs of a real library, each bounded (two busy cores: 40 s each)
 @pytest.mark.parametrize("lib", sorted(SCRIPTS))
 def test_a_killed_rank_resumes_from_the_callbacks_snapshot_bit_identical(tmp_path: Path, lib: str) -> None:
     pytest.importorskip("lightning" if lib == "lightning" else "transformers")
