@@ -257,11 +257,7 @@ class RendezvousService:
         returns the bound port."""
         self.gate.raise_limit()
         if self.http_enabled:
-            from .http_app import make_http_runner
-
-            runner = await make_http_runner(self)
-            self._http_runner = runner
-            self.http_factory = runner.server
+            await self._set_up_http()
         bound = await self.gate.listen(host, port, self._make_connection, sock=sock)
         self._watch_due = _monotonic() + WATCHDOG_INTERVAL
         self._watchdog = asyncio.get_running_loop().call_later(WATCHDOG_INTERVAL, self._watch)
@@ -306,27 +302,26 @@ class RendezvousService:
             self._http_starting = asyncio.get_running_loop().create_task(self._start_http())
         return True
 
+    async def _set_up_http(self) -> None:
+        from .http_app import make_http_runner
+
+        runner = await make_http_runner(self)
+        self._http_runner = runner
+        self.http_factory = runner.server
+
     async def _start_http(self) -> None:
         try:
-            from .http_app import make_http_runner
-
-            runner = await make_http_runner(self)
+            await self._set_up_http()
         except Exception as exc:  # aiohttp missing or broken: the rendezvous goes on without
             logger.warning("cannot serve HTTP here (%s): closing its clients", exc)
             self.http_on_demand = False
-            waiting, self._http_waiting = self._http_waiting, []
-            for c in waiting:
-                c.close()
-            return
-        self._http_runner = runner
-        self.http_factory = factory = runner.server
+        factory = self.http_factory
         waiting, self._http_waiting = self._http_waiting, []
-        if factory is None:  # (a runner set up always has its server)
-            for c in waiting:
-                c.close()
-            return
         for c in waiting:
-            c.http_ready(factory)
+            if factory is None:
+                c.close()
+            else:
+                c.http_ready(factory)
 
     # -- connections -----------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ PARK_TIMEOUT = 3.0
 _POLL_S = 0.003
 COMMIT_POLL_S = 0.05  # a commit is seen this much later than an exit would be
 RELEASE_S = 2.0  # a worker released after a commit exits by itself within this, or is stopped
-_MAX_SEEN = 4096
 
 
 def folder_of(worker: Worker) -> str:
@@ -54,10 +53,6 @@ class Parking:
 
     def __init__(self) -> None:
         self._serial = 0
-        # Per worker pid: the state file's identity when last read, and whether it said committed.
-        self._seen: dict[int, tuple[tuple[int, int, int], bool]] = {}
-        # Per worker pid: the serial of the last place given (its state from before is stale).
-        self._placed: dict[int, int] = {}
 
     def _next(self) -> int:
         self._serial += 1
@@ -78,19 +73,16 @@ class Parking:
         except OSError:
             return False
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        seen = self._seen.get(worker.pid)
+        seen = worker.state_seen
         if seen is not None and seen[0] == key:
             return seen[1]
         state = _state(worker)
         said = (
             state is not None
             and state.get("state") == place.COMMITTED
-            and place.serial_of(state) >= self._placed.get(worker.pid, -1)
+            and place.serial_of(state) >= worker.place_serial
         )
-        if len(self._seen) >= _MAX_SEEN:
-            self._seen.clear()  # (pids of workers long gone)
-            self._placed = {pid: n for pid, n in self._placed.items() if pid == worker.pid}
-        self._seen[worker.pid] = (key, said)
+        worker.state_seen = (key, said)
         return said
 
     async def park(self, workers: Sequence[Worker], timeout: float = PARK_TIMEOUT) -> list[Worker]:
@@ -147,6 +139,5 @@ class Parking:
             place.write(folder_of(worker), place.ORDER, order)
         except OSError:
             return False
-        self._placed[worker.pid] = serial
-        self._seen.pop(worker.pid, None)
+        worker.place_serial, worker.state_seen = serial, None
         return True

@@ -47,6 +47,11 @@ class Worker:
         self.group_gone = False  # no process, not even a zombie, has this pgid any more
         self.stderr_file: str | None = None  # stderr written straight to a file: its tail is there
         self.exit: WorkerExit | None = None
+        # Restarts in place (parking.py): the serial of the last place given (a state the worker
+        # wrote before it is stale), and its state file's identity when last read with whether
+        # it said "committed" (the file is read again only when it changed).
+        self.place_serial = -1
+        self.state_seen: tuple[tuple[int, int, int], bool] | None = None
 
     @property
     def label(self) -> str:

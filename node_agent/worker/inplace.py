@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import _rebind, _stopped_at_commit
 from . import place as _place
 
 __all__ = ["COLLATERAL_S", "Interrupted", "run"]
@@ -137,23 +138,21 @@ class _Attempts:
         ``committed``: the attempt ended cleanly at a commit point, every rank at one step:
         nothing is blocked, so nothing is aborted (a peer may still be in its last collective).
         False: released instead (an exit order; only after a commit)."""
-        if committed:
-            _destroy_torch()
-        else:
-            _tear_down_torch(self._sockets)
+        _tear_down_torch(self._sockets, clean=committed)
         self._state(_place.COMMITTED if committed else _place.PARKED)
         while True:
             order = _place.read(self.folder, _place.ORDER)
             serial = _place.serial_of(order)
-            if order is not None and serial > self.acted and order.get("do") == _place.RUN:
-                env = _place.env_of(order)
+            if order is not None and serial > self.acted:
+                do = order.get("do")
+                env = _place.env_of(order) if do == _place.RUN else None
                 if env is not None:
                     self.acted = serial
                     _take_place(env, order.get("unset"))
                     return True
-            if order is not None and serial > self.acted and order.get("do") == _place.EXIT and committed:
-                self.acted = serial
-                return False
+                if do == _place.EXIT and committed:
+                    self.acted = serial
+                    return False
             time.sleep(_WAIT_S)
 
     # -- orders --------------------------------------------------------------------------
@@ -250,34 +249,19 @@ def _take_place(env: dict[str, str], unset: object) -> None:
             if type(key) is str and key not in env:
                 os.environ.pop(key, None)
     os.environ.update(env)
-    from . import _rebind
-
     _rebind()  # the new round's progress page
 
 
-def _stopped_at_commit() -> bool:
-    from . import _stopped_at_commit as stopped
-
-    return stopped()
-
-
-def _destroy_torch() -> None:
-    """Destroy the default process group if ``train()`` left it (no abort: it is whole)."""
+def _tear_down_torch(before: dict[int, str], *, clean: bool = False) -> None:
+    """Destroy the default process group if the attempt left one, and forget what frameworks
+    keep of it. An interrupted attempt's group may be broken: its connections are shut down
+    first (``before``: the sockets as the attempt began) and it is aborted. ``clean``: the
+    attempt ended at a commit point, every rank at one step: nothing is blocked, so nothing is
+    shut down or aborted (a peer may still be in its last collective)."""
     _forget_frameworks()
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass  # the next init_process_group says what is wrong, if anything is
-
-
-def _tear_down_torch(before: dict[int, str]) -> None:
-    """Destroy the default process group, aborting it first when it may be broken, and its
-    connections shut down first (``before``: the sockets as the attempt began)."""
-    _forget_frameworks()
-    _forget_backward_context()
-    _shut_down_sockets(before)
+    if not clean:
+        _forget_backward_context()
+        _shut_down_sockets(before)
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return
@@ -286,11 +270,12 @@ def _tear_down_torch(before: dict[int, str]) -> None:
             return
     except Exception:
         return
-    _abort_torch()
+    if not clean:
+        _abort_torch()
     try:
         dist.destroy_process_group()
     except Exception:
-        pass  # aborted: the next init_process_group makes a fresh one all the same
+        pass  # the next init_process_group makes a fresh one all the same
 
 
 def _forget_backward_context() -> None:

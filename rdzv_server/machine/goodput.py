@@ -602,7 +602,7 @@ def sentence(f: dict[str, Any]) -> str:
     parts.append(f"rendezvous {duration(f['rendezvous_s'])}")
     if f["checkpoint_s"]:
         parts.append(f"checkpoints {duration(f['checkpoint_s'])}")
-    if f.get("finishing_s"):
+    if f["finishing_s"]:
         parts.append(f"finishing {duration(f['finishing_s'])}")
     if f["unknown_s"]:
         parts.append(f"the first {duration(f['unknown_s'])} not accounted (an older server's state)")

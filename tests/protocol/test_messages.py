@@ -65,7 +65,7 @@ from protocol import (
     negotiate_version,
 )
 from protocol.errors import describe
-from protocol.messages import clip_text
+from protocol.messages import MAX_TIMEOUT, clip_text
 
 FAILURE = {
     "node_id": "node-1",
@@ -347,6 +347,7 @@ OUT_OF_RANGE = [
     (WorkersSucceeded, "round", -1, {}, None),
     (WorkersSucceeded, "idle_ms", -1.0, {}, None),
     (WorkersSucceeded, "idle_ms", float("nan"), {}, None),
+    (WorkersSucceeded, "idle_ms", MAX_TIMEOUT * 1000 + 1, {}, None),
     (Leave, "reason", None, {}, None),
     (Leave, "reason", "r" * (MAX_TEXT_LEN + 1), {}, None),
     (Leave, "workers_stopping", 1, {}, None),
