@@ -66,6 +66,9 @@ SNAPSHOT_LIMIT_VAR = "NODE_AGENT_SNAPSHOT_LIMIT"
 RESTORE_STEP_VAR = "NODE_AGENT_RESTORE_STEP"
 RESTORE_DIGEST_VAR = "NODE_AGENT_RESTORE_SHA256"  # set where the snapshot came from another node
 SNAPSHOT_VARS = (SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR, RESTORE_STEP_VAR, RESTORE_DIGEST_VAR)
+# A worker's mark in its folder: its snapshots hold state every rank holds alike
+# (worker.snapshot(step, replicated=True)).
+REPLICATED_MARK = ".replicated"
 
 # What torchrun prints when it sets OMP_NUM_THREADS for the workers, word for word, so logs and
 # the scripts that grep them look the same.

@@ -606,6 +606,10 @@ class SnapshotsHeld(_Schema):
     # an older agent): the owner's, for its own ranks, becomes the digest every copy of that
     # snapshot must have (issue 42); a replica is taken only with the owner's digest.
     digests: tuple[str, ...] = field(default=(), metadata=_items(_DIGEST["check"], "digests", MAX_HELD))
+    # Every snapshot of this node's own ranks holds state every rank holds alike (the workers
+    # wrote them with ``replicated=True``: data parallelism): after the world size changes,
+    # the server may restore any rank from one of them. Added within version 1.
+    replicated: bool = field(default=False, metadata=_flag())
 
     def _check_relations(self) -> None:
         if len(self.steps) != len(self.ranks):
@@ -788,8 +792,22 @@ class Assignment(_Schema):
     replica_cert: str = field(default="", metadata=_DIGEST)
     replica_from: int = field(default=0, metadata=_COUNT)
     replica_count: int = field(default=0, metadata=_integer(0, MAX_NPROC))
+    # The restore step's snapshots are of a job of restore_world ranks (0: of this round's
+    # world): state every rank holds alike (SnapshotsHeld.replicated), so each local rank i
+    # restores the snapshot of the old rank restore_ranks[i], which this node holds.
+    # Added within version 1 (0, (): an older server, or the same world).
+    restore_world: int = field(default=0, metadata=_integer(0, MAX_COUNT))
+    restore_ranks: tuple[int, ...] = field(default=(), metadata=_items(_COUNT["check"], "ranks", MAX_NPROC))
 
     def _check_relations(self) -> None:
+        if self.restore_world and (self.restore_step < 0 or not self.restore_ranks):
+            raise self._invalid("restore_world", "given without a restore_step and restore_ranks")
+        if self.restore_world and self.restore_durable:
+            raise self._invalid("restore_world", "given with restore_durable (read at its own world only)")
+        if self.restore_ranks and not self.restore_world:
+            raise self._invalid("restore_ranks", "given without a restore_world")
+        if any(r >= self.restore_world for r in self.restore_ranks):
+            raise self._invalid("restore_ranks", f"must be < restore_world ({self.restore_world})")
         if self.restore_certs and len(self.restore_certs) != len(self.restore_addrs):
             raise self._invalid(
                 "restore_certs", f"must have one per address ({len(self.restore_addrs)}) or none"

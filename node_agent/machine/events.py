@@ -244,6 +244,7 @@ class SnapshotsRead:
     world_size: int
     pairs: tuple[tuple[int, int], ...]
     digests: tuple[str, ...] = ()  # per pair, the sha256 this node knows ("": not known)
+    replicated: bool = False  # its own ranks' snapshots hold state every rank holds alike
 
 
 @record(frozen=True, slots=True)

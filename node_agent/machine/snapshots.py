@@ -40,6 +40,7 @@ class Snapshots:
             ranks=tuple(r for r, _ in pairs),
             steps=tuple(s for _, s in pairs),
             digests=digests if any(digests) and len(digests) == len(pairs) else (),
+            replicated=event.replicated,
         )
         if msg == self.sent or link.quiet:
             return []

@@ -15,7 +15,10 @@
   ``client.py`` (to a peer's ``server.py``, over ``wire.py``). A job of one node has no peer: no
   replica server, no channel.
 - **Restoring.** Before a round's workers start (:meth:`SnapshotNode.prepare`): snapshots of a
-  job of another world size are dropped (they can never be restored), half-written ones and
+  job of another world size are dropped (they can never be restored), but for the files the
+  Assignment names when the workers marked their state as alike on every rank
+  (``restore_world``: each local rank of the smaller world gets its own link to one of this
+  node's old ranks' snapshots, no copy), half-written ones and
   any newer than the round's restore step are removed (another attempt's, which some rank
   lacks), and every local rank the node does not hold at the restore step is fetched from the
   member the Assignment names. The workers' environment then says where to write and which
@@ -43,8 +46,14 @@ from ..agent_log import AgentLog
 from ..config import AgentConfig
 from ..machine.events import Effect, KeepSteps, SnapshotsRead
 from ..parts import RoundPart, RoundStart, StartFailed
-from ..runtime_dir import ensure_dir
-from ..worker_env import RESTORE_DIGEST_VAR, RESTORE_STEP_VAR, SNAPSHOT_DIR_VAR, SNAPSHOT_LIMIT_VAR
+from ..runtime_dir import ensure_dir, remove_tree
+from ..worker_env import (
+    REPLICATED_MARK,
+    RESTORE_DIGEST_VAR,
+    RESTORE_STEP_VAR,
+    SNAPSHOT_DIR_VAR,
+    SNAPSHOT_LIMIT_VAR,
+)
 
 if TYPE_CHECKING:
     from ..supervisor.spec import GroupResult
@@ -330,11 +339,20 @@ class SnapshotNode(RoundPart):
 
     async def _fit(self, a: Assignment, world: int) -> None:
         h = self.holdings
+        try:
+            aside = self._set_aside(a) if a.restore_world else None
+        except RestoreFailed:
+            h.clear()  # the old world's snapshots: never to be restored now
+            raise
         if world and a.world_size != world:
             h.clear()  # another world size: those snapshots can never be restored
-            self.log(f"round {a.round}: the job's world size changed; its in-memory snapshots are dropped")
+            if aside is None:
+                self.log(f"round {a.round}: the world size changed: the in-memory snapshots are dropped")
         h.drop_partials()
         self._drop_after(a.restore_step)
+        if aside is not None:
+            self._carry(a, world, aside)
+            return
         if a.restore_step < 0:
             return
         if a.restore_durable:
@@ -359,6 +377,47 @@ class SnapshotNode(RoundPart):
             fetched += 1
         how = f"; {fetched} fetched from peers" if fetched else ""
         self.log(f"round {a.round}: every rank restores the in-memory snapshot of step {a.restore_step}{how}")
+
+    def _set_aside(self, a: Assignment) -> str:
+        """The old ranks' snapshots the round restores from (state alike on every rank), moved
+        out of the holdings before they are cleared; RestoreFailed where one is not here (the
+        server restores the next round from another step)."""
+        aside, step = f"{self.root}.carried", a.restore_step
+        remove_tree(aside)
+        for old in sorted(set(a.restore_ranks)):
+            path = self.holdings.path(old, step)
+            if path is None:
+                raise RestoreFailed(step, f"rank {old}'s snapshot of step {step} is no longer here")
+            try:
+                os.makedirs(aside, 0o700, exist_ok=True)
+                os.link(path, os.path.join(aside, f"r{old}"))
+            except OSError as exc:
+                why = f"could not keep rank {old}'s snapshot of step {step}: {exc}"
+                raise RestoreFailed(step, why) from exc
+        return aside
+
+    def _carry(self, a: Assignment, world: int, aside: str) -> None:
+        """Each local rank's snapshot of the restore step: a link to the old rank's file the
+        Assignment names (one file for all, in node-local memory: nothing is copied)."""
+        from .holdings import snap_name
+
+        name = snap_name(a.restore_step)
+        try:
+            for i, rank in enumerate(self.local):
+                old = a.restore_ranks[i] if i < len(a.restore_ranks) else a.restore_ranks[-1]
+                target = self.holdings.rank_dir(rank) / name
+                with contextlib.suppress(FileNotFoundError):
+                    target.unlink()
+                os.link(os.path.join(aside, f"r{old}"), target)
+        finally:
+            remove_tree(aside)
+        olds = sorted(set(a.restore_ranks))
+        self.log(
+            f"round {a.round}: the job's world size changed ({world or a.restore_world} -> "
+            f"{a.world_size} ranks); every rank restores the in-memory snapshot of step "
+            f"{a.restore_step} of rank{'s' if len(olds) > 1 else ''} {', '.join(map(str, olds))} "
+            "(state every rank holds alike); the other snapshots are dropped"
+        )
 
     async def _fetch(self, a: Assignment, rank: int, sources: list[int], digest: str) -> None:
         """``rank``'s snapshot of the restore step from the first holder that has the owner's
@@ -545,7 +604,18 @@ class SnapshotNode(RoundPart):
         self._offer()
         inv = self.holdings.inventory()
         pairs = sorted(((r, s) for r, steps in inv.items() for s in steps), key=lambda p: (-p[1], p[0]))
-        return SnapshotsRead(world_size=self.world, pairs=tuple(pairs), digests=self._digests_of(pairs))
+        return SnapshotsRead(
+            world_size=self.world,
+            pairs=tuple(pairs),
+            digests=self._digests_of(pairs),
+            replicated=self._replicated(),
+        )
+
+    def _replicated(self) -> bool:
+        """Every local rank's worker marked its snapshots as state every rank holds alike."""
+        return bool(self.local) and all(
+            os.path.exists(os.path.join(self._rank_dir(rank), REPLICATED_MARK)) for rank in self.local
+        )
 
     def _digests_of(self, pairs: list[tuple[int, int]]) -> tuple[str, ...]:
         """The digest of each pair this node knows (issue 42): its own ranks' once pushed (the

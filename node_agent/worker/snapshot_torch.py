@@ -88,9 +88,12 @@ class Loaded:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def save(step: int, *, model: Any = None, optimizer: Any = None, **extra: Any) -> None:
+def save(
+    step: int, *, model: Any = None, optimizer: Any = None, replicated: bool = False, **extra: Any
+) -> None:
     """Snapshot ``model``'s and ``optimizer``'s state dicts, torch's RNG states and ``extra``
-    as this rank's state at ``step``."""
+    as this rank's state at ``step``. ``replicated=True``: every rank holds this state alike
+    (DDP), so a job that shrinks or grows restores from it too (``worker.snapshot``)."""
     step = _as_step(step, "snapshot_torch.save")
     torch = _torch()
     state = {
@@ -100,7 +103,7 @@ def save(step: int, *, model: Any = None, optimizer: Any = None, **extra: Any) -
         "extra": extra,
         "rng": _rng_state(torch),
     }
-    with snapshot(step) as f:
+    with snapshot(step, replicated=replicated) as f:
         torch.save(state, f)
 
 

@@ -65,6 +65,10 @@ KEEP = 2  # complete snapshots a rank keeps after writing one (the pinned step a
 SUFFIX = ".snap"
 PART_SUFFIX = ".snap.part"
 PIN_NAME = ".pin"
+# Present while the rank's snapshots hold state every rank holds alike (``snapshot(step,
+# replicated=True)``: data-parallel state): the agent may then restore any rank of a smaller or
+# larger world from it (docs/snapshots.md). Removed by a snapshot written without the flag.
+REPLICATED_NAME = ".replicated"
 MAX_PINS = 4  # steps .pin may name (the agent writes two: the kept one and the one being copied)
 DIGITS = 20  # every step below 2**63 in %020d
 BUFFER_SIZE = 8 << 20  # few system calls for small records; larger writes go straight through
@@ -200,10 +204,10 @@ def _discard(b: object) -> int:
 class _Snapshot:
     """``with snapshot(step) as f:`` writes ``f`` into a ``.part`` file, renamed at a clean end."""
 
-    __slots__ = ("_dir", "_file", "_step")
+    __slots__ = ("_dir", "_file", "_replicated", "_step")
 
-    def __init__(self, step: int, directory: str | None) -> None:
-        self._step, self._dir = step, directory
+    def __init__(self, step: int, directory: str | None, replicated: bool = False) -> None:
+        self._step, self._dir, self._replicated = step, directory, replicated
         self._file: SnapshotFile | None = None
 
     def __enter__(self) -> SnapshotFile:
@@ -226,6 +230,8 @@ class _Snapshot:
         if exc_type is None and f.too_large is None:
             try:
                 f.close()  # writes out the buffer: the file is complete once this returns
+                # The mark first: the agent never sees this file under another file's mark.
+                _mark(self._dir, self._replicated)
                 os.rename(part, os.path.join(self._dir, step_name(self._step)))
             except BaseException:
                 _abandon(f, part)
@@ -251,13 +257,31 @@ def _abandon(f: SnapshotFile, part: str) -> None:
         f._discard_file()
 
 
-def snapshot(step: int) -> _Snapshot:
+def _mark(directory: str, replicated: bool) -> None:
+    """The directory's mark says whether its snapshots hold state every rank holds alike."""
+    mark = os.path.join(directory, REPLICATED_NAME)
+    if replicated:
+        if not os.path.exists(mark):
+            os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600))
+    else:
+        try:
+            os.unlink(mark)
+        except FileNotFoundError:
+            pass
+
+
+def snapshot(step: int, *, replicated: bool = False) -> _Snapshot:
     """A context manager writing this rank's snapshot of ``step``: ``with worker.snapshot(step)
     as f: torch.save(state, f)``. The snapshot exists, complete, once the block ends without an
-    exception; an earlier one of the same step is replaced."""
+    exception; an earlier one of the same step is replaced.
+
+    ``replicated=True`` says the state written is what every rank holds alike (plain data
+    parallelism: DDP's model and optimizer): after the job shrinks or grows, the server may then
+    restore every rank of the new world from one of these files, where snapshots of sharded or
+    per-rank state restore at their own world size only."""
     if type(step) is not int or not 0 <= step <= _MAX_STEP:
         step = _as_step(step, "snapshot")
-    return _Snapshot(step, _directory())
+    return _Snapshot(step, _directory(), replicated is True)
 
 
 class Restored:

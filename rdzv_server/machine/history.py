@@ -423,10 +423,13 @@ def commit_abandoned(now: float, rnd: int, step: int, why: str) -> JobEvent:
     return JobEvent(now, EventKind.COMMIT, text, round=rnd, step=step)
 
 
-def restored(now: float, rnd: int, step: int, reached: int, from_disk: bool = False) -> JobEvent:
+def restored(
+    now: float, rnd: int, step: int, reached: int, from_disk: bool = False, world: int = 0
+) -> JobEvent:
     """Round ``rnd`` resumes every rank from the snapshot of ``step`` (in memory, or persisted
-    in the nodes' --snapshot-dir); the job had reached ``reached`` (-1: not reported), so
-    ``reached - step`` steps are done again."""
+    in the nodes' --snapshot-dir; ``world``: made by a job of that many ranks, state every rank
+    holds alike); the job had reached ``reached`` (-1: not reported), so ``reached - step``
+    steps are done again."""
     if reached > step:
         lost = reached - step
         cost = f"{lost} step{'s' if lost != 1 else ''} lost (the job had reached step {reached})"
@@ -439,6 +442,8 @@ def restored(now: float, rnd: int, step: int, reached: int, from_disk: bool = Fa
         if from_disk
         else f"in-memory snapshot of step {step}"
     )
+    if world:
+        where += f" of the {world}-rank world (state every rank holds alike)"
     text = f"round {rnd} resumes every rank from the {where}: {cost}"
     return JobEvent(time=now, kind=EventKind.RESTORE, text=text, round=rnd, step=step)
 

@@ -7,7 +7,10 @@ and the replicas it keeps for a peer, as (global rank, step) pairs of a job of `
 - ``newest(world)``: the newest step every rank has on some node: what a restart restores;
 - ``newest(world, twice=True)``: the newest step every rank has on two nodes: what survives the
   loss of any one node, so every agent keeps it (``KeepSnapshot``) until a newer one comes;
-- ``holders(world, step, rank)``: where a node that lacks a rank's snapshot fetches it.
+- ``holders(world, step, rank)``: where a node that lacks a rank's snapshot fetches it;
+- ``newest_alike(world, spans)``: after the world size changed, the newest step at which every
+  node of the new round holds a snapshot of one of its own ranks of the old world, all said to
+  hold state every rank holds alike (``SnapshotsHeld.replicated``): any rank restores from it.
 
 An update costs O(the node's pairs), a query O(the steps held), whatever the job's size: a
 node's summary comes with its heartbeats, one a second at most. Pure and volatile: nothing
@@ -17,7 +20,7 @@ the restore a round was given is a logged fact, ``restore_rules.py``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 Pairs = frozenset[tuple[int, int]]  # (global rank, step)
 
@@ -32,18 +35,27 @@ class RestorePoints:
         # (world, step) -> how many of its ranks two nodes or more hold: kept as pairs come and
         # go, so that ``newest`` never walks a job's ranks
         self._twice: dict[tuple[int, int], int] = {}
+        self._alike: set[str] = set()  # nodes whose own ranks' snapshots hold replicated state
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def update(self, node_id: str, world: int, pairs: Iterable[tuple[int, int]]) -> bool:
+    def update(
+        self, node_id: str, world: int, pairs: Iterable[tuple[int, int]], *, replicated: bool | None = None
+    ) -> bool:
         """``node_id`` holds ``pairs`` now (what it held before is forgotten); ranks at or past
-        ``world`` are ignored. Whether anything changed."""
+        ``world`` are ignored; ``replicated``: its own ranks' hold state every rank holds alike
+        (None: as it said last). Whether anything changed."""
         new = frozenset((r, s) for r, s in pairs if 0 <= r < world and s >= 0)
         old = self._held.get(node_id)
-        if old is not None and old == (world, new):
+        alike = node_id in self._alike
+        if replicated is None:
+            replicated = alike
+        if old is not None and old == (world, new) and alike == replicated:
             return False
         self.drop(node_id)
+        if new and replicated:
+            self._alike.add(node_id)
         if new:
             self._held[node_id] = (world, new)
             for rank, step in new:
@@ -55,6 +67,7 @@ class RestorePoints:
 
     def drop(self, node_id: str) -> None:
         """The node left the job: what it held is no longer anyone's to restore from."""
+        self._alike.discard(node_id)
         old = self._held.pop(node_id, None)
         if old is None:
             return
@@ -108,3 +121,27 @@ class RestorePoints:
 
     def holds(self, node_id: str, world: int, step: int, rank: int) -> bool:
         return node_id in self.holders(world, step, rank)
+
+    def newest_alike(
+        self, world: int, spans: Mapping[str, range], exclude: Collection[int] = ()
+    ) -> tuple[int, dict[str, int]]:
+        """For a round of another world size, made of the nodes of ``spans`` (each with its
+        global ranks in the old ``world``): the newest step, other than ``exclude``, at which
+        every one of them holds its own snapshot of some rank of its span, all of them said to
+        hold state every rank holds alike; with the rank each node restores from (the lowest it
+        holds). (-1, {}): none. O(the steps held x the spans' ranks): once a round."""
+        if not spans or any(n not in self._alike or self._held[n][0] != world for n in spans):
+            return -1, {}
+        best, picks = -1, {}
+        for (w, step), ranks in self._index.items():
+            if w != world or step <= best or step in exclude:
+                continue
+            chosen: dict[str, int] = {}
+            for node, span in spans.items():
+                rank = next((r for r in span if node in ranks.get(r, ())), None)
+                if rank is None:
+                    break
+                chosen[node] = rank
+            else:
+                best, picks = step, chosen
+        return best, picks

@@ -15,10 +15,15 @@ replicas they keep for a peer); ``restore_points.py`` indexes it. From it:
   would have their copies at different steps and no step would ever be on two nodes for all.
   A job of one node has no peer.
 - **Restore.** A round that forms with the same world size as the snapshots restores every rank
-  from the newest step every rank has on a node of the round. Each node's Assignment says, per
-  local rank, whether it holds that snapshot or which member does (its replica address and
-  key), so a spare that took a lost node's place, or a node whose ranks moved, fetches them
-  before its workers start. The history says from which step and how many steps that lost.
+  from the newest step every rank has on a node of the round. A round of another world size
+  (a shrink) restores only from state every rank holds alike (``SnapshotsHeld.replicated``):
+  the newest step at which every node of the round holds a snapshot of one of its own ranks of
+  the old world; each node's ranks restore from that file (``Assignment.restore_world`` and
+  ``restore_ranks``), which the node carries into its new ranks' folders, without a copy.
+  Otherwise each node's Assignment says, per local rank, whether it holds that snapshot or
+  which member does (its replica address and key), so a spare that took a lost node's place,
+  or a node whose ranks moved, fetches them before its workers start. The history says from
+  which step and how many steps that lost.
 
 Volatile, like Progress: the holdings are not in the state log (a restarted server learns them
 again from the agents, which send them again after reconnecting). The restore a round was given
@@ -28,6 +33,7 @@ is logged as a fact of the event that formed it, so replay writes the same histo
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 from protocol import KeepSnapshot, SnapshotsHeld
 from protocol.messages import MAX_ADDR_LEN, MAX_RESTORE_SOURCES
@@ -61,6 +67,19 @@ def durable_step(job: Job, world: int, order: Sequence[str], exclude: Collection
     return max((s for s in common or () if s not in exclude), default=-1)
 
 
+class Choice(NamedTuple):
+    """What a round being formed restores: ``step`` (-1: none), the step the job had reached
+    (for the history; -1: not reported), whether from the snapshot directories; and for
+    state every rank holds alike restored at another world size, that world and per node of
+    the round's order the old rank whose snapshot it restores (0, (): the round's own world)."""
+
+    step: int
+    reached: int
+    from_disk: bool = False
+    world: int = 0
+    ranks: tuple[int, ...] = ()
+
+
 class RestoreRules(CommitRules):
     def _on_held(self, job: Job, member: Member, msg: SnapshotsHeld, now: float, out: list[Effect]) -> None:
         member.snapshots = True
@@ -70,7 +89,9 @@ class RestoreRules(CommitRules):
         believed, again = prov.claim(
             member.node_id, msg.world_size, claims, spans.get(member.node_id, range(0)), job.world_size
         )
-        changed = job.restore_points.update(member.node_id, msg.world_size, believed)
+        changed = job.restore_points.update(
+            member.node_id, msg.world_size, believed, replicated=msg.replicated
+        )
         for nid in sorted(again):  # replicas waiting for this owner's digest, or made false by it
             world, pairs = prov.recheck(nid, spans.get(nid, range(0)), job.world_size)
             changed |= job.restore_points.update(nid, world, pairs)
@@ -119,35 +140,41 @@ class RestoreRules(CommitRules):
         job.provenance.ask(world, step, holders)
 
     @from_volatile("restore")
-    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> tuple[int, int, bool]:
-        """The step the round being formed restores from (-1: none), the step the job had
-        reached (for the history; -1: not reported) and whether the step comes from the
-        members' snapshot directories rather than memory. Live, from the holdings and the
-        progress, both volatile, so logged as a fact; replaying, from the fact."""
+    def _restore_step(self, job: Job, world: int, order: Sequence[str]) -> Choice:
+        """What the round being formed restores. Live, from the holdings and the progress,
+        both volatile, so logged as a fact; replaying, from the fact."""
         if self.logged_facts is not None:
             logged = self.logged_facts.get("restore", [])
             mine = [e for e in logged if e[0] == job.id]
             if not mine:
-                return -1, -1, False
+                return Choice(-1, -1)
             self.logged_facts["restore"] = [e for e in logged if e is not mine[0]]  # used once
-            fact = [*mine[0], -1, False]  # older logs: no reached, no durable
-            return int(fact[1]), int(fact[2]), fact[3] is True
+            fact = [*mine[0], -1, False, 0, []][:6]  # older logs: no reached, durable, world
+            ranks = tuple(int(r) for r in fact[5]) if int(fact[4]) else ()
+            return Choice(int(fact[1]), int(fact[2]), fact[3] is True, int(fact[4]), ranks)
         bad = {s for w, s in job.unrestorable if w == world}
         step = job.restore_points.newest_among(world, set(order), exclude=bad)
         durable = durable_step(job, world, order, exclude=bad)
         from_disk = durable > step  # memory wins a tie: no disk read
         step = max(step, durable)
         reached = job.progress.max_step
+        old, ranks = job.world_size, ()
+        if 0 < old != world and all(nid in job.round_spans for nid in order):
+            # A shrink: state every rank holds alike restores at the new world size.
+            gone = bad | {s for w, s in job.unrestorable if w == old}
+            spans = {nid: job.round_spans[nid] for nid in order}
+            alike, picks = job.restore_points.newest_alike(old, spans, exclude=gone)
+            if alike > step:
+                step, from_disk, ranks = alike, False, tuple(picks[nid] for nid in order)
+        choice = Choice(step, reached, from_disk, old if ranks else 0, ranks)
         if step >= 0:
-            self._add_fact("restore", [job.id, step, reached, from_disk])
-        return step, reached, from_disk
+            self._add_fact("restore", [job.id, step, reached, from_disk, choice.world, list(ranks)])
+        return choice
 
     def _restore_fields(
         self,
         job: Job,
-        step: int,
-        reached: int,
-        from_disk: bool,
+        choice: Choice,
         world: int,
         order: Sequence[str],
         offsets: Sequence[int],
@@ -156,6 +183,7 @@ class RestoreRules(CommitRules):
     ) -> list[dict[str, object]]:
         """Each node's restore plan and ring peer, as Assignment fields (in ``order``)."""
         n = len(order)
+        step = choice.step
         members = [job.members[nid] for nid in order]
         job.round_spans = {
             nid: range(offsets[i], offsets[i] + members[i].nproc) for i, nid in enumerate(order)
@@ -172,13 +200,19 @@ class RestoreRules(CommitRules):
             if before is not None and m.replica_port > 0 and before.replica_port > 0:
                 # Whose replicas this node takes: any other push it refuses.
                 fields["replica_from"], fields["replica_count"] = offsets[i - 1], before.nproc
-            if step >= 0 and from_disk:
+            if step >= 0 and choice.world:
+                # Its own snapshot of an old rank, for every local rank (it holds it).
+                fields.update(
+                    restore_step=step, restore_world=choice.world, restore_ranks=(choice.ranks[i],) * m.nproc
+                )
+            elif step >= 0 and choice.from_disk:
                 fields.update(restore_step=step, restore_durable=True)  # each node reads its own
             elif step >= 0:
                 fields.update(self._sources(job, step, world, m, offsets[i], set(order)))
             plans.append(fields)
         if step >= 0:
-            said.note(job, said.restored(now, job.round, step, reached, from_disk), out)
+            event = said.restored(now, job.round, step, choice.reached, choice.from_disk, choice.world)
+            said.note(job, event, out)
         job.world_size = world
         job.restore_step = step
         job.kept_step = job.replicate_step = -1  # the agents prune by the new round's holdings

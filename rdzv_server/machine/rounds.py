@@ -331,8 +331,8 @@ class RoundRules(RestoreRules):
         for nid in job.order:
             offsets.append(at)
             at += job.members[nid].nproc
-        step, reached, from_disk = self._restore_step(job, world_size, job.order)
-        plans = self._restore_fields(job, step, reached, from_disk, world_size, job.order, offsets, now, out)
+        choice = self._restore_step(job, world_size, job.order)
+        plans = self._restore_fields(job, choice, world_size, job.order, offsets, now, out)
         job.phase = JobPhase.RUNNING
         job.running_since = now
         job.last_call_deadline = None
@@ -367,6 +367,7 @@ class RoundRules(RestoreRules):
                 base |= {"replica_to": "", "replica_key": "", "restore_durable": False}
                 base |= {"restore_alt": (), "restore_digests": (), "restore_certs": ()}
                 base |= {"replica_cert": "", "replica_from": 0, "replica_count": 0}
+                base |= {"restore_world": 0, "restore_ranks": ()}
                 fields = base | plans[group_rank]
                 msg = first._copy_with(group_rank=group_rank, rank_offset=offsets[group_rank], **fields)
             else:

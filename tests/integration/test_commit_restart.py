@@ -13,10 +13,13 @@ ran, what it saved and what it loaded. A 1:2 elastic job checkpoints every 50 st
   exits 0, A's next attempt resumes from exactly S.
 - The same scale-up without the check: as today (and as torchrun), the round of two resumes
   from step 50, and every step A ran after 50 runs again.
+- A node SIGKILLed with in-memory snapshots marked as state every rank holds alike (issue 44):
+  the survivor resumes alone from its own newest snapshot, in place or in a fresh worker.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -46,10 +49,19 @@ class Job:
     """A server and the 1:2 job's agents (A, then B), each node's workers tagged in the logs."""
 
     def __init__(
-        self, tmp: Path, name: str, *, commit: bool, slow: bool, check_every: int = 1, in_place: bool = False
+        self,
+        tmp: Path,
+        name: str,
+        *,
+        commit: bool,
+        slow: bool,
+        check_every: int = 1,
+        in_place: bool = False,
+        snapshots: bool = False,
     ) -> None:
         self.tmp, self.name = tmp, name
         self.in_place = in_place
+        self.snapshots = snapshots
         self.logs = tmp / "steps"
         self.commit = commit
         self.check_every = check_every
@@ -66,9 +78,12 @@ class Job:
             script += ["--commit", "--check-every", str(self.check_every)]
         if self.in_place:
             script += ["--in-place"]
+        if self.snapshots:
+            script += ["--snapshots"]
         argv = agent_cmd(
             "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-            "--rdzv-id", self.name, "--rdzv-conf", f"last_call_timeout={last_call:g}", "--max-restarts", "0",
+            "--rdzv-id", self.name, "--rdzv-conf", f"last_call_timeout={last_call:g}",
+            "--max-restarts", "1" if self.snapshots else "0",
             "--log-dir", str(self.tmp / f"agent-{node}"), *script,
         )  # fmt: skip
         p = self.agents[node] = Proc(argv, env={"NODE_TAG": node, "GLOO_SOCKET_IFNAME": "lo"})
@@ -117,10 +132,8 @@ class Job:
 def make_job(tmp_path: Path) -> Iterator[Any]:
     jobs: list[Job] = []
 
-    def make(
-        name: str, *, commit: bool, slow: bool = False, check_every: int = 1, in_place: bool = False
-    ) -> Job:
-        jobs.append(Job(tmp_path, name, commit=commit, slow=slow, check_every=check_every, in_place=in_place))
+    def make(name: str, *, commit: bool, slow: bool = False, **kw: Any) -> Job:
+        jobs.append(Job(tmp_path, name, commit=commit, slow=slow, **kw))
         return jobs[-1]
 
     try:
@@ -279,3 +292,38 @@ def test_a_drain_with_the_check_resumes_from_the_commit_step(
     assert any(said in t for t in job.history()), (said, job.history())
     assert "goes on without this node" in job.agents["B"].stderr, job.agents["B"].stderr
     assert_round_lines_say_restart_0(job)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "fresh-worker"])
+def test_a_node_lost_resumes_the_shrunk_job_from_the_survivor_s_own_snapshot(
+    make_job: Any, in_place: bool
+) -> None:
+    """Issue 44: snapshots marked as state every rank holds alike (this worker's: every rank
+    has the same batch, the mean gradient is exact) restore a job that shrank. B is SIGKILLed
+    (agent and worker) while both train; A goes on alone from the newest step it snapshotted
+    itself, not from the periodic checkpoint (step 50), with the state it had there."""
+    name = "alike-" + ("in-place" if in_place else "fresh")
+    job = make_job(name, commit=False, in_place=in_place, snapshots=True)
+    job.start("A", last_call=30)
+    job.start("B", last_call=30)
+    job.wait_step("A", JOIN_AT)
+    job.wait_step("B", JOIN_AT)
+    os.killpg(job.agents["B"].p.pid, signal.SIGKILL)
+    assert job.agents["A"].wait(timeout=JOB_BOUND) == 0, job.stderr()
+
+    runs = attempts(job.logs)
+    assert_deterministic(runs)
+    a_pair = the([a for a in runs if a.node == "A" and a.world == 2], "A's attempt with B")
+    a_alone = the([a for a in runs if a.node == "A" and a.world == 1], f"A alone\n{job.stderr()}")
+    S = a_alone.start_from
+    # The newest step A had snapshotted: its last, or the one before if the park came between
+    # that step's log line and its snapshot. Steps lost <= the snapshot interval (1).
+    assert a_pair.steps[-1] - 1 <= S <= a_pair.steps[-1] and S > EVERY, (a_pair, a_alone)
+    assert a_alone.loaded_from == "memory" and a_alone.loaded == a_pair.sums[S], (a_pair, a_alone)
+    assert a_alone.steps == list(range(S + 1, STEPS + 1)) and a_alone.done, a_alone
+    assert (a_alone.pid == a_pair.pid) == in_place, (a_pair, a_alone)
+    said = f"every rank restores the in-memory snapshot of step {S} of rank"
+    assert said in job.agents["A"].stderr, job.agents["A"].stderr
+    history = job.history()
+    told = f"resumes every rank from the in-memory snapshot of step {S} of the 2-rank world"
+    assert any(told in t for t in history), history

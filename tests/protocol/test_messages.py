@@ -154,6 +154,8 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "replica_cert": "3d" * 32,
         "replica_from": 0,
         "replica_count": 8,
+        "restore_world": 0,
+        "restore_ranks": (),
     },
     Restart: {"round": 3, "reason": "node-2 failed", "restart_count": 1, "report": "hang: suspect rank 3"},
     JobFailed: {
@@ -193,6 +195,7 @@ VALID: dict[type, dict[str, typing.Any]] = {
         "ranks": (8, 9, 0),
         "steps": (40, 40, 39),
         "digests": ("ab" * 32, "", "cd" * 32),
+        "replicated": True,
     },
     KeepSnapshot: {"step": 40, "replicate": 41},
     JobDone: {"summary": "goodput 97.3 % over 2 h 14 min: 2 failures cost 41 s and 3 steps"},
@@ -792,3 +795,13 @@ def test_snapshot_fields_hold_together():
     assert not plain.restore_durable
     older = Join(**{k: v for k, v in VALID[Join].items() if not k.startswith("durable")})
     assert (older.durable_world, older.durable_steps) == (-1, ())
+    # Issue 44: a restore at another world names that world and one old rank per local rank,
+    # each below it, with a step, and never with the snapshot directory's.
+    assert_invalid(Assignment, "restore_world", 4, restore_ranks=())
+    assert_invalid(Assignment, "restore_world", 4, restore_ranks=(1, 1), restore_step=-1)
+    assert_invalid(Assignment, "restore_ranks", (1, 1), restore_world=0)
+    assert_invalid(Assignment, "restore_ranks", (1, 4), restore_world=4)
+    assert_invalid(Assignment, "restore_world", 4, restore_ranks=(1, 1), restore_durable=True)
+    assert (plain.restore_world, plain.restore_ranks) == (0, ())
+    assert build(Assignment, restore_world=4, restore_ranks=(3, 3)).restore_ranks == (3, 3)
+    assert not build(SnapshotsHeld, replicated=False).replicated

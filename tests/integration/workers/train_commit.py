@@ -2,6 +2,7 @@
 
     train_commit.py --ckpt-dir DIR --log-dir DIR [--steps 150] [--every 50] [--step-seconds 0.05]
                     [--slow-from N --slow-seconds 0.2] [--commit [--check-every K]] [--in-place]
+                    [--snapshots]
 
 A tiny model (``nn.Linear``) and Adam, seeded; the batch of step ``n`` is drawn from a
 generator seeded with ``n`` and is the same on every rank, and the gradients are averaged over
@@ -25,13 +26,17 @@ checkpoint, however slow the machine is.
 Each process appends lines to ``<log-dir>/<NODE_TAG>-<LOCAL_RANK>.log`` (one write each):
 
     start pid=P world=W rank=R restart=C from=N          (N: the step loaded, 0 for none)
-    load pid=P step=N sum=H                              (H: checksum of model + optimizer)
+    load pid=P step=N sum=H src=memory|checkpoint        (H: checksum of model + optimizer)
     step pid=P world=W rank=R restart=C step=N sum=H
     save pid=P step=N sum=H why=periodic|commit
     stop pid=P step=N                                    (should_stop() said yes)
     done pid=P step=N
 
 and every line ends with ``t=<time.time()>`` (the bench times the restarts with it).
+With ``--snapshots`` every step is also snapshotted in memory, marked as state every rank
+holds alike (``replicated=True``: it is), and a start restores the step the server chose
+(``snapshot_torch.load``) before it looks for a checkpoint: a job that shrank resumes from it.
+
 ``pid`` tells the attempts apart (and a second ``load`` or ``start`` line of one process, under
 ``--in-place``: ``worker.run`` trains again in the same process): a commit restart keeps the
 restart count. The tests and the
@@ -54,6 +59,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from node_agent import worker
+from node_agent.worker import snapshot_torch
 
 DONE = "DONE"
 
@@ -74,6 +80,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-seconds", type=float, default=0.2)
     p.add_argument("--commit", action="store_true", help="stop at the commit step the agent gives")
     p.add_argument("--in-place", action="store_true", help="train under worker.run (restarts in place)")
+    p.add_argument("--snapshots", action="store_true", help="snapshot every step in memory, replicated")
     p.add_argument(
         "--check-every",
         type=int,
@@ -160,9 +167,13 @@ def train(args: argparse.Namespace) -> None:
     get_state_dict(model, opt)  # creates the optimizer's state, as a load does: same path either way
     start = 0
     found = newest(ckpt_dir)
-    if found is not None:
+    restored = snapshot_torch.load(model=model, optimizer=opt) if args.snapshots else None
+    if restored is not None:
+        start = restored.step
+        log("load", step=start, sum=checksum(model, opt), src="memory")
+    elif found is not None:
         start = load(model, opt, found)
-        log("load", step=start, sum=checksum(model, opt))
+        log("load", step=start, sum=checksum(model, opt), src="checkpoint")
     log("start", world=world, rank=rank, restart=restart, **{"from": start})
 
     for step in range(start + 1, args.steps + 1):
@@ -179,6 +190,8 @@ def train(args: argparse.Namespace) -> None:
             p.grad /= world
         opt.step()
         log("step", world=world, rank=rank, restart=restart, step=step, sum=checksum(model, opt))
+        if args.snapshots:
+            snapshot_torch.save(step, model=model, optimizer=opt, replicated=True)
         worker.progress(step)
         saved = False
         if step % args.every == 0:

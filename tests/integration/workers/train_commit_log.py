@@ -28,6 +28,7 @@ class Attempt:
     world: int = 0
     start_from: int = -1  # the step it loaded (0: none); -1 until its start line
     loaded: str | None = None  # checksum of the state it loaded
+    loaded_from: str = ""  # "memory" (an in-memory snapshot) or "checkpoint" (DCP)
     steps: list[int] = field(default_factory=list)
     sums: dict[int, str] = field(default_factory=dict)  # step -> checksum of the state after it
     saves: dict[int, tuple[str, str]] = field(default_factory=dict)  # step -> (checksum, why)
@@ -67,7 +68,7 @@ def attempts(log_dir: Path) -> list[Attempt]:
             if kind == "start":
                 a.world, a.start_from = int(f["world"]), int(f["from"])
             elif kind == "load":
-                a.loaded = f["sum"]
+                a.loaded, a.loaded_from = f["sum"], f.get("src", "")
             elif kind == "step":
                 a.steps.append(int(f["step"]))
                 a.sums[int(f["step"])] = f["sum"]
