@@ -12,7 +12,7 @@ Setups:
   from; 23 steps lost), ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as in case 12;
 - ``ours``: node-agent, ``--in-place`` (the script's ``worker.run``), ``--preload
   torch,torch._dynamo,torch.distributed.checkpoint.state_dict`` (:data:`PRELOAD`), a snapshot every
-  step (``snapshot_torch``): survivors stay in their processes, the lost rank
+  step (``snapshot_torch``, ``replicated=True``): survivors stay in their processes, the lost rank
   starts from the warm pool and restores from memory (or its peer's replica).
 
 Cases (the time is from the SIGKILL to the first step of the next attempt on every rank, the
@@ -25,8 +25,9 @@ slowest's; "survivor" is the surviving rank's own first step):
   as a spare; SIGKILL of node 2 (launcher and worker). torchrun has no working spare (case 12's
   docstring): its replacement launcher starts right after the kill, as a scheduler would.
 - ``shrink``: ``--nnodes 1:2``, two nodes; SIGKILL of node 2; the survivor goes on alone at
-  world 1 (torchrun's host survives: node 2 is not its host). Snapshots restore at their own
-  world size only, so both start over at the smaller world: the row times the restart alone.
+  world 1 (torchrun's host survives: node 2 is not its host). Ours marks its snapshots as state
+  every rank holds alike (``--replicated``, true of this script), so the survivor restores its
+  own newest snapshot at the smaller world; torchrun resumes from its DCP checkpoint.
 
 Run: ``python -m bench.inplace_lost [--repeat N] [--cases worker,node,shrink] [--out FILE]``.
 """
@@ -66,7 +67,7 @@ CASES = ("worker", "node", "shrink")
 def _args(trial: Trial, launcher: str) -> list[str]:
     if launcher == "torchrun":
         return _script(trial, True, 0)
-    return [*_script(trial, False, 1), "--in-place"]
+    return [*_script(trial, False, 1), "--in-place", "--replicated"]
 
 
 # What the script imports that takes long, as a user names their script's heavy imports: torch

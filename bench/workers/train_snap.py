@@ -2,7 +2,7 @@
 in-memory snapshot at fixed intervals, and a hold at one step so the bench kills at that step.
 
     train_snap.py --ckpt-dir DIR --log-dir DIR [--steps 90] [--every 50] [--snap-every 0]
-                  [--step-seconds 0.05] [--hold-at N --hold-file PATH] [--in-place]
+                  [--step-seconds 0.05] [--hold-at N --hold-file PATH] [--in-place] [--replicated]
 
 As ``tests/integration/workers/train_commit.py``: ``nn.Linear`` and Adam, seeded; the batch of
 step ``n`` comes from a generator seeded with ``n`` and is the same on every rank, and the
@@ -17,7 +17,8 @@ step line, ``worker.progress(step)``, a DCP checkpoint when ``step % every == 0`
 ``--hold-at`` (its checkpoint and snapshot written) every rank waits until ``--hold-file``
 exists (at most 60 s): the bench kills there, then creates the file. ``--in-place``: the
 training runs under ``worker.run`` (a survivor restarts in its process; outside node-agent the
-same as without).
+same as without). ``--replicated``: the snapshots are marked as state every rank holds alike
+(``replicated=True``; true of this script), so a job that shrinks restores from them.
 
 The log lines are train_commit.py's (``train_commit_log.attempts`` reads them), each ending with
 ``t=<time.time()>``: ``start pid= world= rank= restart= from=N`` (N: the step restored),
@@ -56,6 +57,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--every", type=int, default=50, help="DCP checkpoint interval (0: none)")
     p.add_argument("--snap-every", type=int, default=0, help="in-memory snapshot interval (0: none)")
+    p.add_argument("--replicated", action="store_true", help="mark the snapshots as alike on every rank")
     p.add_argument("--step-seconds", type=float, default=0.05)
     p.add_argument("--hold-at", type=int, default=0)
     p.add_argument("--hold-file", default="")
@@ -117,7 +119,7 @@ def train(args: argparse.Namespace) -> None:
             save(model, opt, step, ckpt_dir)
             log("save", step=step, sum=checksum(model, opt), why="periodic")
         if args.snap_every > 0 and step % args.snap_every == 0:
-            snapshot_torch.save(step, model=model, optimizer=opt)
+            snapshot_torch.save(step, model=model, optimizer=opt, replicated=args.replicated)
         if step == args.hold_at and args.hold_file:
             hold(args.hold_file)
     dist.barrier()  # meet before tearing down (gloo can abort when ranks leave at different times)

@@ -252,16 +252,20 @@ def test_an_exit_order_does_not_release_a_process_parked_after_a_failure(folder:
     """Only a commit's survivor may end by an exit order: one parked after a restart waits for
     its place (the agent stops it if there is none)."""
     calls: list[int] = []
+    inside = threading.Event()
 
     def train() -> int:
         calls.append(1)
         if len(calls) == 1:
+            inside.set()
             while True:
                 time.sleep(0.01)
         return 3
 
     def agent() -> None:
-        _wait_state(folder, place.RUNNING)
+        # Parked inside train(): a park as the attempt begins would come before the first
+        # call counted itself (a busy machine did that), and the second would then loop.
+        assert inside.wait(BOUND)
         place.write(str(folder), place.ORDER, {"serial": 1, "do": place.PARK})
         os.kill(os.getpid(), place.PARK_SIGNAL)
         _wait_state(folder, place.PARKED, 1)
