@@ -40,6 +40,7 @@ How it works.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import logging
@@ -55,7 +56,7 @@ from node_agent.supervisor.console import Console, LineFilter, open_pty
 from node_agent.supervisor.signal_witness import SignalWitness
 from node_agent.supervisor.warm import WarmInterpreter, WarmPool, hand_off
 
-from .output import SharedFile, StreamSink, plan_stdio
+from .output import SharedFile, StreamPlan, StreamSink, plan_stdio
 from .parking import COMMIT_POLL_S, RELEASE_S, Parking, folder_of
 from .process import (
     OUTPUT_SETTLE,
@@ -283,8 +284,7 @@ class WorkerGroup:
             stdio: dict[int, int] = {}  # worker fd -> the descriptor it gets there
             consoles = {1: self._stdout, 2: self._stderr}
             own = {fd: c.fileno() for fd, c in consoles.items()}
-            ttys = {d: os.isatty(d) for d in own.values() if d is not None}
-            for plan in plan_stdio(spec, own, ttys):
+            for plan in self._plans(spec):
                 fd = plan.fd
                 console = consoles[fd]
                 filtered_path = spec.filtered_stdout_path if fd == 1 else spec.filtered_stderr_path
@@ -393,6 +393,39 @@ class WorkerGroup:
                 self._pty_failed = True
                 self._log(f"cannot open a pty ({e}); workers' stderr is a pipe, not a terminal")
             return None
+
+    def _plans(self, spec: WorkerSpec) -> tuple[StreamPlan, StreamPlan]:
+        own = {fd: c.fileno() for fd, c in ((1, self._stdout), (2, self._stderr))}
+        ttys = {d: os.isatty(d) for d in own.values() if d is not None}
+        return plan_stdio(spec, own, ttys)
+
+    def _move_logs(self, w: Worker, spec: WorkerSpec) -> dict[str, str]:
+        """A survivor's output goes to the new attempt's files, as a new worker's would (issue
+        44): the streams that pass through us are switched here; the files it writes itself
+        (``--redirects`` without ``--tee``) come back, by descriptor, for it to reopen."""
+        if spec.error_file:
+            with contextlib.suppress(OSError):
+                os.unlink(spec.error_file)  # not an earlier run's, read as this worker's error
+        reopen: dict[str, str] = {}
+        for plan in self._plans(spec):
+            fd = plan.fd
+            if plan.how == "file" and plan.file is not None:
+                reopen[str(fd)] = plan.file
+                if fd == 2:
+                    w.stderr_file = plan.file
+            sink = w.sinks.get(fd)
+            if sink is None or plan.how not in ("pipe", "pty"):
+                continue
+            file: BinaryIO | None = None
+            if plan.file:
+                try:
+                    file = open(plan.file, "wb")
+                except OSError as e:
+                    self._log(f"local_rank {spec.local_rank}: cannot open {plan.file} ({e}); no file output")
+            filtered_path = spec.filtered_stdout_path if fd == 1 else spec.filtered_stderr_path
+            shared = self._filtered_file(filtered_path) if plan.filtered and filtered_path else None
+            sink.retarget(file, shared)
+        return reopen
 
     def _filtered_file(self, path: str) -> SharedFile:
         shared = self._filtered.get(path)
@@ -527,7 +560,9 @@ class WorkerGroup:
         wanted = {s.local_rank: s for s in specs}
         for lr, w in parked.items():
             spec = wanted.get(lr)
-            if spec is not None and not w.exited.done() and self._parking.place(w, spec.env):
+            if spec is None or w.exited.done():
+                continue
+            if self._parking.place(w, spec.env, self._move_logs(w, spec)):
                 w.spec = spec
                 self._workers.append(w)
                 placed.add(lr)

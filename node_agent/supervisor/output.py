@@ -94,6 +94,18 @@ class StreamSink:
         if self._filter is not None and self._filtered is not None:
             self._filtered.write(self._filter.feed(data))
 
+    def retarget(self, file: BinaryIO | None, filtered: SharedFile | None) -> None:
+        """A worker kept across a restart (issue 44): what it writes from now on goes to the
+        new attempt's log file and filtered file; the old ones are left complete."""
+        if self._filter is not None and self._filtered is not None:
+            self._filtered.write(self._filter.finish())
+        self._close_file()
+        self._file = file
+        if self._filter is not None:
+            self._filtered = filtered
+            if filtered is None:
+                self._filter = None
+
     def close(self) -> None:
         if self._console is not None:
             self._console.end(self)

@@ -130,11 +130,14 @@ class Parking:
             return False
         return True
 
-    def place(self, worker: Worker, env: Mapping[str, str]) -> bool:
-        """Give a parked worker its next place (False: it cannot be told; stop it)."""
+    def place(self, worker: Worker, env: Mapping[str, str], logs: Mapping[str, str] | None = None) -> bool:
+        """Give a parked worker its next place (False: it cannot be told; stop it); ``logs``:
+        the new attempt's files for the descriptors it writes itself ("1", "2")."""
         unset = [k for k in worker.spec.env if k not in env]
         serial = self._next()
-        order = {"serial": serial, "do": place.RUN, "env": dict(env), "unset": unset}
+        order: dict[str, object] = {"serial": serial, "do": place.RUN, "env": dict(env), "unset": unset}
+        if logs:
+            order["logs"] = dict(logs)
         try:
             place.write(folder_of(worker), place.ORDER, order)
         except OSError:

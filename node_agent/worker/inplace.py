@@ -148,7 +148,7 @@ class _Attempts:
                 env = _place.env_of(order) if do == _place.RUN else None
                 if env is not None:
                     self.acted = serial
-                    _take_place(env, order.get("unset"))
+                    _take_place(env, order.get("unset"), order.get("logs"))
                     return True
                 if do == _place.EXIT and committed:
                     self.acted = serial
@@ -242,14 +242,39 @@ def _collateral(exc: BaseException) -> bool:
 _PEER_WORDS = ("gloo", "nccl", "connection", "peer", "abort", "timed out", "timeout", "socket", "store")
 
 
-def _take_place(env: dict[str, str], unset: object) -> None:
-    """The next round's environment: what the agent sets, less what it no longer sets."""
+def _take_place(env: dict[str, str], unset: object, logs: object = None) -> None:
+    """The next round's environment: what the agent sets, less what it no longer sets; and
+    the new attempt's log files for the descriptors this process writes itself."""
     if isinstance(unset, list):
         for key in unset:
             if type(key) is str and key not in env:
                 os.environ.pop(key, None)
     os.environ.update(env)
     _rebind()  # the new round's progress page
+    if isinstance(logs, dict):
+        _reopen_logs(logs)
+
+
+def _reopen_logs(logs: dict[object, object]) -> None:
+    """``{"1": path, "2": path}``: stdout's and stderr's file for this attempt (``--redirects``),
+    opened in place of the last attempt's, what Python buffered written out first."""
+    for key, path in logs.items():
+        if key not in ("1", "2") or type(path) is not str or not path:
+            continue
+        fd = int(key)
+        stream = sys.stdout if fd == 1 else sys.stderr
+        try:
+            if stream is not None:
+                stream.flush()
+            new = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        except (OSError, ValueError):
+            continue  # the old file goes on: output is never lost for a log's sake
+        try:
+            os.dup2(new, fd)
+        except OSError:
+            pass
+        finally:
+            os.close(new)
 
 
 def _tear_down_torch(before: dict[int, str], *, clean: bool = False) -> None:

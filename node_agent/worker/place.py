@@ -8,8 +8,10 @@ never half of one:
 * ``order`` (the agent's): ``{"serial": n, "do": "park"}`` asks the process to leave its
   attempt (the job restarts), ``{"serial": n, "do": "run", "env": {...}}`` gives it the next
   round's place (its whole environment: rank, world size, master address and port, the step
-  to restore); ``{"serial": n, "do": "exit"}`` lets a process that waits after a commit point
-  end (the job goes on without this node): ``worker.run`` returns. Serials only grow; a
+  to restore; and ``"logs": {"1": path, "2": path}``, the new attempt's files for the streams
+  the process writes itself, which it reopens); ``{"serial": n, "do": "exit"}`` lets a
+  process that waits after a commit point end (the job goes on without this node):
+  ``worker.run`` returns. Serials only grow; a
   worker acts on an order whose serial is above the last one it acted on.
 * ``state`` (the worker's): ``{"pid": p, "serial": n, "state": s}`` with ``s`` one of
   ``running`` (in an attempt, since order ``n``), ``parked`` (out of it, waiting for a place),

@@ -73,6 +73,31 @@ def test_one_node_restarts_only_the_lost_rank(
         assert same(final(tmp_path, rank), uninterrupted[rank]), rank
 
 
+def test_a_survivor_writes_the_new_attempt_s_log_files(tmp_path: Path) -> None:
+    """``--redirects 1 --tee 2``: stdout goes straight to its file (the survivor reopens the
+    new attempt's), stderr passes through the agent (which switches the file): each attempt's
+    files hold that attempt's lines only, as for a worker started afresh."""
+    logs = tmp_path / "logs"
+    argv = agent_cmd(
+        "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--redirects", "1", "--tee", "2",
+        "--log-dir", str(logs), SCRIPT,
+    )  # fmt: skip
+    p = Proc(argv, env=_env(tmp_path, FAULT="exit", FAULT_STEP=str(FAULT_STEP), FAULT_RANK="1"))
+    assert p.wait(timeout=JOB_BOUND) == 0, p.stderr
+    assert "(1 in place: local ranks [0])" in p.stderr, p.stderr
+    runs = starts(tmp_path, 0)
+    assert len(runs) == 2 and runs[0]["pid"] == runs[1]["pid"], runs
+    pid = runs[0]["pid"]
+    (run_dir,) = logs.iterdir()
+    for attempt, start in ((0, 0), (1, FAULT_STEP + 1)):
+        folder = run_dir / f"attempt_{attempt}" / "0"
+        out = (folder / "stdout.log").read_text()
+        err = (folder / "stderr.log").read_text()
+        assert out.splitlines() == [f"attempt of pid {pid} from step {start}"], (attempt, out)
+        assert f"attempt of pid {pid} from step {start} (stderr)" in err.splitlines(), (attempt, err)
+        assert "(stderr)" not in out and err.count("attempt of pid") == 1, (attempt, err)
+
+
 def _node(port: int, tmp: Path, tag: str, nnodes: str, **env: str) -> Proc:
     argv = agent_cmd(
         "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",

@@ -19,6 +19,7 @@ Environment:
 import json
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -55,6 +56,9 @@ def train() -> None:
         at = {"pid": os.getpid(), "restart": restart, "start": start, "rank": rank, "world": world}
         at["node"] = tag
         f.write(json.dumps(at) + "\n")
+    # What the attempt's log files must hold (--redirects / --tee): one line each, per attempt.
+    print(f"attempt of pid {os.getpid()} from step {start}", flush=True)
+    print(f"attempt of pid {os.getpid()} from step {start} (stderr)", file=sys.stderr, flush=True)
     for step in range(start, steps):
         if wait_file and step > wait_step:
             while not os.path.exists(wait_file):
