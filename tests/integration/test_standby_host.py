@@ -182,3 +182,40 @@ def test_the_host_and_its_first_standby_lost_together_the_second_standby_hosts(t
         for p in (host, *nodes):
             p.kill()
     assert "which hosted the rendezvous" in second.stderr or "did not come back" in second.stderr
+
+
+def test_the_host_lost_while_a_newcomer_waits_to_join_the_next_round_forms_without_it(
+    tmp_path: Path,
+) -> None:
+    """A round change under way: node C has joined the running job of A (the host) and B and
+    waits for the last call; A is SIGKILLed then. B takes over (C was told the standbys while
+    it waited) and the job goes on with B and C, no failure counted against the job."""
+    port = free_port()
+    release = tmp_path / "release"
+    args = ("--nnodes", "1:4", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", "change", "--max-restarts", "0", "--rdzv-conf", "last_call_timeout=5")
+    args += (str(WORKERS / "sleeper.py"),)
+    env = {"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
+    host = Proc(agent_cmd(*args), env=env)
+    nodes: list[Proc] = []
+    try:
+        host.wait_for_line("this agent hosts it", timeout=30)
+        b = Proc(agent_cmd(*args), env=env)
+        nodes.append(b)
+        b.wait_for_line(r"round \d+: group rank 1 of 2", timeout=60)
+        c = Proc(agent_cmd(*args), env=env)
+        nodes.append(c)
+        c.wait_for_line(r"waiting for nodes: 3 of 1:4 joined \(joining a running job\)", timeout=60)
+        host.kill()
+        b.wait_for_line("this node hosts the rendezvous now", timeout=60)
+        c.wait_for_line("the rendezvous moved: node ", timeout=60)
+        for p in (b, c):
+            p.wait_for_line(r"round [1-9]\d*: group rank \d of 2, rank \d, world size 2", timeout=60)
+        release.touch()
+        for p in (b, c):
+            assert p.wait(timeout=60) == 0, p.stderr
+    finally:
+        release.touch()
+        for p in (host, *nodes):
+            p.kill()
+    assert "done: all nodes finished" in b.stderr, b.stderr
