@@ -320,11 +320,14 @@ def resuming(now: float, rnd: int) -> JobEvent:
     return JobEvent(now, EventKind.RESUMING, text, round=rnd)
 
 
-def took_over(now: float, rnd: int, node: str, term: int, lost: str) -> JobEvent:
+def took_over(now: float, rnd: int | None, node: str, term: int, lost: str) -> JobEvent:
     """A standby (``node``) hosts the rendezvous now, at take-over ``term``; ``lost``: the node
-    that hosted it ("" when that node held no place in the job's round)."""
+    that hosted it ("" when that node held no place in the job's round); ``rnd``: the round
+    being rebuilt (None: a node joined before any came back holding one, so the job gathers
+    anew)."""
     whom = f"node {lost}, which hosted it, is lost" if lost else "the agent that hosted it is lost"
-    text = f"node {node} took over the rendezvous (term {term}): {whom}; rebuilding round {rnd}"
+    then = f"rebuilding round {rnd}" if rnd is not None else "a node joined first: the job gathers anew"
+    text = f"node {node} took over the rendezvous (term {term}): {whom}; {then}"
     return JobEvent(now, EventKind.TAKEOVER, text, node=node, round=rnd)
 
 

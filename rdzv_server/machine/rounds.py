@@ -106,7 +106,7 @@ from .progress import (
     JobProgress,
 )
 from .restore_rules import RestoreRules
-from .standbys import standbys_of
+from .standbys import TakeOver, standbys_of
 
 # The (world, step)s a job remembers as unrestorable (WorkersFailed.restore_failed): a member
 # can name only the round's own restore step, once a round.
@@ -128,6 +128,7 @@ class RoundRules(RestoreRules):
     finished_jobs: deque[Job]
     host_node: str | None
     standby_term: int
+    taken_over: TakeOver | None
     max_jobs: int
     expire_silent: bool
     unchanged: bool
@@ -157,6 +158,12 @@ class RoundRules(RestoreRules):
             self.stats.jobs_created += 1
             self.stats.rounds_started += 1
             said.note(job, said.created(now, settings), out)
+            took = self.taken_over
+            if took is not None and took.job == job.id:
+                # A node joined the job we took over before any came back holding its round
+                # (a newcomer that waited for it, first through the door): it gathers anew.
+                event = said.took_over(now, None, self.host_node or "", self.standby_term, took.host)
+                said.note(job, event, out)
         else:
             problem = job.settings.mismatch(settings)
             if problem is not None:

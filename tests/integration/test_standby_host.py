@@ -211,10 +211,12 @@ def test_the_host_lost_while_a_newcomer_waits_to_join_the_next_round_forms_witho
         nodes.append(c)
         c.wait_for_line(r"waiting for nodes: 3 of 1:4 joined \(joining a running job\)", timeout=60)
         host.kill()
-        b.wait_for_line("this node hosts the rendezvous now", timeout=60)
+        moved = b.wait_for_line(r"this node hosts the rendezvous now, on port (\d+)", timeout=60)
         c.wait_for_line("the rendezvous moved: node ", timeout=60)
         # B's worker started again in a round of two formed after the take-over; C's in it.
         wait_until("both in a round of two after the take-over", lambda: _after_takeover(b, c), 60)
+        took = [e["text"] for e in _status(int(moved[1]), "change")["history"] if e["kind"] == "takeover"]
+        assert len(took) == 1 and "which hosted it, is lost" in took[0], took
         release.touch()
         for p in (b, c):
             assert p.wait(timeout=60) == 0, p.stderr

@@ -206,3 +206,19 @@ def test_nor_for_the_standbys_before_it_that_did_not_answer() -> None:
     assert h.last(conns[1], Restart) is not None and h.now == 0.0
     line = "node host, which hosted the rendezvous, is lost; its standby nb did not answer"
     assert any(line in text for text in h.logs), h.logs
+
+
+def test_a_newcomer_first_through_the_door_starts_the_job_anew_and_the_history_says_so() -> None:
+    """A node that waited to join (told the standbys) can reach the standby before any node
+    of the round resumes: the job gathers anew there, and its history still says who took over."""
+    new = Harness(machine=Rendezvous(host_node="nb", standby_term=1, taken_over=TakeOver("job", "host")))
+    c = new.join(node="nc", min_nodes=1, max_nodes=3, standby_port=29500)
+    assert c
+    took = [e.text for e in new.machine.jobs["job"].history if e.kind == "takeover"]
+    assert took == [
+        "node nb took over the rendezvous (term 1): node host, which hosted it, is lost; "
+        "a node joined first: the job gathers anew"
+    ]
+    other = Harness(machine=Rendezvous(host_node="nb", standby_term=1, taken_over=TakeOver("other", "host")))
+    other.join(node="nc", min_nodes=1, max_nodes=3, standby_port=29500)
+    assert not any(e.kind == "takeover" for e in other.machine.jobs["job"].history)
