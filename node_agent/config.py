@@ -496,6 +496,8 @@ class AgentConfig:
     # --snapshot-dir: where the newest consistent snapshot is also persisted (None: nowhere);
     # snapshots/durable.py.
     snapshot_dir: str | None = None
+    # --outcome-dir: where this agent writes how the job ended for it (outcome_file.py; None: nowhere)
+    outcome_dir: str | None = None
     # The job's token (from --token-file, RDZV_TOKEN_FILE or RDZV_TOKEN); proven, never sent.
     token: str | None = field(default=None, repr=False)
     # TLS to the rendezvous server (--tls-ca, else RDZV_TLS_CA; None: plain TCP), and an

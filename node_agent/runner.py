@@ -70,6 +70,7 @@ class AgentOutcome:
     local_failures: tuple[Failure, ...] = ()  # this node's failed workers, first first
     # {local rank: global rank} of the last workers this node started; empty if none were
     ranks: Mapping[int, int] = field(default_factory=dict)
+    job_done: bool = False  # every node of the job finished (exit 0 for the job, not a leave)
 
 
 def make_node_id() -> str:
@@ -583,7 +584,7 @@ class Agent:
         self._phase = "exited"
         self.events_log.run_ended(self._assignment, exit_, ok=exit_.code == st.EXIT_OK)
         outcome = AgentOutcome(
-            exit_.code, exit_.reason, exit_.failure, exit_.local_failures, dict(self._ranks)
+            exit_.code, exit_.reason, exit_.failure, exit_.local_failures, dict(self._ranks), exit_.job_done
         )
         if exit_.code == st.EXIT_OK:
             self.log(f"done: {exit_.reason}" if exit_.job_done else exit_.reason)

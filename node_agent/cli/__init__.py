@@ -80,6 +80,12 @@ def _main(argv: Sequence[str] | None, collecting: bool) -> int:
         record = ef.outcome_record(outcome.code, outcome.reason, outcome.failure, outcome.local_failures)
         if record is not None:
             ef.write(error_file, record, agent.log)
+    if config.outcome_dir:
+        from ..outcome_file import write_outcome
+
+        problem = write_outcome(config.outcome_dir, outcome.code, outcome.job_done)
+        if problem:
+            agent.log(problem, "warning")
     return outcome.code
 
 

@@ -306,6 +306,15 @@ FLAGS: tuple[Flag, ...] = (
         "resumes from it; removed when the job succeeds",
     ),
     _f(
+        "outcome_dir",
+        "--outcome-dir",
+        default=None,
+        metavar="DIR",
+        help="when the job ends, write how it ended for this agent to DIR/<host>-<pid> ('succeeded', "
+        "'left' or 'failed CODE'; a killed agent writes none): a batch script tells a finished "
+        "elastic job that lost a node from a failed one",
+    ),
+    _f(
         "gpu_release_mib",
         "--gpu-release-mib",
         default="512",

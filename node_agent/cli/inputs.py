@@ -135,6 +135,16 @@ def read_log_dir(inputs: Inputs) -> str | None:
     return given.value
 
 
+def read_outcome_dir(inputs: Inputs) -> str | None:
+    """--outcome-dir: an absolute path; not a file (the agent makes the folder at its end)."""
+    given = inputs.get("outcome_dir")
+    if not given.value:
+        return None
+    if os.path.exists(given.value) and not os.path.isdir(given.value):
+        raise ConfigError(f"{given.what(BY_DEST['outcome_dir'])}={given.value!r} is a file, not a directory")
+    return os.path.abspath(given.value)
+
+
 def read_snapshot_dir(inputs: Inputs, snapshot_memory: int | None) -> str | None:
     """--snapshot-dir: an absolute path (the agent makes it, private, at start); it persists
     in-memory snapshots, so it needs them on; a directory every user may write, or a symlink,

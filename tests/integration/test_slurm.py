@@ -281,27 +281,54 @@ def test_usr1_kills_torchrun(cluster: SlurmCluster, jobs: list[Job], tmp_path: P
 # --- e. elastic node loss --------------------------------------------------------------------
 
 
-def test_elastic_job_loses_a_node_the_other_finishes_and_slurm_says_failed(
-    cluster: SlurmCluster, jobs: list[Job], tmp_path: Path
+@pytest.mark.parametrize("lost", ["n2", "n1"], ids=["a-node", "the-node-hosting-the-rendezvous"])
+def test_elastic_job_loses_a_node_the_other_finishes_and_slurm_says_completed(
+    cluster: SlurmCluster, jobs: list[Job], tmp_path: Path, lost: str
 ) -> None:
-    """SIGKILL of the second node's agent (the first hosts the rendezvous) while training with
-    ``--nnodes 1:2``: the first node goes on alone and finishes, but srun returns the killed
-    task's 128 + 9, so the batch script (``set -e``) and the job end FAILED with 137.
+    """SIGKILL of one node's agent while training with ``--nnodes 1:2``: the other node goes on
+    alone and finishes. n1's agent hosts the rendezvous: when it is the one lost, n2's takes it
+    over (issue 45). srun returns the killed task's 128 + 9, but the surviving agent wrote
+    ``succeeded`` into the batch file's outcome folder and none wrote ``failed``: the batch
+    file says so and ends COMPLETED, 0.
 
     node-agent only: a SIGKILLed torchrun leaves its worker running (no orphan watchdog), which
     proctrack/linuxproc then loses track of, so the training goes on with two ranks here."""
     job = submit(cluster, jobs, tmp_path, "node-agent", NNODES="1:2", TRAIN_UNTIL_STOP="1")
     job.wait_events("running", 2, world_size=2)
-    os.kill(launcher_pid(cluster, "n2", "node-agent"), signal.SIGKILL)
-    job.wait_events("running", 1, world_size=1, timeout=60)
+    os.kill(launcher_pid(cluster, lost, "node-agent"), signal.SIGKILL)
+    job.wait_events("running", 1, world_size=1, timeout=90)
     job.stop()
     job.done()
-    assert job.state() == ("FAILED", "137:0"), job.explain()
-    assert cluster.task_exits(job.id) == {("n1", 0): 0, ("n2", 1): SIGKILL_STATUS}, job.explain()
+    assert job.state() == ("COMPLETED", "0:0"), job.explain()
+    kept = "n2" if lost == "n1" else "n1"
+    task = {"n1": 0, "n2": 1}
+    assert cluster.task_exits(job.id) == {(lost, task[lost]): SIGKILL_STATUS, (kept, task[kept]): 0}, (
+        job.explain()
+    )
     (done,) = job.events("done")
-    assert (done["rank"], done["world_size"], str(done["proc"]).split("-")[0]) == (0, 1, "n1"), job.explain()
+    assert (done["rank"], done["world_size"], str(done["proc"]).split("-")[0]) == (0, 1, kept), job.explain()
     out = job.output()
-    assert "rank 0 of 1 on n1: done" in out and "srun: error: n2: task 1: Killed" in out, out
+    assert "rank 0 of 1 on " + kept + ": done" in out, out
+    assert f"srun: error: {lost}: task" in out and "Killed" in out, out
+    assert (
+        "srun exited 137 (a node was lost), the other nodes finished the training: the job succeeded" in out
+    )
+    assert not list(tmp_path.glob(".node-agent-outcome-*")), "the outcome folder is left behind"
+
+
+def test_a_failed_elastic_job_stays_failed_whatever_the_outcome_folder_holds(
+    cluster: SlurmCluster, jobs: list[Job], tmp_path: Path
+) -> None:
+    """The folder only ever turns a lost node's code into success when an agent saw the job
+    succeed: a rank that fails every attempt fails the elastic job as before."""
+    job = submit(
+        cluster, jobs, tmp_path, "node-agent", NNODES="1:2", MAX_RESTARTS="0", FAIL_RANK="1", FAIL_STEP="2",
+        TRAIN_STEPS="5",
+    )  # fmt: skip
+    job.done()
+    state, code = job.state()
+    assert state == "FAILED" and code != "0:0", job.explain()
+    assert "the job succeeded" not in job.output(), job.output()
 
 
 # --- f. requeue ------------------------------------------------------------------------------
