@@ -409,6 +409,8 @@ class SnapshotNode(RoundPart):
                 with contextlib.suppress(FileNotFoundError):
                     target.unlink()
                 os.link(os.path.join(aside, f"r{old}"), target)
+                # Still state every rank holds alike: restorable at yet another world size.
+                (target.parent / REPLICATED_MARK).touch(0o600)
         finally:
             remove_tree(aside)
         olds = sorted(set(a.restore_ranks))
