@@ -96,7 +96,17 @@ def call(
     except urllib.error.URLError as exc:
         reason = _tls_reason(exc.reason, tls) or getattr(exc.reason, "strerror", None) or exc.reason
         raise CommandError(f"cannot reach the rendezvous server at {url}: {reason}") from None
-    except (OSError, ValueError) as exc:  # timeouts, resets, a peer that is not HTTP
+    except TimeoutError:
+        # Connected, then silence: a server too busy to answer in time, or a node-agent that is a
+        # standby for a rendezvous it does not host (yet): its reserved port accepts, nothing
+        # answers until its turn comes (issue 45).
+        raise CommandError(
+            f"the rendezvous server at {url} took the connection but did not answer within "
+            f"{timeout:g} s: a busy server (try --timeout), or a node-agent's standby port, which "
+            "answers only once that agent hosts the rendezvous: ask the agent that hosts it (its "
+            "log names the port: 'this node hosts the rendezvous now, on port P')"
+        ) from None
+    except (OSError, ValueError) as exc:  # resets, a peer that is not HTTP
         reason = _tls_reason(exc, tls) or exc or type(exc).__name__
         raise CommandError(f"cannot reach the rendezvous server at {url}: {reason}") from None
     try:

@@ -159,6 +159,19 @@ async def test_unreachable_endpoint_is_a_clear_error() -> None:
     assert r.rc == EXIT_USAGE and "bad port" in r.err
 
 
+async def test_a_port_that_accepts_but_never_answers_is_named_as_such() -> None:
+    """What a standby agent's reserved port does until it hosts (issue 45): the kernel takes
+    the connection, nothing answers. The error says so and where to ask instead."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # never accepted
+        port = s.getsockname()[1]
+        r = await run("status", "--endpoint", f"127.0.0.1:{port}", "--timeout", "0.5")
+    assert r.rc == EXIT_ERROR, r
+    assert "took the connection but did not answer within 0.5 s" in r.err, r.err
+    assert "this node hosts the rendezvous now, on port P" in r.err and "Traceback" not in r.err
+
+
 async def test_drain_sends_the_node_a_drain(server) -> None:
     svc, endpoint = server
     port = int(endpoint.rsplit(":", 1)[1])
