@@ -625,6 +625,13 @@ def test_openapi_spec_is_valid_and_names_every_route() -> None:
 
 try:
     import schemathesis
+
+    # schemathesis imports this at its first check, and pytest's import hook compiles it (the
+    # package is a plugin): in the test's thread, while the server's thread may compile a module
+    # of its own (a fresh clone has no bytecode), which CPython 3.11.7 can fail ("AST constructor
+    # recursion depth mismatch", CPython gh-106905; a clean-clone CI run did). Here, at
+    # collection, no other thread runs.
+    import schemathesis.specs.openapi.object_authorization
     from hypothesis import HealthCheck, settings
 
     schema = schemathesis.openapi.from_path(str(SPEC))
