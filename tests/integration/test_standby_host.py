@@ -16,6 +16,17 @@ from .procs import ROOT, WORKERS, Proc, agent_cmd, free_port, server_cmd
 TOTAL = 60
 
 
+def _args(
+    port: int, nnodes: str, job: str, script: str, *, last_call: int = 0, restarts: int = 3
+) -> tuple[str, ...]:
+    """An agent's launch line: one worker of ``script``, the first agent hosting at ``port``."""
+    args = ("--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
+    args += ("--rdzv-id", job, "--max-restarts", str(restarts))
+    if last_call:
+        args += ("--rdzv-conf", f"last_call_timeout={last_call}")
+    return (*args, str(WORKERS / script))
+
+
 def _worlds(folder: Path) -> list[int]:
     lines = (folder / "progress.txt").read_text().splitlines()
     return [int(line.split("world=")[1].split()[0]) for line in lines if line.startswith("start")]
@@ -34,9 +45,7 @@ def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Pat
     answers (HTTP set up at that first request), and after the take-over the new host's port
     answers, its history saying who took over the rendezvous from which lost node."""
     port = free_port()
-    args = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "standby", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=1")
-    args += (str(WORKERS / "elastic_train.py"),)
+    args = _args(port, "1:2", "standby", "elastic_train.py", last_call=1)
     env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
     host = Proc(agent_cmd(*args), env=env)
     other = None
@@ -74,9 +83,7 @@ def test_the_job_goes_on_when_the_node_hosting_its_rendezvous_dies(tmp_path: Pat
 
 def test_with_three_nodes_the_first_standby_hosts_and_the_other_finds_it(tmp_path: Path) -> None:
     port = free_port()
-    args = ("--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "standby3", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2")
-    args += (str(WORKERS / "elastic_train.py"),)
+    args = _args(port, "2:3", "standby3", "elastic_train.py", last_call=2)
     env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
     host = Proc(agent_cmd(*args), env=env)
     others: list[Proc] = []
@@ -102,9 +109,7 @@ def test_with_three_nodes_the_first_standby_hosts_and_the_other_finds_it(tmp_pat
 
 def test_a_spare_takes_the_lost_hosts_place_in_a_fixed_size_job(tmp_path: Path) -> None:
     port = free_port()
-    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "standby-spare", "--max-restarts", "3")
-    args += (str(WORKERS / "elastic_train.py"),)
+    args = _args(port, "2", "standby-spare", "elastic_train.py")
     env = {"DUMP_DIR": str(tmp_path), "TOTAL_STEPS": str(TOTAL), "STEP_TIME": "0.1"}
     host = Proc(agent_cmd(*args), env=env)
     member = spare = None
@@ -130,8 +135,7 @@ def test_a_spare_takes_the_lost_hosts_place_in_a_fixed_size_job(tmp_path: Path) 
 
 def test_a_fixed_size_job_without_a_spare_ends_naming_the_lost_host(tmp_path: Path) -> None:
     port = free_port()
-    args = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "standby-fixed", "--max-restarts", "3", str(WORKERS / "sleeper.py"))
+    args = _args(port, "2", "standby-fixed", "sleeper.py")
     env = {"DUMP_DIR": str(tmp_path)}
     host = Proc(agent_cmd(*args), env=env)
     other = None
@@ -157,9 +161,7 @@ def test_the_host_and_its_first_standby_lost_together_the_second_standby_hosts(t
     standby's turn comes (the first does not answer), and the fourth node finds it there."""
     port = free_port()
     release = tmp_path / "release"
-    args = ("--nnodes", "2:4", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "standby2", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=2")
-    args += (str(WORKERS / "sleeper.py"),)
+    args = _args(port, "2:4", "standby2", "sleeper.py", last_call=2)
     env = {"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
     host = Proc(agent_cmd(*args), env=env)
     nodes: list[Proc] = []
@@ -196,9 +198,7 @@ def test_the_host_lost_while_a_newcomer_waits_to_join_the_next_round_forms_witho
     starts the job anew at round 0 and B is told to join it: either way a round of both.)"""
     port = free_port()
     release = tmp_path / "release"
-    args = ("--nnodes", "1:4", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}")
-    args += ("--rdzv-id", "change", "--max-restarts", "0", "--rdzv-conf", "last_call_timeout=5")
-    args += (str(WORKERS / "sleeper.py"),)
+    args = _args(port, "1:4", "change", "sleeper.py", last_call=5, restarts=0)
     env = {"DUMP_DIR": str(tmp_path), "EXIT_WHEN_FILE": str(release)}
     host = Proc(agent_cmd(*args), env=env)
     nodes: list[Proc] = []

@@ -39,6 +39,16 @@ def _write(node: SnapshotNode, rank: int, step: int, data: bytes, monkeypatch: p
         f.write(data)
 
 
+async def _old_world(root: Path, monkeypatch: pytest.MonkeyPatch, *written: tuple[int, int]) -> SnapshotNode:
+    """A node holding ranks 2 and 3 of a 4-rank job, whose workers wrote ``written`` (rank,
+    step) marked alike; its data: "<rank>@<step>"."""
+    node, _ = _node(root)
+    await node.prepare(_round(4, 2, 0), 2)
+    for rank, step in written:
+        _write(node, rank, step, f"{rank}@{step}".encode(), monkeypatch)
+    return node
+
+
 def test_a_shrink_links_the_old_rank_s_snapshot_into_every_new_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,9 +86,7 @@ def test_a_file_that_is_gone_fails_the_start_and_drops_the_old_world(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def go() -> None:
-        node, _ = _node(tmp_path / "snap")
-        await node.prepare(_round(4, 2, 0), 2)
-        _write(node, 2, 5, b"2@5", monkeypatch)
+        node = await _old_world(tmp_path / "snap", monkeypatch, (2, 5))
         with pytest.raises(RestoreFailed) as failed:
             await node.prepare(_round(2, 0, 1, restore_step=6, restore_world=4, restore_ranks=(2, 2)), 2)
         assert failed.value.step == 6 and "rank 2's snapshot of step 6 is no longer here" in str(failed.value)
@@ -91,10 +99,7 @@ def test_a_rank_written_without_the_mark_makes_the_node_say_not_alike(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def go() -> None:
-        node, _ = _node(tmp_path / "snap")
-        await node.prepare(_round(4, 2, 0), 2)
-        _write(node, 2, 5, b"2@5", monkeypatch)
-        _write(node, 3, 5, b"3@5", monkeypatch)
+        node = await _old_world(tmp_path / "snap", monkeypatch, (2, 5), (3, 5))
         monkeypatch.setenv(SNAPSHOT_DIR_VAR, str(node.holdings.rank_dir(3)))
         with worker_snapshots.snapshot(6) as f:  # rank 3 no longer says so
             f.write(b"3@6")
