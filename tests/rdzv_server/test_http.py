@@ -629,8 +629,8 @@ try:
     # schemathesis imports this at its first check, and pytest's import hook compiles it (the
     # package is a plugin): in the test's thread, while the server's thread may compile a module
     # of its own (a fresh clone has no bytecode), which CPython 3.11.7 can fail ("AST constructor
-    # recursion depth mismatch", CPython gh-106905; a clean-clone CI run did). Here, at
-    # collection, no other thread runs.
+    # recursion depth mismatch": pytest-dev/pytest#10763, CPython gh-106905; a clean-clone CI
+    # run did). Here, at collection, no other thread runs.
     import schemathesis.specs.openapi.object_authorization
     from hypothesis import HealthCheck, settings
 
