@@ -190,6 +190,7 @@ VALUE_FLAGS = [
         [],
     ),
     ("snapshot_dir", ["--snapshot-dir"], "/var/snaps", lambda c: c.snapshot_dir, "/var/snaps", []),
+    ("outcome_dir", ["--outcome-dir"], "/var/outcome", lambda c: c.outcome_dir, "/var/outcome", []),
 ]
 
 SWITCH_FLAGS = [
