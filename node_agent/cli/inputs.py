@@ -126,40 +126,40 @@ def read_choice(inputs: Inputs, dest: str, choices: Sequence[str], *, optional: 
     return given.value
 
 
-def read_log_dir(inputs: Inputs) -> str | None:
-    given = inputs.get("log_dir")
+def _folder(inputs: Inputs, dest: str) -> str | None:
+    """A directory flag's value (None: not given, or empty); never an existing file."""
+    given = inputs.get(dest)
     if not given.value:
-        return None  # torchrun: an empty value also means a fresh temporary directory
+        return None
     if os.path.exists(given.value) and not os.path.isdir(given.value):
-        raise ConfigError(f"{given.what(BY_DEST['log_dir'])}={given.value!r} is a file, not a directory")
+        raise ConfigError(f"{given.what(BY_DEST[dest])}={given.value!r} is a file, not a directory")
     return given.value
+
+
+def read_log_dir(inputs: Inputs) -> str | None:
+    return _folder(inputs, "log_dir")  # torchrun: an empty value also means a fresh temporary one
 
 
 def read_outcome_dir(inputs: Inputs) -> str | None:
     """--outcome-dir: an absolute path; not a file (the agent makes the folder at its end)."""
-    given = inputs.get("outcome_dir")
-    if not given.value:
-        return None
-    if os.path.exists(given.value) and not os.path.isdir(given.value):
-        raise ConfigError(f"{given.what(BY_DEST['outcome_dir'])}={given.value!r} is a file, not a directory")
-    return os.path.abspath(given.value)
+    folder = _folder(inputs, "outcome_dir")
+    return None if folder is None else os.path.abspath(folder)
 
 
 def read_snapshot_dir(inputs: Inputs, snapshot_memory: int | None) -> str | None:
     """--snapshot-dir: an absolute path (the agent makes it, private, at start); it persists
     in-memory snapshots, so it needs them on; a directory every user may write, or a symlink,
     is refused (snapshots/durable.py ``refuse_root``)."""
-    given = inputs.get("snapshot_dir")
-    if not given.value:
+    folder = _folder(inputs, "snapshot_dir")
+    if folder is None:
         return None
+    given = inputs.get("snapshot_dir")
     what = given.what(BY_DEST["snapshot_dir"])
-    if os.path.exists(given.value) and not os.path.isdir(given.value):
-        raise ConfigError(f"{what}={given.value!r} is a file, not a directory")
     if snapshot_memory == 0:
         raise ConfigError(
             f"{what}={given.value!r} persists in-memory snapshots, which --snapshot-memory 0 turns off"
         )
-    path = os.path.abspath(given.value)
+    path = os.path.abspath(folder)
     from ..snapshots.durable import refuse_root  # only with --snapshot-dir
 
     why = refuse_root(path)
