@@ -801,6 +801,7 @@ def test_snapshot_fields_hold_together():
     assert_invalid(Assignment, "restore_world", 4, restore_ranks=(1, 1), restore_step=-1)
     assert_invalid(Assignment, "restore_ranks", (1, 1), restore_world=0)
     assert_invalid(Assignment, "restore_ranks", (1, 4), restore_world=4)
+    assert_invalid(Assignment, "restore_ranks", (0,) * (MAX_NPROC + 1), restore_world=4)  # one per local rank
     assert_invalid(Assignment, "restore_world", 4, restore_ranks=(1, 1), restore_durable=True)
     assert (plain.restore_world, plain.restore_ranks) == (0, ())
     assert build(Assignment, restore_world=4, restore_ranks=(3, 3)).restore_ranks == (3, 3)
